@@ -1,0 +1,6 @@
+"""``python -m onedist``: the same as the ``onedist`` command."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,326 @@
+"""How non-reduction collectives put Python values on the wire (used only by collectives.py).
+
+Every rank turns its value into a *packed* form: a kind, a small ``meta`` byte string (a tensor's
+dtype and shape, a number's 8 bytes, a string's UTF-8, or a pickle in which tensors are replaced
+by references) and a list of tensors sent as raw bytes.
+
+Round 1 exchanges one fixed-size **slot** per rank (all_gather, or broadcast from the source):
+a header with every size the receivers need, and, when they fit, the meta and the tensor bytes
+themselves. Most metric-sized values therefore cost **one** collective. Whatever did not fit goes
+in round 2, with exact sizes (no padding to the largest rank). A rank that cannot pack its value
+(e.g. unpicklable) sends an error slot instead, so every rank raises the same error instead of
+waiting for data that never comes.
+
+Slot layout (little-endian int64 header, then the inline area, 16-byte aligned)::
+
+    [MAGIC, status, kind, meta_len, tensor_len, inline] [meta | pad | tensor bytes]
+
+``inline``: 0 nothing inline, 1 meta inline, 2 meta and tensor bytes inline.
+"""
+
+from __future__ import annotations
+
+import io
+import numbers
+import pickle
+import struct
+import threading
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "HEADER_BYTES",
+    "INLINE_ALL",
+    "INLINE_META",
+    "INLINE_NONE",
+    "KIND_NAMES",
+    "PackError",
+    "Packed",
+    "Header",
+    "align",
+    "error_slot",
+    "fill_slot",
+    "pack",
+    "parse_headers",
+    "slot_size",
+    "split_meta",
+    "unpack",
+    "view_tensor",
+]
+
+MAGIC = 0x6F6E656469737401  # "onedist" + format version 1
+HEADER_FIELDS = 6
+HEADER_BYTES = 8 * HEADER_FIELDS
+ALIGN = 16
+
+INLINE_NONE, INLINE_META, INLINE_ALL = 0, 1, 2
+STATUS_OK, STATUS_ERROR = 0, 1
+
+K_TENSOR, K_FLOAT, K_INT, K_BOOL, K_STR, K_NONE, K_PICKLE = 1, 2, 3, 4, 5, 6, 7
+KIND_NAMES = {
+    K_TENSOR: "tensor",
+    K_FLOAT: "float",
+    K_INT: "int",
+    K_BOOL: "bool",
+    K_STR: "str",
+    K_NONE: "None",
+    K_PICKLE: "object",
+}
+
+_DTYPES: list[torch.dtype] = [
+    getattr(torch, name)
+    for name in (
+        "float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32", "int64",
+        "bool", "complex64", "complex128", "uint16", "uint32", "uint64", "complex32",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
+    if hasattr(torch, name)
+]
+_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class PackError(Exception):
+    """This rank's value cannot be sent (reported to every rank through the error slot)."""
+
+
+class Packed(NamedTuple):
+    """A value ready for the wire: kind, meta bytes, and the tensors (contiguous, on the channel)."""
+
+    kind: int
+    meta: bytes
+    tensors: list[torch.Tensor]
+    #: each tensor's padded byte length, in order
+    sizes: list[int]
+
+    @property
+    def tensor_len(self) -> int:
+        return sum(self.sizes)
+
+
+class Header(NamedTuple):
+    """One rank's slot header."""
+
+    status: int
+    kind: int
+    meta_len: int
+    tensor_len: int
+    inline: int
+
+
+def align(n: int) -> int:
+    """``n`` rounded up to the wire alignment (16 bytes)."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_size(group_size: int) -> int:
+    """Bytes per rank in round 1: 4 KiB for small groups, shrinking so a round stays <= 64 KiB."""
+    return max(256, min(4096, align(65536 // max(group_size, 1)) - ALIGN))
+
+
+# ---------------------------------------------------------------------------------------- packing
+class _TensorPickler(pickle.Pickler):
+    """Pickles tensors as references into a side list (their bytes travel raw, not pickled).
+
+    ``reducer_override`` is not called for builtin containers and scalars, so plain data pickles
+    at C speed.
+    """
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return _tensor_ref, (len(self.tensors) - 1,)
+        return NotImplemented
+
+
+_unpickling = threading.local()
+
+
+def _tensor_ref(index: int) -> torch.Tensor:
+    """Replaced at unpickling time by the tensor with this index (see :func:`unpack`)."""
+    tensor: torch.Tensor = _unpickling.tensors[index]
+    return tensor
+
+
+def _tensor_meta(t: torch.Tensor) -> bytes:
+    code = _DTYPE_CODE.get(t.dtype)
+    if code is None:
+        raise PackError(f"tensors of dtype {t.dtype} cannot be sent")
+    return struct.pack(f"<{2 + t.dim()}q", code, t.dim(), *t.shape)
+
+
+def _wire_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.layout != torch.strided:
+        raise PackError(f"only dense tensors can be sent, got layout {t.layout}")
+    if t.device.type == "meta":
+        raise PackError("tensors on the 'meta' device have no data to send")
+    t = t.detach()
+    if t.device != device:
+        t = t.to(device)
+    return t.contiguous()
+
+
+def pack(obj: Any, device: torch.device) -> Packed:
+    """Pack ``obj``; tensors are moved to ``device`` (the tensor channel's device)."""
+    if isinstance(obj, torch.Tensor):
+        t = _wire_tensor(obj, device)
+        return Packed(K_TENSOR, _tensor_meta(t), [t], [t.numel() * t.element_size()])
+    if obj is None:
+        return Packed(K_NONE, b"", [], [])
+    if isinstance(obj, bool):
+        return Packed(K_BOOL, struct.pack("<q", int(obj)), [], [])
+    if isinstance(obj, int) and _INT64_MIN <= obj <= _INT64_MAX:
+        return Packed(K_INT, struct.pack("<q", obj), [], [])
+    if isinstance(obj, float):
+        return Packed(K_FLOAT, struct.pack("<d", obj), [], [])
+    if isinstance(obj, str):
+        return Packed(K_STR, obj.encode("utf-8", "surrogatepass"), [], [])
+    tensors: list[torch.Tensor] = []
+    buf = io.BytesIO()
+    try:
+        _TensorPickler(buf, tensors).dump(obj)
+    except Exception as e:
+        raise PackError(f"cannot pickle a value of type {type(obj).__qualname__}: {type(e).__name__}: {e}") from e
+    wired = [_wire_tensor(t, device) for t in tensors]
+    sizes = [align(t.numel() * t.element_size()) for t in wired]
+    # tensor count, one dtype/shape record per tensor, then the pickle
+    records = b"".join(_tensor_meta(t) for t in wired)
+    return Packed(K_PICKLE, struct.pack("<q", len(wired)) + records + buf.getvalue(), wired, sizes)
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor's data."""
+    return t.view(-1).view(torch.uint8)
+
+
+def copy_tensors_into(packed: Packed, dst: torch.Tensor) -> None:
+    """Write the packed tensors' bytes, each at its padded offset, into the uint8 tensor ``dst``."""
+    offset = 0
+    for t, size in zip(packed.tensors, packed.sizes):
+        n = t.numel() * t.element_size()
+        if n:
+            dst[offset : offset + n].copy_(tensor_bytes(t))
+        offset += size
+
+
+# ---------------------------------------------------------------------------------------- slots
+def fill_slot(slot: torch.Tensor, packed: Packed, tensors_inline_ok: bool) -> int:
+    """Write header (and whatever fits) into ``slot`` (uint8, CPU); return the inline level."""
+    capacity = slot.numel() - HEADER_BYTES
+    meta_len = len(packed.meta)
+    tensor_len = packed.tensor_len
+    if tensors_inline_ok and align(meta_len) + tensor_len <= capacity:
+        inline = INLINE_ALL
+    elif meta_len <= capacity:
+        inline = INLINE_META
+    else:
+        inline = INLINE_NONE
+    header = struct.pack(
+        f"<{HEADER_FIELDS}q", MAGIC, STATUS_OK, packed.kind, meta_len, tensor_len, inline
+    )
+    if inline == INLINE_NONE:
+        slot[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        return inline
+    head = bytearray(header) + packed.meta
+    slot[: len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    if inline == INLINE_ALL and tensor_len:
+        start = HEADER_BYTES + align(meta_len)
+        copy_tensors_into(packed, slot[start : start + tensor_len])
+    return inline
+
+
+def error_slot(slot: torch.Tensor, message: str) -> None:
+    """Fill ``slot`` with an error status and as much of ``message`` as fits."""
+    text = message.encode("utf-8", "replace")[: slot.numel() - HEADER_BYTES]
+    head = bytearray(struct.pack(f"<{HEADER_FIELDS}q", MAGIC, STATUS_ERROR, 0, len(text), 0, INLINE_META))
+    head += text
+    slot[: len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
+
+
+def parse_headers(slots: torch.Tensor, n: int) -> list[Header]:
+    """Headers of ``n`` consecutive slots in the uint8 tensor ``slots``."""
+    size = slots.numel() // n
+    rows = slots.view(n, size)[:, :HEADER_BYTES].contiguous().view(torch.int64).tolist()
+    headers = []
+    for row in rows:
+        if row[0] != MAGIC:
+            raise PackError(
+                "a rank sent data that is not an onedist slot: the ranks are calling different "
+                "collectives (or different onedist versions)"
+            )
+        headers.append(Header(*row[1:]))
+    return headers
+
+
+# ---------------------------------------------------------------------------------------- unpacking
+class TensorSpec(NamedTuple):
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _read_record(meta: bytes, offset: int) -> tuple[TensorSpec, int]:
+    code, ndim = struct.unpack_from("<2q", meta, offset)
+    shape = struct.unpack_from(f"<{ndim}q", meta, offset + 16)
+    dtype = _DTYPES[code]
+    n = 1
+    for s in shape:
+        n *= s
+    return TensorSpec(dtype, tuple(shape), n * dtype.itemsize), offset + 16 + 8 * ndim
+
+
+def split_meta(kind: int, meta: bytes) -> tuple[list[TensorSpec], list[int], bytes]:
+    """The tensors a meta describes, their byte offsets in the tensor part, and the rest."""
+    if kind == K_TENSOR:
+        spec, _ = _read_record(meta, 0)
+        return [spec], [0], b""
+    if kind != K_PICKLE:
+        return [], [], meta
+    (count,) = struct.unpack_from("<q", meta, 0)
+    specs, offsets = [], []
+    pos, off = 8, 0
+    for _ in range(count):
+        spec, pos = _read_record(meta, pos)
+        specs.append(spec)
+        offsets.append(off)
+        off += align(spec.nbytes)
+    return specs, offsets, meta[pos:]
+
+
+def view_tensor(data: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tensor:
+    """The tensor ``spec`` describes at ``offset`` of the uint8 ``data`` (a view, no copy)."""
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=spec.dtype, device=data.device)
+    return data[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
+
+
+def unpack(kind: int, rest: bytes, tensors: list[torch.Tensor]) -> Any:
+    """Rebuild a value from its kind, the non-tensor part of its meta, and its tensors."""
+    if kind == K_TENSOR:
+        return tensors[0]
+    if kind == K_NONE:
+        return None
+    if kind == K_BOOL:
+        return bool(struct.unpack("<q", rest)[0])
+    if kind == K_INT:
+        return struct.unpack("<q", rest)[0]
+    if kind == K_FLOAT:
+        return struct.unpack("<d", rest)[0]
+    if kind == K_STR:
+        return rest.decode("utf-8", "surrogatepass")
+    _unpickling.tensors = tensors
+    try:
+        return pickle.loads(rest)
+    finally:
+        _unpickling.tensors = None
+
+
+def is_number(x: Any) -> bool:
+    """A Python (or numpy) number that is not a tensor."""
+    return isinstance(x, numbers.Number) and not isinstance(x, torch.Tensor)

@@ -1,0 +1,73 @@
+"""The registry of backends: backend name → the class that implements it, imported lazily.
+
+A backend module may import its library (horovod, torch_xla) only inside its methods, so
+``import onedist`` never imports them. Order matters for detection of a context created
+outside onedist: the first class whose :meth:`~onedist.backends.base.Backend.context_active`
+is true wins.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+from .base import Backend, Layout, Work
+from .serial import SerialBackend
+
+__all__ = [
+    "Backend",
+    "Layout",
+    "SerialBackend",
+    "Work",
+    "available_backends",
+    "backend_classes",
+    "class_for_backend",
+    "detect",
+    "external_context_active",
+]
+
+# name -> (module, class). Horovod and XLA register here when their modules exist.
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "native": ("onedist.backends.native", "NativeBackend"),
+}
+
+
+@lru_cache(maxsize=None)
+def backend_classes() -> tuple[type[Backend], ...]:
+    """The registered backend classes (not the serial one), imported on first use."""
+    classes = []
+    for module_name, class_name in _REGISTRY.values():
+        module = importlib.import_module(module_name)
+        classes.append(getattr(module, class_name))
+    return tuple(classes)
+
+
+def available_backends() -> tuple[str, ...]:
+    """Every backend name that can be initialised on this machine."""
+    names: list[str] = []
+    for cls in backend_classes():
+        names.extend(cls.available_backends())
+    return tuple(names)
+
+
+def class_for_backend(name: str) -> type[Backend] | None:
+    """The class that initialises backend ``name``, or None when no installed class can."""
+    for cls in backend_classes():
+        if name in cls.available_backends():
+            return cls
+    return None
+
+
+def external_context_active() -> bool:
+    """True when some backend reports a context created outside onedist (cheap, no collective)."""
+    return any(cls.context_active() for cls in backend_classes())
+
+
+def detect() -> Backend:
+    """Wrap the context created outside onedist, or return the serial backend."""
+    for cls in backend_classes():
+        if cls.context_active():
+            backend = cls.create_from_context()
+            if backend is not None:
+                return backend
+    return SerialBackend()

@@ -1,0 +1,179 @@
+"""The interface every backend implements: a few primitives on ready, flat tensors.
+
+A backend never sees a Python number, string or dict: :mod:`onedist.collectives` turns those
+into contiguous tensors on :meth:`Backend.comm_device` first, and back afterwards. Primitives work
+in place, like torch.distributed's, and return a work handle when ``async_op`` is true.
+
+Groups: ``group=None`` is the whole world; anything else is the handle that
+:meth:`Backend.new_group` returned. ``src``/``dst`` ranks are global ranks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from typing import Any, ClassVar, NamedTuple, Optional, Protocol
+
+import torch
+
+__all__ = ["Backend", "Layout", "Work"]
+
+
+class Work(Protocol):
+    """What an asynchronous primitive returns (torch.distributed's ``Work`` fits)."""
+
+    def wait(self) -> Any: ...
+
+
+class Layout(NamedTuple):
+    """Where a process sits: its local rank, its node's size, its node, and the node count."""
+
+    local_rank: int
+    nproc_per_node: int
+    node_rank: int
+    nnodes: int
+
+
+class Backend(ABC):
+    """One computation model (serial, torch.distributed, Horovod, XLA).
+
+    Subclasses set :attr:`model_name` and implement the abstract methods. The class methods are
+    the registry's entry points; instances are created only through them.
+    """
+
+    #: the name :func:`onedist.model_name` reports ("serial", "native-dist", ...)
+    model_name: ClassVar[str]
+    #: a local rank given by :func:`onedist.set_local_rank`; wins over every other source
+    local_rank_hint: ClassVar[Optional[int]] = None
+
+    def __init__(self, backend: Optional[str], rank: int, world_size: int) -> None:
+        #: the backend name :func:`onedist.backend` reports (``None`` when serial)
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    @abstractmethod
+    def available_backends(cls) -> tuple[str, ...]:
+        """Backend names this class can initialise on this machine."""
+
+    @classmethod
+    @abstractmethod
+    def context_active(cls) -> bool:
+        """Cheap check (no collective, no import) for a context created outside onedist."""
+
+    @classmethod
+    @abstractmethod
+    def create_from_context(cls) -> Optional[Backend]:
+        """Wrap a context created outside onedist, or return None when there is none."""
+
+    @classmethod
+    @abstractmethod
+    def create_from_backend(
+        cls,
+        backend: str,
+        *,
+        timeout: Optional[timedelta],
+        init_method: Optional[str],
+        rank: Optional[int],
+        world_size: Optional[int],
+        **kwargs: Any,
+    ) -> Backend:
+        """Create the context (e.g. ``init_process_group``) and wrap it."""
+
+    @abstractmethod
+    def is_stale(self) -> bool:
+        """True when the context this object wraps is gone or replaced (cheap)."""
+
+    @abstractmethod
+    def finalize(self) -> None:
+        """Destroy the context and every group created through this object."""
+
+    # ------------------------------------------------------------------ queries
+    @abstractmethod
+    def layout(self) -> Layout:
+        """Local rank, processes on this node, node rank and node count."""
+
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+
+    def reset_layout(self) -> None:
+        """Forget a cached layout and device (after :func:`onedist.set_local_rank`)."""
+
+    # ------------------------------------------------------------------ groups
+    @abstractmethod
+    def new_group(self, ranks: tuple[int, ...], **kwargs: Any) -> Any:
+        """The group of these (validated, sorted, unique) global ranks; cached per ranks and kwargs."""
+
+    @abstractmethod
+    def group_ranks(self, group: Any) -> tuple[int, ...]:
+        """Global ranks of ``group`` in group-rank order (``group=None``: the world)."""
+
+    @abstractmethod
+    def group_rank(self, group: Any) -> int:
+        """This process's rank in ``group``, or -1 when it is not a member."""
+
+    @abstractmethod
+    def object_group(self, group: Any) -> Any:
+        """The group to send CPU byte tensors on (a gloo side group when the backend is GPU-only)."""
+
+    @abstractmethod
+    def local_group(self) -> Any:
+        """The group of the ranks on this node."""
+
+    # ------------------------------------------------------------------ primitives
+    @abstractmethod
+    def comm_device(self, device: torch.device, op: str) -> torch.device:
+        """Where a tensor living on ``device`` must be for collective ``op`` on this backend.
+
+        ``op`` is the primitive's name without the trailing underscore ("all_reduce", ...).
+        """
+
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a reduction of ``dtype`` travels in (a wider one where the library lacks it)."""
+        return dtype
+
+    @abstractmethod
+    def all_reduce_(self, t: torch.Tensor, op: str, group: Any, async_op: bool) -> Optional[Work]:
+        """In-place all-reduce; ``op`` is one of SUM, PRODUCT, MIN, MAX, AND, OR."""
+
+    @abstractmethod
+    def reduce_(self, t: torch.Tensor, dst: int, op: str, group: Any, async_op: bool) -> Optional[Work]:
+        """In-place reduce to ``dst``; other ranks' buffers are left undefined."""
+
+    @abstractmethod
+    def broadcast_(self, t: torch.Tensor, src: int, group: Any, async_op: bool) -> Optional[Work]:
+        """In-place broadcast from ``src``."""
+
+    @abstractmethod
+    def all_gather_into_(
+        self, out: torch.Tensor, t: torch.Tensor, group: Any, async_op: bool
+    ) -> Optional[Work]:
+        """``out`` (group size × ``t.numel()``) receives every rank's ``t`` in group-rank order."""
+
+    @abstractmethod
+    def all_to_all_single_(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Any,
+        async_op: bool,
+    ) -> Optional[Work]:
+        """1-D exchange: slice ``i`` of ``inp`` (``in_splits[i]`` long) goes to group rank ``i``;
+        slice ``i`` of ``out`` comes from group rank ``i``. Splits may differ and be zero."""
+
+    @abstractmethod
+    def barrier_(self, group: Any, async_op: bool) -> Optional[Work]:
+        """Wait until every rank of the group arrives."""
+
+    @abstractmethod
+    def send_(self, t: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool) -> Optional[Work]:
+        """Send ``t`` to global rank ``dst``."""
+
+    @abstractmethod
+    def recv_(self, t: torch.Tensor, src: Optional[int], group: Any, tag: int, async_op: bool) -> Any:
+        """Receive into ``t`` from ``src`` (any rank when None); returns the sender or a work."""

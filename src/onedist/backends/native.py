@@ -1,0 +1,447 @@
+"""The torch.distributed backend: gloo, nccl and mpi process groups.
+
+Everything gloo/nccl-specific lives here: which device a collective runs on (the
+torch.distributed capability table), which dtypes gloo cannot reduce, the gloo side group that
+carries objects when the backend is nccl, NCCL's ``device_ids`` for barriers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._net import LOOPBACK, free_port
+from ..environments import PartialLayout, layout_from_environ
+from ..errors import OnedistRuntimeError, OnedistValueError, bad_value
+from .base import Backend, Layout, Work
+
+__all__ = ["NativeBackend"]
+
+logger = logging.getLogger("onedist")
+
+_REDUCE_OPS = {
+    "SUM": dist.ReduceOp.SUM,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+    "MIN": dist.ReduceOp.MIN,
+    "MAX": dist.ReduceOp.MAX,
+    "AND": dist.ReduceOp.BAND,
+    "OR": dist.ReduceOp.BOR,
+}
+
+# gloo has no reduction kernels for these; a wider type gives the same result after the cast back
+# (two's-complement sums/products wrap identically; order is preserved for MIN/MAX).
+_GLOO_REDUCE_DTYPES = {
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+}
+
+# ops whose CUDA tensors gloo accepts (torch.distributed capability table); others go through CPU
+_GLOO_CUDA_OPS = frozenset({"all_reduce", "broadcast"})
+
+_NODE_KEY = "onedist/node/{}"
+_NODE_WAIT_WARN_S = 10.0
+_INIT_SCHEMES = ("env://", "tcp://", "file://")
+
+
+def _default_store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # MPI groups have no store; private API may move
+        return None
+
+
+class NativeBackend(Backend):
+    """A torch.distributed default process group (created by onedist or by the user)."""
+
+    model_name = "native-dist"
+
+    def __init__(self, owned: bool, env_set: Optional[dict[str, Optional[str]]] = None) -> None:
+        world = dist.distributed_c10d._get_default_group()
+        super().__init__(str(dist.get_backend()), dist.get_rank(), dist.get_world_size())
+        self._world = world
+        #: True when onedist created the default group (initialize / spawn)
+        self.owned = owned
+        #: environment variables onedist set, with their previous values, restored by finalize
+        self._env_set = env_set or {}
+        self._groups: dict[Any, Any] = {}
+        self._object_groups: dict[Any, Any] = {}
+        self._group_ranks: dict[Any, tuple[int, ...]] = {}
+        self._layout: Optional[Layout] = None
+        self._nodes: Optional[list[str]] = None
+        self._device: Optional[torch.device] = None
+        self._local_group: Any = None
+        self._local_group_made = False
+        self._nccl = "nccl" in self.backend and "gloo" not in self.backend
+        self._env_layout = layout_from_environ(os.environ, self.rank, self.world_size)
+        self._publish_node_key()
+        dev = self.device()
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def available_backends(cls) -> tuple[str, ...]:
+        if not dist.is_available():
+            return ()
+        names = []
+        if dist.is_gloo_available():
+            names.append("gloo")
+        if dist.is_nccl_available() and torch.cuda.is_available():
+            names.append("nccl")
+        if dist.is_mpi_available():
+            names.append("mpi")
+        return tuple(names)
+
+    @classmethod
+    def context_active(cls) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @classmethod
+    def create_from_context(cls) -> Optional[Backend]:
+        if not cls.context_active():
+            return None
+        return cls(owned=False)
+
+    @classmethod
+    def create_from_backend(
+        cls,
+        backend: str,
+        *,
+        timeout: Optional[timedelta],
+        init_method: Optional[str],
+        rank: Optional[int],
+        world_size: Optional[int],
+        **kwargs: Any,
+    ) -> Backend:
+        init_method = init_method or "env://"
+        if not isinstance(init_method, str) or not init_method.startswith(_INIT_SCHEMES):
+            raise bad_value(
+                "initialize", "init_method", init_method, "a URL starting with " + ", ".join(_INIT_SCHEMES)
+            )
+        env_set: dict[str, Optional[str]] = {}
+        if init_method.startswith("env://"):
+            _prepare_env_rendezvous(rank, world_size, env_set)
+        elif rank is None or world_size is None:
+            missing = [n for n, v in (("rank", rank), ("world_size", world_size)) if v is None]
+            raise OnedistValueError(
+                f"onedist.initialize: init_method={init_method!r} needs rank and world_size; "
+                f"missing: {', '.join(missing)}\n"
+                f"HINT: initialize({backend!r}, init_method={init_method!r}, rank=<0..N-1>, world_size=N)"
+            )
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=init_method,
+                timeout=timeout,
+                rank=-1 if rank is None else rank,
+                world_size=-1 if world_size is None else world_size,
+                **kwargs,
+            )
+        except BaseException:
+            _restore_env(env_set)
+            raise
+        return cls(owned=True, env_set=env_set)
+
+    def is_stale(self) -> bool:
+        return dist.distributed_c10d.GroupMember.WORLD is not self._world
+
+    def finalize(self) -> None:
+        try:
+            if dist.is_initialized() and dist.distributed_c10d._get_default_group() is self._world:
+                dist.destroy_process_group()
+        finally:
+            self._groups.clear()
+            self._object_groups.clear()
+            self._group_ranks.clear()
+            _restore_env(self._env_set)
+
+    # ------------------------------------------------------------------ queries
+    def layout(self) -> Layout:
+        if self._layout is None:
+            part = self._env_layout
+            hint = Backend.local_rank_hint
+            if hint is not None:
+                part = PartialLayout(hint, part.nproc_per_node, part.node_rank, part.nnodes)
+            if part.complete():
+                self._layout = Layout(part.local_rank, part.nproc_per_node, part.node_rank, part.nnodes)  # type: ignore[arg-type]
+            else:
+                self._layout = self._layout_from_nodes(part)
+        return self._layout
+
+    def reset_layout(self) -> None:
+        self._layout = None
+        self._device = None
+
+    def _layout_from_nodes(self, part: PartialLayout) -> Layout:
+        nodes = self._node_list()
+        mine = nodes[self.rank]
+        order = list(dict.fromkeys(nodes))  # node keys in order of their first rank
+        from_nodes = Layout(
+            local_rank=nodes[: self.rank].count(mine),
+            nproc_per_node=nodes.count(mine),
+            node_rank=order.index(mine),
+            nnodes=len(order),
+        )
+        return Layout(
+            from_nodes.local_rank if part.local_rank is None else part.local_rank,
+            from_nodes.nproc_per_node if part.nproc_per_node is None else part.nproc_per_node,
+            from_nodes.node_rank if part.node_rank is None else part.node_rank,
+            from_nodes.nnodes if part.nnodes is None else part.nnodes,
+        )
+
+    def _node_key(self) -> str:
+        if self._env_layout.node_rank is not None:
+            return f"node-rank:{self._env_layout.node_rank}"
+        return f"host:{socket.gethostname()}"
+
+    def _publish_node_key(self) -> None:
+        store = _default_store()
+        if store is not None:
+            store.set(_NODE_KEY.format(self.rank), self._node_key())
+
+    def _node_list(self) -> list[str]:
+        """Every rank's node key, published by each rank when its backend object was created.
+
+        Reading them needs no collective: a rank that asks for its local rank alone does not
+        block the others. Only ranks that never touched onedist are waited for.
+        """
+        if self._nodes is None:
+            store = _default_store()
+            if store is None:
+                gathered: list[Any] = [None] * self.world_size
+                dist.all_gather_object(gathered, self._node_key())
+                self._nodes = [str(g) for g in gathered]
+            else:
+                keys = [_NODE_KEY.format(r) for r in range(self.world_size)]
+                self._wait_keys(store, keys)
+                self._nodes = [v.decode() for v in store.multi_get(keys)]
+        return self._nodes
+
+    def _wait_keys(self, store: Any, keys: list[str]) -> None:
+        try:
+            store.wait(keys, timedelta(seconds=_NODE_WAIT_WARN_S))
+            return
+        except Exception:
+            pass
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        logger.warning(
+            "onedist: rank %d is waiting for ranks %s to publish their node; a rank publishes it "
+            "on its first onedist call after the process group exists. Call onedist.sync() on every "
+            "rank, or set LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK/GROUP_WORLD_SIZE.",
+            self.rank,
+            missing,
+        )
+        start = time.monotonic()
+        timeout = store.timeout
+        try:
+            store.wait(keys, timeout)
+        except Exception as e:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise OnedistRuntimeError(
+                f"onedist: ranks {missing} did not publish their node within "
+                f"{time.monotonic() - start + _NODE_WAIT_WARN_S:.0f} s, so the local rank / node "
+                "layout of this process cannot be computed.\n"
+                "HINT: call any onedist function (e.g. onedist.sync()) on every rank after "
+                "init_process_group, or set LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and "
+                "GROUP_WORLD_SIZE (torchrun and onedist.spawn do)."
+            ) from e
+
+    def device(self) -> torch.device:
+        if self._device is None:
+            self._device = torch.device("cpu")
+            uses_cuda = "nccl" in self.backend or (self.backend == "gloo" and torch.cuda.is_available())
+            if uses_cuda and torch.cuda.is_available():
+                count = torch.cuda.device_count()
+                local_rank = self.layout().local_rank
+                if count == 1:
+                    index = 0
+                elif local_rank < count:
+                    index = local_rank
+                elif self._nccl:
+                    raise OnedistRuntimeError(
+                        f"onedist: local rank {local_rank} has no GPU of its own: this node shows "
+                        f"{count} GPUs and NCCL cannot put two ranks on one GPU.\n"
+                        "HINT: start at most one process per GPU (nproc_per_node <= GPUs), or use "
+                        "backend 'gloo'."
+                    )
+                else:
+                    index = local_rank % count
+                    logger.warning(
+                        "onedist: local rank %d shares cuda:%d (%d GPUs visible)", local_rank, index, count
+                    )
+                self._device = torch.device("cuda", index)
+        return self._device
+
+    # ------------------------------------------------------------------ groups
+    def new_group(self, ranks: tuple[int, ...], **kwargs: Any) -> Any:
+        key = (ranks, tuple(sorted(kwargs.items())))
+        if key in self._groups:
+            return self._groups[key]
+        if not kwargs and ranks == tuple(range(self.world_size)):
+            group = None
+        elif self.rank not in ranks and (kwargs.get("use_local_synchronization", True) and self.backend != "mpi"):
+            # torch returns None to non-members here, which would read as "the whole world"
+            group = dist.GroupMember.NON_GROUP_MEMBER
+        else:
+            if "use_local_synchronization" not in kwargs and self.backend != "mpi":
+                # only members take part in creating it, so a group used by its members only
+                # (e.g. a collective inside `if rank in ranks`) does not deadlock
+                kwargs = {**kwargs, "use_local_synchronization": True}
+            group = dist.new_group(list(ranks), **kwargs)
+        self._groups[key] = group
+        return group
+
+    def group_ranks(self, group: Any) -> tuple[int, ...]:
+        if group is None:
+            return tuple(range(self.world_size))
+        ranks = self._group_ranks.get(group)
+        if ranks is None:
+            if group is dist.GroupMember.NON_GROUP_MEMBER:
+                return ()
+            ranks = tuple(dist.get_process_group_ranks(group))
+            self._group_ranks[group] = ranks
+        return ranks
+
+    def group_rank(self, group: Any) -> int:
+        if group is None:
+            return self.rank
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            return -1
+        return dist.get_rank(group)
+
+    def object_group(self, group: Any) -> Any:
+        if not self._nccl:
+            return group
+        if group not in self._object_groups:
+            kwargs: dict[str, Any] = {"backend": "gloo"}
+            if group is not None:
+                kwargs["use_local_synchronization"] = True
+            ranks = list(self.group_ranks(group))
+            self._object_groups[group] = dist.new_group(ranks, **kwargs)
+        return self._object_groups[group]
+
+    def local_group(self) -> Any:
+        if not self._local_group_made:
+            nodes = self._node_list()
+            mine = nodes[self.rank]
+            ranks = tuple(r for r, n in enumerate(nodes) if n == mine)
+            self._local_group = self.new_group(ranks)
+            self._local_group_made = True
+        return self._local_group
+
+    # ------------------------------------------------------------------ primitives
+    def comm_device(self, device: torch.device, op: str) -> torch.device:
+        if self._nccl:
+            return device if device.type == "cuda" else self.device()
+        if device.type == "cpu" or (self.backend == "gloo" and op not in _GLOO_CUDA_OPS):
+            return _CPU
+        return device
+
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self._nccl:
+            return dtype
+        return _GLOO_REDUCE_DTYPES.get(dtype, dtype)
+
+    def all_reduce_(self, t: torch.Tensor, op: str, group: Any, async_op: bool) -> Optional[Work]:
+        return dist.all_reduce(t, op=_REDUCE_OPS[op], group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+    def reduce_(self, t: torch.Tensor, dst: int, op: str, group: Any, async_op: bool) -> Optional[Work]:
+        return dist.reduce(t, dst, op=_REDUCE_OPS[op], group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+    def broadcast_(self, t: torch.Tensor, src: int, group: Any, async_op: bool) -> Optional[Work]:
+        return dist.broadcast(t, src, group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+    def all_gather_into_(
+        self, out: torch.Tensor, t: torch.Tensor, group: Any, async_op: bool
+    ) -> Optional[Work]:
+        return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+    def all_to_all_single_(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Any,
+        async_op: bool,
+    ) -> Optional[Work]:
+        return dist.all_to_all_single(  # type: ignore[no-any-return]
+            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group, async_op=async_op
+        )
+
+    def barrier_(self, group: Any, async_op: bool) -> Optional[Work]:
+        if self._nccl:
+            dev = self.device()
+            return dist.barrier(group=group, async_op=async_op, device_ids=[dev.index])  # type: ignore[no-any-return]
+        return dist.barrier(group=group, async_op=async_op)  # type: ignore[no-any-return]
+
+    def send_(self, t: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool) -> Optional[Work]:
+        if async_op:
+            return dist.isend(t, dst, group=group, tag=tag)
+        dist.send(t, dst, group=group, tag=tag)
+        return None
+
+    def recv_(self, t: torch.Tensor, src: Optional[int], group: Any, tag: int, async_op: bool) -> Any:
+        if async_op:
+            return dist.irecv(t, src, group=group, tag=tag)
+        return dist.recv(t, src, group=group, tag=tag)
+
+
+_CPU = torch.device("cpu")
+
+
+def _set_env(name: str, value: str, env_set: dict[str, Optional[str]]) -> None:
+    env_set.setdefault(name, os.environ.get(name))
+    os.environ[name] = value
+    logger.info("onedist set %s=%s (the environment did not set it)", name, value)
+
+
+def _restore_env(env_set: dict[str, Optional[str]]) -> None:
+    for name, previous in env_set.items():
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+    env_set.clear()
+
+
+def _prepare_env_rendezvous(
+    rank: Optional[int], world_size: Optional[int], env_set: dict[str, Optional[str]]
+) -> None:
+    """Check (and for a lone process, complete) what ``env://`` needs from the environment."""
+    env = os.environ
+    env_rank = rank if rank is not None else env.get("RANK")
+    env_world = world_size if world_size is not None else env.get("WORLD_SIZE")
+    if env_rank is None and env_world is None:
+        # a plain `python script.py`: a group of one process, as ignite does
+        _set_env("RANK", "0", env_set)
+        _set_env("WORLD_SIZE", "1", env_set)
+        if "LOCAL_RANK" not in env:
+            _set_env("LOCAL_RANK", "0", env_set)
+        env_world = "1"
+    elif env_rank is None or env_world is None:
+        missing = "RANK" if env_rank is None else "WORLD_SIZE"
+        raise OnedistValueError(
+            f"onedist.initialize: init_method='env://' needs both RANK and WORLD_SIZE; {missing} is "
+            "not set (neither in the environment nor as an argument)\n"
+            "HINT: start the script with torchrun / onedist.spawn, or pass rank= and world_size="
+        )
+    single = str(env_world) == "1"
+    for name, default in (("MASTER_ADDR", LOOPBACK), ("MASTER_PORT", None)):
+        if name not in env:
+            if not single:
+                raise OnedistValueError(
+                    f"onedist.initialize: init_method='env://' with world size {env_world} needs "
+                    f"{name} in the environment; it is not set\n"
+                    "HINT: export MASTER_ADDR=<host of rank 0> MASTER_PORT=<free port>, or use "
+                    "init_method='tcp://host:port' / 'file:///shared/path'"
+                )
+            _set_env(name, default or str(free_port()), env_set)

@@ -1,0 +1,69 @@
+"""The ``onedist`` command: ``onedist info`` and ``onedist --version``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Optional
+
+from ._version import __version__
+
+__all__ = ["main"]
+
+# environment variables worth showing; never dump the whole environment (it may hold secrets)
+_LAUNCHER_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK", "CUDA_VISIBLE_DEVICES",
+)  # fmt: skip
+
+
+def _info() -> dict[str, Any]:
+    import importlib.util
+
+    import torch
+
+    import onedist
+
+    optional = {}
+    for module in ("horovod", "torch_xla", "mpi4py", "hostlist"):
+        optional[module] = importlib.util.find_spec(module) is not None
+    return {
+        "onedist": __version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "available_backends": list(onedist.available_backends()),
+        "optional_packages": optional,
+        "launcher_environment": {k: os.environ[k] for k in _LAUNCHER_VARS if k in os.environ},
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the ``onedist`` command line.
+
+    Example:
+        >>> from onedist.cli import main
+        >>> main(["--version"])  # doctest: +SKIP
+        onedist 0.1.0
+        0
+    """
+    parser = argparse.ArgumentParser(prog="onedist", description="One PyTorch script, every backend and launcher.")
+    parser.add_argument("--version", action="version", version=f"onedist {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    info = sub.add_parser("info", help="what is installed, which backends work here, what launcher set")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        data = _info()
+        if args.json:
+            print(json.dumps(data, indent=2))
+        else:
+            for key, value in data.items():
+                print(f"{key}: {value}")
+        return 0
+    parser.print_help()
+    return 0

@@ -1,0 +1,1241 @@
+"""Collectives on tensors, Python numbers, strings, any picklable object, and nested containers.
+
+This is the only place where Python values become tensors and back: a backend only sees
+contiguous tensors on its communication device.
+
+* Reductions (:func:`all_reduce`, :func:`reduce`) take tensors, numbers and dicts/lists/tuples of
+  those. A nested value is reduced in **one collective per (device, dtype)**, not one per leaf.
+  Python floats travel as float64 and ints as int64, so they come back exact.
+* Data movement (:func:`all_gather`, :func:`broadcast`, :func:`gather`, :func:`scatter`) takes
+  anything picklable; tensors inside travel as raw bytes. Sizes are negotiated in a fixed-size
+  first round that also carries small values, so an object, a string, a number or a small tensor
+  costs one collective, and tensors whose first dimension differs per rank need no padding
+  (see :mod:`onedist._wire`).
+* Inputs are never modified unless the function says in-place; results come back on the
+  caller's device and dtype.
+* ``group`` is None (every rank), a list of global ranks (the group is created once and cached)
+  or a group handle. Ranks outside the group get their input back unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from . import _wire as W
+from .backends import Backend, Work
+from .context import current
+from .errors import (
+    CollectiveMismatchError,
+    OnedistTypeError,
+    RemoteRankError,
+    bad_type,
+    bad_value,
+)
+
+__all__ = [
+    "AsyncResult",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "gather",
+    "irecv",
+    "isend",
+    "new_group",
+    "recv",
+    "reduce",
+    "scatter",
+    "send",
+]
+
+_CPU = torch.device("cpu")
+_U8 = torch.uint8
+
+_OP_NAMES = {
+    "SUM": "SUM", "PRODUCT": "PRODUCT", "PROD": "PRODUCT", "MIN": "MIN", "MAX": "MAX",
+    "AND": "AND", "BAND": "AND", "OR": "OR", "BOR": "OR",
+    "MEAN": "MEAN", "AVERAGE": "MEAN", "AVG": "MEAN",
+}  # fmt: skip
+_ALLOWED_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AND", "OR", "MEAN")
+
+GroupLike = Union[None, Sequence[int], Any]
+
+
+# ============================================================================ arguments
+def _op_name(func: str, op: Any) -> str:
+    name = _OP_NAMES.get(op) if isinstance(op, str) else None
+    if name is None:
+        if isinstance(op, str):
+            name = _OP_NAMES.get(op.upper())
+        elif op is not None:  # torch.distributed.ReduceOp / RedOpType
+            name = _OP_NAMES.get(str(getattr(op, "name", op)).rsplit(".", 1)[-1].upper())
+        if name is None:
+            raise bad_value(func, "op", op, _ALLOWED_OPS + ("AVERAGE",))
+    return name
+
+
+def _check_op_dtype(func: str, op: str, dtype: torch.dtype, where: str = "") -> None:
+    if op in ("AND", "OR") and (dtype.is_floating_point or dtype.is_complex):
+        raise OnedistTypeError(
+            f"onedist.{func}: op={op!r} needs bool or integer values, got dtype {dtype}{where}\n"
+            "HINT: use MIN/MAX for a logical AND/OR of 0./1. floats, or convert with .bool()"
+        )
+    if dtype.is_complex and op not in ("SUM", "MEAN"):
+        raise OnedistTypeError(f"onedist.{func}: op={op!r} is not defined for complex dtype {dtype}{where}")
+
+
+def _check_ranks(func: str, arg: str, ranks: Any, world_size: int) -> tuple[int, ...]:
+    if not isinstance(ranks, (list, tuple, range)) or len(ranks) == 0:
+        raise bad_value(func, arg, ranks, "a non-empty list of global ranks")
+    seen = set()
+    for r in ranks:
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise bad_type(func, f"{arg} item", r, f"int in 0..{world_size - 1}")
+        if not 0 <= r < world_size:
+            raise bad_value(func, arg, list(ranks), f"ranks in 0..{world_size - 1} (rank {r} is out of range)")
+        if r in seen:
+            raise bad_value(func, arg, list(ranks), f"distinct ranks (rank {r} appears twice)")
+        seen.add(r)
+    return tuple(sorted(seen))
+
+
+def _resolve_group(func: str, b: Backend, group: GroupLike) -> Any:
+    if group is None:
+        return None
+    if isinstance(group, (list, tuple, range)):
+        return b.new_group(_check_ranks(func, "group", group, b.world_size))
+    return group
+
+
+def _check_peer(func: str, arg: str, value: Any, b: Backend, group: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_type(func, arg, value, "int (a global rank)")
+    if not 0 <= value < b.world_size:
+        raise bad_value(func, arg, value, f"a global rank in 0..{b.world_size - 1}")
+    if group is not None and value not in b.group_ranks(group):
+        raise bad_value(func, arg, value, f"a rank of the group {list(b.group_ranks(group))}")
+
+
+# ============================================================================ async results
+class AsyncResult:
+    """What a collective called with ``async_op=True`` returns.
+
+    :meth:`wait` blocks until the communication is done and returns the same value the
+    synchronous call would have returned.
+
+    Example:
+        >>> import onedist as od
+        >>> handle = od.all_reduce(torch.ones(3), async_op=True)
+        >>> # ... overlap computation here ...
+        >>> handle.wait()
+        tensor([1., 1., 1.])
+    """
+
+    __slots__ = ("_done", "_finish", "_result", "_works")
+
+    def __init__(self, works: list[Optional[Work]], finish: Callable[[], Any]) -> None:
+        self._works = [w for w in works if w is not None]
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def is_completed(self) -> bool:
+        """True when :meth:`wait` would not block."""
+        return self._done or all(w.is_completed() for w in self._works)  # type: ignore[attr-defined]
+
+    def wait(self) -> Any:
+        """Wait for the communication and return the collective's result."""
+        if not self._done:
+            for w in self._works:
+                w.wait()
+            self._result = self._finish()
+            self._done = True
+            self._works = []
+        return self._result
+
+
+def _done(value: Any, async_op: bool) -> Any:
+    return AsyncResult([], lambda: value) if async_op else value
+
+
+# ============================================================================ reductions
+def all_reduce(
+    tensor: Any,
+    op: Any = "SUM",
+    group: GroupLike = None,
+    *,
+    async_op: bool = False,
+    inplace: bool = False,
+) -> Any:
+    """Reduce a value across ranks; every rank gets the result.
+
+    Args:
+        tensor: a tensor, a Python number, or a dict/list/tuple (nested) of those. A nested value
+            costs one collective per (device, dtype), whatever the number of leaves. Dict keys are
+            taken in sorted order, so ranks may build their dicts in any order.
+        op: "SUM", "PRODUCT", "MIN", "MAX", "AND", "OR", "MEAN" (alias "AVERAGE"), case-insensitive,
+            or a ``torch.distributed.ReduceOp``. MEAN of integers returns floats.
+        group: None (every rank), a list of global ranks, or a group handle.
+        async_op: return an :class:`AsyncResult` instead of waiting.
+        inplace: write the result into the input tensors (no copy; the fastest for large
+            tensors) and return them. Numbers in a nested value are returned, not written.
+
+    Returns:
+        The reduced value, of the input's structure, types, devices and dtypes. Ranks outside
+        ``group`` get their input back.
+
+    Example:
+        >>> import onedist as od
+        >>> od.all_reduce(torch.tensor([1.0, 2.0]))        # world size 1
+        tensor([1., 2.])
+        >>> od.all_reduce({"loss": 0.5, "correct": 3}, op="MEAN")
+        {'loss': 0.5, 'correct': 3.0}
+    """
+    b = current()
+    opn = _op_name("all_reduce", op)
+    if group is None:
+        g, size = None, b.world_size
+    else:
+        g = _resolve_group("all_reduce", b, group)
+        if b.group_rank(g) < 0:
+            return _done(tensor, async_op)
+        size = len(b.group_ranks(g))
+    if isinstance(tensor, torch.Tensor):
+        return _reduce_tensor(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
+    return _reduce_tree(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
+
+
+def reduce(
+    tensor: Any,
+    dst: int = 0,
+    op: Any = "SUM",
+    group: GroupLike = None,
+    *,
+    async_op: bool = False,
+) -> Any:
+    """Reduce a value across ranks onto global rank ``dst``.
+
+    Args:
+        tensor: as for :func:`all_reduce`.
+        dst: global rank that receives the result.
+        op: as for :func:`all_reduce`.
+        group: as for :func:`all_reduce`.
+        async_op: return an :class:`AsyncResult` instead of waiting.
+
+    Returns:
+        On ``dst`` the reduced value; on the other ranks their input, unchanged.
+
+    Example:
+        >>> import onedist as od
+        >>> total = od.reduce(torch.tensor(3), dst=0)   # the sum on rank 0
+    """
+    b = current()
+    opn = _op_name("reduce", op)
+    g = _resolve_group("reduce", b, group)
+    _check_peer("reduce", "dst", dst, b, g)
+    if b.group_rank(g) < 0:
+        return _done(tensor, async_op)
+    size = len(b.group_ranks(g))
+    if isinstance(tensor, torch.Tensor):
+        return _reduce_tensor(b, "reduce", tensor, opn, g, size, dst, async_op, False)
+    return _reduce_tree(b, "reduce", tensor, opn, g, size, dst, async_op, False)
+
+
+def _issue(
+    b: Backend, buf: torch.Tensor, op: str, g: Any, dst: Optional[int], async_op: bool
+) -> Optional[Work]:
+    op = "SUM" if op == "MEAN" else op
+    if dst is None:
+        return b.all_reduce_(buf, op, g, async_op)
+    return b.reduce_(buf, dst, op, g, async_op)
+
+
+def _reduce_tensor(
+    b: Backend,
+    func: str,
+    x: torch.Tensor,
+    op: str,
+    g: Any,
+    size: int,
+    dst: Optional[int],
+    async_op: bool,
+    inplace: bool,
+) -> Any:
+    _check_op_dtype(func, op, x.dtype)
+    dev = b.comm_device(x.device, "all_reduce")
+    wire = b.reduce_dtype(x.dtype)
+    mean_int = op == "MEAN" and not (x.is_floating_point() or x.is_complex())
+    if inplace and mean_int:
+        raise OnedistTypeError(
+            f"onedist.{func}: op='MEAN' with inplace=True needs a floating-point tensor, got {x.dtype} "
+            "(the mean of integers is not an integer)\nHINT: drop inplace=True to get a float result"
+        )
+    if inplace and x.device == dev and x.dtype == wire and x.is_contiguous():
+        buf = x
+    else:  # results are not differentiable, as in torch.distributed
+        buf = x.detach().to(device=dev, dtype=wire, copy=True, memory_format=torch.contiguous_format)
+    work = _issue(b, buf, op, g, dst, async_op)
+    is_dst = dst is None or dst == b.rank
+
+    def finish() -> torch.Tensor:
+        if not is_dst:
+            return x
+        out = buf
+        if op == "MEAN":
+            out = out / size if mean_int else out.div_(size)
+        if inplace:
+            if out is not x:
+                x.copy_(out)
+            return x
+        if out.device != x.device or (out.dtype != x.dtype and not mean_int):
+            out = out.to(device=x.device, dtype=out.dtype if mean_int else x.dtype)
+        return out
+
+    if async_op:
+        return AsyncResult([work], finish)
+    return finish()
+
+
+# ---------------------------------------------------------------------------- nested reductions
+def _sorted_keys(m: Mapping[Any, Any]) -> list[Any]:
+    try:
+        return sorted(m)
+    except TypeError:
+        return list(m)
+
+
+def _flatten(func: str, obj: Any, leaves: list[Any], path: tuple[Any, ...]) -> Any:
+    """Append the leaves of ``obj`` (tensors and numbers) to ``leaves``; return its spec."""
+    if isinstance(obj, torch.Tensor) or (isinstance(obj, numbers.Number) and not isinstance(obj, complex)):
+        leaves.append(obj)
+        return None
+    if isinstance(obj, Mapping):
+        keys = _sorted_keys(obj)
+        return ("m", obj, keys, [_flatten(func, obj[k], leaves, (*path, k)) for k in keys])
+    if isinstance(obj, (list, tuple)):
+        return ("s", obj, [_flatten(func, v, leaves, (*path, i)) for i, v in enumerate(obj)])
+    where = "tensor" + "".join(f"[{p!r}]" for p in path)
+    raise bad_type(
+        func,
+        where,
+        obj,
+        "a tensor, a number, or a dict/list/tuple of those",
+        hint="strings and other objects cannot be reduced; use all_gather or broadcast for them",
+    )
+
+
+def _unflatten(spec: Any, values: Any) -> Any:
+    if spec is None:
+        return next(values)
+    if spec[0] == "m":
+        _, orig, keys, children = spec
+        by_key = {k: _unflatten(c, values) for k, c in zip(keys, children)}
+        if type(orig) is dict:
+            return {k: by_key[k] for k in orig}
+        new = copy.copy(orig)
+        for k in orig:
+            new[k] = by_key[k]
+        return new
+    _, orig, children = spec
+    items = [_unflatten(c, values) for c in children]
+    if type(orig) is list:
+        return items
+    if type(orig) is tuple:
+        return tuple(items)
+    if hasattr(orig, "_fields"):  # namedtuple
+        return type(orig)._make(items)
+    if isinstance(orig, list):
+        new = copy.copy(orig)
+        new[:] = items
+        return new
+    return type(orig)(items)
+
+
+class _Bucket:
+    """Leaves that share one reduction buffer: same communication device and wire dtype."""
+
+    __slots__ = ("buf", "dtype", "items", "leaves", "numels")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.items: list[torch.Tensor] = []  # flat 1-D pieces, in order
+        self.leaves: list[int] = []  # leaf index of each piece (-1 for a block of Python numbers)
+        self.numels: list[int] = []
+        self.buf: Optional[torch.Tensor] = None
+
+
+def _reduce_tree(
+    b: Backend,
+    func: str,
+    obj: Any,
+    op: str,
+    g: Any,
+    size: int,
+    dst: Optional[int],
+    async_op: bool,
+    inplace: bool,
+) -> Any:
+    leaves: list[Any] = []
+    spec = _flatten(func, obj, leaves, ())
+    py_kinds: dict[str, list[int]] = {}  # "f"/"i"/"b" -> leaf indices of Python numbers
+    buckets: dict[tuple[torch.device, torch.dtype], _Bucket] = {}
+    logical = op in ("AND", "OR", "MIN", "MAX")
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            _check_op_dtype(func, op, leaf.dtype, f" (leaf {i})")
+            dev = b.comm_device(leaf.device, "all_reduce")
+            wire = b.reduce_dtype(leaf.dtype)
+            bucket = buckets.get((dev, wire))
+            if bucket is None:
+                bucket = buckets[(dev, wire)] = _Bucket(wire)
+            bucket.items.append(leaf.detach())
+            bucket.leaves.append(i)
+            bucket.numels.append(leaf.numel())
+        else:
+            if isinstance(leaf, bool):
+                kind = "b" if logical else "i"
+            elif isinstance(leaf, numbers.Integral):
+                kind = "i"
+            else:
+                kind = "f"
+                if op in ("AND", "OR"):
+                    raise OnedistTypeError(
+                        f"onedist.{func}: op={op!r} needs bool or int values, got the float {leaf!r} (leaf {i})"
+                    )
+            py_kinds.setdefault(kind, []).append(i)
+    py_dev = b.comm_device(_CPU, "all_reduce")
+    for kind, idx in py_kinds.items():
+        dtype = {"f": torch.float64, "i": torch.int64, "b": torch.bool}[kind]
+        try:
+            values = torch.tensor([leaves[i] for i in idx], dtype=dtype)
+        except (OverflowError, RuntimeError) as e:
+            raise bad_value(func, "tensor", [leaves[i] for i in idx], "numbers that fit in int64/float64") from e
+        wire = b.reduce_dtype(dtype)
+        bucket = buckets.get((py_dev, wire))
+        if bucket is None:
+            bucket = buckets[(py_dev, wire)] = _Bucket(wire)
+        bucket.items.append(values)
+        bucket.leaves.append(-1 - len(bucket.leaves))  # marker: a block of Python numbers
+        bucket.numels.append(len(idx))
+        py_kinds[kind] = idx
+
+    works: list[Optional[Work]] = []
+    for (dev, wire), bucket in buckets.items():
+        if len(bucket.items) == 1 and not inplace:
+            item = bucket.items[0]
+            buf = item.to(device=dev, dtype=wire, copy=True, memory_format=torch.contiguous_format).view(-1)
+        else:
+            parts = [t.reshape(-1) for t in bucket.items]
+            if any(p.device != dev or p.dtype != wire for p in parts):
+                parts = [p.to(device=dev, dtype=wire) for p in parts]
+            buf = torch.cat(parts)
+        bucket.buf = buf
+        works.append(_issue(b, buf, op, g, dst, async_op))
+    is_dst = dst is None or dst == b.rank
+
+    def finish() -> Any:
+        if not is_dst:
+            return obj
+        results: list[Any] = [None] * len(leaves)
+        for bucket in buckets.values():
+            buf = bucket.buf
+            assert buf is not None
+            if op == "MEAN":
+                buf = buf.div_(size) if (buf.is_floating_point() or buf.is_complex()) else buf / size
+            pieces = buf.split(bucket.numels) if len(bucket.items) > 1 else (buf,)
+            for piece, leaf_i, item in zip(pieces, bucket.leaves, bucket.items):
+                if leaf_i < 0:  # Python numbers: this piece holds one kind, in leaf order
+                    _py_results(piece, item.dtype, py_kinds, results, op)
+                    continue
+                leaf = leaves[leaf_i]
+                out = piece.view(leaf.shape)
+                if inplace:
+                    leaf.copy_(out)
+                    results[leaf_i] = leaf
+                    continue
+                keep_float = op == "MEAN" and not (leaf.is_floating_point() or leaf.is_complex())
+                if out.device != leaf.device or (out.dtype != leaf.dtype and not keep_float):
+                    out = out.to(device=leaf.device, dtype=out.dtype if keep_float else leaf.dtype)
+                results[leaf_i] = out
+        return _unflatten(spec, iter(results))
+
+    if async_op:
+        return AsyncResult(works, finish)
+    return finish()
+
+
+def _py_results(
+    piece: torch.Tensor, dtype: torch.dtype, py_kinds: dict[str, list[int]], results: list[Any], op: str
+) -> None:
+    kind = {torch.float64: "f", torch.int64: "i", torch.bool: "b"}[dtype]
+    values = piece.tolist()
+    if kind == "b":
+        values = [bool(v) for v in values]
+    elif kind == "i" and op == "MEAN":
+        values = [float(v) for v in values]
+    for i, v in zip(py_kinds[kind], values):
+        results[i] = v
+
+
+# ============================================================================ data movement
+class _Channels:
+    """Where packed bytes travel: the object channel (CPU bytes, gloo-capable group) and the
+    tensor channel (the backend's device). On gloo they are one and the same."""
+
+    __slots__ = ("b", "g", "merged", "og", "size", "slot", "tdev")
+
+    def __init__(self, b: Backend, g: Any, op: str, size: int) -> None:
+        self.b, self.g, self.size = b, g, size
+        self.og = b.object_group(g)
+        self.tdev = b.comm_device(_CPU, op)
+        self.merged = self.tdev.type == "cpu" and self.og is g
+        self.slot = W.slot_size(size)
+
+
+def _pack_or_error(func: str, value: Any, ch: _Channels, slot: torch.Tensor) -> tuple[Optional[W.Packed], int, str]:
+    """Pack ``value`` into ``slot``; on failure write an error slot and return the message."""
+    try:
+        packed = W.pack(value, ch.tdev)
+    except W.PackError as e:
+        msg = f"onedist.{func}: {e}"
+        W.error_slot(slot, msg)
+        return None, W.INLINE_META, msg
+    return packed, W.fill_slot(slot, packed, ch.merged), ""
+
+
+def _slot_message(slot: torch.Tensor, h: W.Header) -> str:
+    return bytes(slot[W.HEADER_BYTES : W.HEADER_BYTES + h.meta_len].numpy()).decode("utf-8", "replace")
+
+
+def _remote_error(func: str, rank: int, message: str) -> RemoteRankError:
+    return RemoteRankError(
+        f"onedist.{func}: rank {rank} could not send its value, so this collective was abandoned "
+        f"on every rank. Its error:\n{message}",
+        rank=rank,
+    )
+
+
+def _raise_slot_errors(
+    func: str,
+    ch: _Channels,
+    slots: torch.Tensor,
+    headers: list[W.Header],
+    ranks: Sequence[int],
+    me: int,
+    own_error: str,
+) -> None:
+    """Raise on every rank when any rank could not pack: its own error there, a remote one elsewhere."""
+    bad = [i for i, h in enumerate(headers) if h.status != 0]
+    if not bad:
+        return
+    if me in bad:
+        raise OnedistTypeError(own_error)
+    first = bad[0]
+    raise _remote_error(func, ranks[first], _slot_message(slots.view(len(headers), ch.slot)[first], headers[first]))
+
+
+def _obj_len(h: W.Header, merged: bool) -> int:
+    n = W.align(h.meta_len) if h.inline == W.INLINE_NONE else 0
+    if merged and h.inline != W.INLINE_ALL:
+        n += h.tensor_len
+    return n
+
+
+def _my_blocks(packed: Optional[W.Packed], inline: int, ch: _Channels, obj_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's round-2 bytes: (object channel block, tensor channel block)."""
+    empty = torch.empty(0, dtype=_U8)
+    if packed is None:
+        return empty, torch.empty(0, dtype=_U8, device=ch.tdev)
+    meta_part = W.align(len(packed.meta)) if inline == W.INLINE_NONE else 0
+    tensors_here = packed.tensor_len if inline != W.INLINE_ALL else 0
+    if not ch.merged:
+        tblock = torch.empty(packed.tensor_len, dtype=_U8, device=ch.tdev)
+        W.copy_tensors_into(packed, tblock)
+        tensors_here = 0
+    else:
+        tblock = torch.empty(0, dtype=_U8)
+    if obj_len == 0:
+        return empty, tblock
+    if meta_part == 0 and packed.kind == W.K_TENSOR:
+        return W.tensor_bytes(packed.tensors[0]), tblock  # the tensor's own memory: no copy
+    block = torch.empty(obj_len, dtype=_U8)
+    if meta_part:
+        block[: len(packed.meta)].copy_(torch.frombuffer(bytearray(packed.meta), dtype=_U8))
+    if tensors_here:
+        W.copy_tensors_into(packed, block[meta_part:])
+    return block, tblock
+
+
+def _gather_bytes(
+    b: Backend, group: Any, dev: torch.device, block: torch.Tensor, sizes: list[int], async_op: bool
+) -> tuple[Optional[torch.Tensor], Optional[Work]]:
+    """Every rank's block, concatenated in group-rank order; exact sizes, no padding."""
+    total = sum(sizes)
+    if total == 0:
+        return None, None
+    out = torch.empty(total, dtype=_U8, device=dev)
+    if all(s == sizes[0] for s in sizes):
+        return out, b.all_gather_into_(out, block, group, async_op)
+    inp = block.repeat(len(sizes)) if block.numel() else block
+    return out, b.all_to_all_single_(out, inp, sizes, [block.numel()] * len(sizes), group, async_op)
+
+
+def _decode(
+    ch: _Channels,
+    h: W.Header,
+    slot: torch.Tensor,
+    obj: Optional[torch.Tensor],
+    tens: Optional[torch.Tensor],
+) -> tuple[int, list[W.TensorSpec], list[torch.Tensor], bytes]:
+    """One rank's value parts from its slot and its round-2 bytes (``obj``/``tens`` may be None)."""
+    if h.inline == W.INLINE_NONE:
+        assert obj is not None
+        meta = bytes(obj[: h.meta_len].numpy()) if obj.device.type == "cpu" else bytes(obj[: h.meta_len].tolist())
+        obj_rest = obj[W.align(h.meta_len) :]
+    else:
+        meta = bytes(slot[W.HEADER_BYTES : W.HEADER_BYTES + h.meta_len].numpy())
+        obj_rest = obj
+    specs, offsets, rest = W.split_meta(h.kind, meta)
+    if h.inline == W.INLINE_ALL:
+        data = slot[W.HEADER_BYTES + W.align(h.meta_len) :]
+    elif ch.merged:
+        data = obj_rest  # type: ignore[assignment]
+    else:
+        data = tens  # type: ignore[assignment]
+    tensors = [W.view_tensor(data, off, spec) for spec, off in zip(specs, offsets)]
+    return h.kind, specs, tensors, rest
+
+
+def _slices(buf: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torch.Tensor]]:
+    if buf is None:
+        return [None] * len(sizes)
+    out: list[Optional[torch.Tensor]] = []
+    off = 0
+    for s in sizes:
+        out.append(buf[off : off + s])
+        off += s
+    return out
+
+
+def _members(func: str, b: Backend, group: GroupLike) -> tuple[Any, int, tuple[int, ...]]:
+    """(group handle, my group rank or -1, the group's global ranks)."""
+    if group is None:
+        return None, b.rank, tuple(range(b.world_size))
+    g = _resolve_group(func, b, group)
+    me = b.group_rank(g)
+    return g, me, (b.group_ranks(g) if me >= 0 else ())
+
+
+def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False) -> Any:
+    """Gather a value from every rank.
+
+    Args:
+        tensor: a tensor, number, string, any picklable object, or a dict/list/tuple of those.
+        group: None (every rank), a list of global ranks, or a group handle.
+        async_op: return an :class:`AsyncResult`; the size negotiation happens before it returns.
+
+    Returns:
+        * tensor → the ranks' tensors concatenated on dim 0 (0-dim tensors are stacked). The first
+          dimension may differ per rank; the other dimensions and the dtype must match, else every
+          rank raises :class:`~onedist.CollectiveMismatchError` listing each rank's shape.
+        * number → a tensor of size ``world_size`` (float64 for floats, int64 for ints, bool for
+          bools), on CPU.
+        * string or other object → a list with one entry per rank.
+        * dict/list/tuple → the same structure, each leaf gathered as above.
+
+        Ranks outside ``group`` get their input back.
+
+    Example:
+        >>> import onedist as od
+        >>> od.all_gather(torch.arange(2))
+        tensor([0, 1])
+        >>> od.all_gather("hello")
+        ['hello']
+        >>> od.all_gather({"n": 3})
+        {'n': tensor([3])}
+    """
+    return _all_gather("all_gather", tensor, group, async_op, merge=True)
+
+
+def all_gather_object(obj: Any, group: GroupLike = None, *, async_op: bool = False) -> list[Any]:
+    """Gather any picklable value from every rank as a list, one entry per rank (no merging).
+
+    Like torch's ``all_gather_object`` and detectron2's ``comm.all_gather``, with the size
+    negotiation and inline small values of :func:`all_gather` (one collective for small values).
+
+    Args:
+        obj: any picklable value; tensors inside travel as raw bytes.
+        group: None (every rank), a list of global ranks, or a group handle.
+        async_op: return an :class:`AsyncResult`.
+
+    Returns:
+        The values of the group's ranks, in rank order. Ranks outside ``group`` get ``[obj]``.
+
+    Example:
+        >>> import onedist as od
+        >>> od.all_gather_object({"rank": od.get_rank()})
+        [{'rank': 0}]
+    """
+    return _all_gather("all_gather_object", obj, group, async_op, merge=False)  # type: ignore[no-any-return]
+
+
+def _all_gather(func: str, value: Any, group: GroupLike, async_op: bool, merge: bool) -> Any:
+    b = current()
+    g, me, ranks = _members(func, b, group)
+    if me < 0:
+        return _done(value if merge else [value], async_op)
+    size = len(ranks)
+    ch = _Channels(b, g, "all_gather", size)
+    slot = torch.empty(ch.slot, dtype=_U8)
+    packed, inline, err = _pack_or_error(func, value, ch, slot)
+    slots = torch.empty(size * ch.slot, dtype=_U8)
+    b.all_gather_into_(slots, slot, ch.og, False)
+    headers = W.parse_headers(slots, size)
+    _raise_slot_errors(func, ch, slots, headers, ranks, me, err)
+    obj_sizes = [_obj_len(h, ch.merged) for h in headers]
+    my_obj, my_t = _my_blocks(packed, inline, ch, obj_sizes[me])
+    obj_buf, w1 = _gather_bytes(b, ch.og, _CPU, my_obj, obj_sizes, async_op)
+    t_sizes = [0 if ch.merged else h.tensor_len for h in headers]
+    t_buf, w2 = _gather_bytes(b, g, ch.tdev, my_t, t_sizes, async_op) if not ch.merged else (None, None)
+
+    def finish() -> Any:
+        slot_views = slots.view(size, ch.slot)
+        objs, tens = _slices(obj_buf, obj_sizes), _slices(t_buf, t_sizes)
+        parts = [_decode(ch, h, slot_views[i], objs[i], tens[i]) for i, h in enumerate(headers)]
+        if merge:
+            return _merge_gathered(value, parts, headers, obj_buf, obj_sizes, ch)
+        return [_localize(W.unpack(kind, rest, tensors), value) for kind, _, tensors, rest in parts]
+
+    if async_op:
+        return AsyncResult([w1, w2], finish)
+    return finish()
+
+
+def _localize(value: Any, local: Any) -> Any:
+    """A received tensor goes to the device of the tensor this rank passed (if it passed one)."""
+    if isinstance(value, torch.Tensor) and isinstance(local, torch.Tensor) and value.device != local.device:
+        return value.to(local.device)
+    return value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)} {value.dtype}"
+    if isinstance(value, Mapping):
+        return f"{type(value).__name__} with keys {_sorted_keys(value)}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of length {len(value)}"
+    return type(value).__name__
+
+
+def _mismatch(func: str, what: str, values: Sequence[Any], path: str) -> CollectiveMismatchError:
+    lines = "\n".join(f"  rank {i}: {_describe(v)}" for i, v in enumerate(values))
+    where = f" at {path}" if path else ""
+    return CollectiveMismatchError(f"onedist.{func}: the ranks passed {what}{where}:\n{lines}")
+
+
+def _merge_gathered(
+    local: Any,
+    parts: list[tuple[int, list[W.TensorSpec], list[torch.Tensor], bytes]],
+    headers: list[W.Header],
+    obj_buf: Optional[torch.Tensor],
+    obj_sizes: list[int],
+    ch: _Channels,
+) -> Any:
+    kinds = {p[0] for p in parts}
+    if kinds == {W.K_TENSOR}:
+        return _cat_tensors(local, [p[2][0] for p in parts], headers, obj_buf, obj_sizes, ch)
+    values = [W.unpack(kind, rest, tensors) for kind, _, tensors, rest in parts]
+    return _merge_values(local, values, "")
+
+
+def _cat_tensors(
+    local: torch.Tensor,
+    tensors: list[torch.Tensor],
+    headers: list[W.Header],
+    obj_buf: Optional[torch.Tensor],
+    obj_sizes: list[int],
+    ch: _Channels,
+) -> torch.Tensor:
+    first = tensors[0]
+    trailing = tuple(first.shape[1:]) if first.dim() else ()
+    for t in tensors:
+        if t.dtype != first.dtype or t.dim() != first.dim() or tuple(t.shape[1:]) != trailing:
+            raise _mismatch("all_gather", "tensors that cannot be concatenated on dim 0", tensors, "")
+    contiguous = (
+        ch.merged
+        and obj_buf is not None
+        and all(h.inline == W.INLINE_META for h in headers)
+        and sum(obj_sizes) == obj_buf.numel()
+    )
+    if contiguous and obj_buf is not None and obj_buf.numel() % first.element_size() == 0:
+        out = obj_buf.view(first.dtype).view(-1, *trailing)  # the receive buffer itself
+    elif first.dim() == 0:
+        out = torch.stack(tensors)
+    else:
+        out = torch.cat(tensors)
+    if isinstance(local, torch.Tensor) and out.device != local.device:
+        out = out.to(local.device)
+    return out
+
+
+def _merge_values(local: Any, values: list[Any], path: str) -> Any:
+    first = values[0]
+    if all(isinstance(v, torch.Tensor) for v in values):
+        first_t: torch.Tensor = first
+        trailing = tuple(first_t.shape[1:])
+        if any(v.dtype != first_t.dtype or v.dim() != first_t.dim() or tuple(v.shape[1:]) != trailing for v in values):
+            raise _mismatch("all_gather", "tensors that cannot be concatenated on dim 0", values, path)
+        out = torch.stack(values) if first_t.dim() == 0 else torch.cat(values)
+        if isinstance(local, torch.Tensor) and out.device != local.device:
+            out = out.to(local.device)
+        return out
+    if all(isinstance(v, numbers.Number) and not isinstance(v, complex) for v in values):
+        if all(isinstance(v, bool) for v in values):
+            dtype = torch.bool
+        elif all(isinstance(v, numbers.Integral) for v in values):
+            dtype = torch.int64
+        else:
+            dtype = torch.float64
+        try:
+            return torch.tensor(values, dtype=dtype)
+        except (OverflowError, RuntimeError):
+            return list(values)
+    if isinstance(first, Mapping) and not isinstance(first, str):
+        if not all(isinstance(v, Mapping) and set(v) == set(first) for v in values):
+            raise _mismatch("all_gather", "dicts with different keys", values, path)
+        merged = {
+            k: _merge_values(local.get(k) if isinstance(local, Mapping) else None, [v[k] for v in values], f"{path}[{k!r}]")
+            for k in first
+        }
+        if type(local) is dict or not isinstance(local, Mapping):
+            return merged
+        new = copy.copy(local)
+        for k, v in merged.items():
+            new[k] = v
+        return new
+    if isinstance(first, (list, tuple)):
+        if not all(type(v) is type(first) and len(v) == len(first) for v in values):
+            raise _mismatch("all_gather", "sequences of different types or lengths", values, path)
+        loc = local if isinstance(local, (list, tuple)) and len(local) == len(first) else [None] * len(first)
+        items = [_merge_values(loc[i], [v[i] for v in values], f"{path}[{i}]") for i in range(len(first))]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)._make(items)
+        return type(first)(items) if isinstance(first, tuple) else items
+    return list(values)
+
+
+def broadcast(
+    tensor: Any,
+    src: int = 0,
+    safe_mode: bool = False,
+    group: GroupLike = None,
+    *,
+    async_op: bool = False,
+) -> Any:
+    """Send a value from global rank ``src`` to every rank.
+
+    Args:
+        tensor: on ``src``, the value: a tensor, number, string, any picklable object, or a
+            dict/list/tuple of those. Elsewhere: for a tensor without ``safe_mode``, a tensor of
+            the same shape and dtype (as in ignite: one collective, no negotiation); for anything
+            else the value is ignored and may be None.
+        src: global rank that sends.
+        safe_mode: let non-source ranks pass None (or anything) for tensors as well; the shape and
+            dtype then travel with the data (one collective more for large tensors).
+        group: None (every rank), a list of global ranks, or a group handle.
+        async_op: return an :class:`AsyncResult` (tensor path without ``safe_mode`` only waits
+            on nothing else; other paths negotiate before returning).
+
+    Returns:
+        The source's value. On ``src`` it is the input itself; received tensors are placed on the
+        device of the tensor this rank passed, else on :func:`onedist.device`.
+
+    Example:
+        >>> import onedist as od
+        >>> cfg = od.broadcast({"lr": 0.1} if od.get_rank() == 0 else None, src=0)
+        >>> cfg
+        {'lr': 0.1}
+    """
+    b = current()
+    g, me, ranks = _members("broadcast", b, group)
+    if not isinstance(safe_mode, bool):
+        raise bad_type("broadcast", "safe_mode", safe_mode, "bool")
+    _check_peer("broadcast", "src", src, b, g)
+    if me < 0:
+        return _done(tensor, async_op)
+    is_src = b.rank == src
+    if isinstance(tensor, torch.Tensor) and not safe_mode:
+        dev = b.comm_device(tensor.device, "broadcast")
+        if is_src:
+            buf = tensor if (tensor.device == dev and tensor.is_contiguous()) else tensor.to(dev).contiguous()
+        else:
+            buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=dev)
+        work = b.broadcast_(buf, src, g, async_op)
+
+        def finish_tensor() -> Any:
+            if is_src:
+                return tensor
+            return buf if buf.device == tensor.device else buf.to(tensor.device)
+
+        return AsyncResult([work], finish_tensor) if async_op else finish_tensor()
+    size = len(ranks)
+    ch = _Channels(b, g, "broadcast", size)
+    slot = torch.empty(ch.slot, dtype=_U8)
+    packed: Optional[W.Packed] = None
+    inline, err = W.INLINE_NONE, ""
+    if is_src:
+        packed, inline, err = _pack_or_error("broadcast", tensor, ch, slot)
+    b.broadcast_(slot, src, ch.og, False)
+    h = W.parse_headers(slot, 1)[0]
+    if h.status != 0:
+        if is_src:
+            raise OnedistTypeError(err)
+        raise _remote_error("broadcast", src, _slot_message(slot, h))
+    if is_src:
+        obj_len = _obj_len(h, ch.merged)
+        obj, tens = _my_blocks(packed, inline, ch, obj_len)
+    else:
+        obj = torch.empty(_obj_len(h, ch.merged), dtype=_U8)
+        tens = torch.empty(0 if ch.merged else h.tensor_len, dtype=_U8, device=ch.tdev)
+    works: list[Optional[Work]] = []
+    if obj.numel():
+        works.append(b.broadcast_(obj, src, ch.og, async_op))
+    if tens.numel():
+        works.append(b.broadcast_(tens, src, g, async_op))
+
+    def finish() -> Any:
+        if is_src:
+            return tensor
+        _, _, tensors, rest = _decode(ch, h, slot, obj if obj.numel() else None, tens)
+        value = W.unpack(h.kind, rest, tensors)
+        if isinstance(value, torch.Tensor):
+            target = tensor.device if isinstance(tensor, torch.Tensor) else b.device()
+            if value.device != target:
+                value = value.to(target)
+        return value
+
+    return AsyncResult(works, finish) if async_op else finish()
+
+
+def gather(data: Any, dst: int = 0, group: GroupLike = None) -> list[Any]:
+    """Collect every rank's value on global rank ``dst`` (detectron2's ``comm.gather``).
+
+    Args:
+        data: a tensor, number, string or any picklable object (shapes may differ per rank).
+        dst: global rank that receives.
+        group: None (every rank), a list of global ranks, or a group handle.
+
+    Returns:
+        On ``dst``, a list with one value per rank of the group, in rank order; elsewhere ``[]``.
+
+    Example:
+        >>> import onedist as od
+        >>> od.gather({"rank": od.get_rank()}, dst=0)
+        [{'rank': 0}]
+    """
+    b = current()
+    g, me, ranks = _members("gather", b, group)
+    _check_peer("gather", "dst", dst, b, g)
+    if me < 0:
+        return []
+    size = len(ranks)
+    ch = _Channels(b, g, "gather", size)
+    slot = torch.empty(ch.slot, dtype=_U8)
+    packed, inline, err = _pack_or_error("gather", data, ch, slot)
+    slots = torch.empty(size * ch.slot, dtype=_U8)
+    b.all_gather_into_(slots, slot, ch.og, False)
+    headers = W.parse_headers(slots, size)
+    _raise_slot_errors("gather", ch, slots, headers, ranks, me, err)
+    obj_sizes = [_obj_len(h, ch.merged) for h in headers]
+    t_sizes = [0 if ch.merged else h.tensor_len for h in headers]
+    my_obj, my_t = _my_blocks(packed, inline, ch, obj_sizes[me])
+    dst_i = ranks.index(dst)
+    is_dst = me == dst_i
+    obj_buf = _to_one(b, ch.og, _CPU, my_obj, obj_sizes, dst_i, is_dst)
+    t_buf = None if ch.merged else _to_one(b, g, ch.tdev, my_t, t_sizes, dst_i, is_dst)
+    if not is_dst:
+        return []
+    slot_views = slots.view(size, ch.slot)
+    objs, tens = _slices(obj_buf, obj_sizes), _slices(t_buf, t_sizes)
+    out = []
+    for i, h in enumerate(headers):
+        kind, _, tensors, rest = _decode(ch, h, slot_views[i], objs[i], tens[i])
+        out.append(_localize(W.unpack(kind, rest, tensors), data))
+    return out
+
+
+def _to_one(
+    b: Backend, group: Any, dev: torch.device, block: torch.Tensor, sizes: list[int], dst_i: int, is_dst: bool
+) -> Optional[torch.Tensor]:
+    """Every rank's block delivered to group rank ``dst_i`` only (exact sizes)."""
+    if sum(sizes) == 0:
+        return None
+    n = len(sizes)
+    in_splits = [block.numel() if i == dst_i else 0 for i in range(n)]
+    out_splits = sizes if is_dst else [0] * n
+    out = torch.empty(sum(out_splits), dtype=_U8, device=dev)
+    b.all_to_all_single_(out, block, out_splits, in_splits, group, False)
+    return out
+
+
+def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None) -> Any:
+    """Send item ``i`` of a list on global rank ``src`` to the group's ``i``-th rank.
+
+    Args:
+        data: on ``src``, a list/tuple with one value (tensor, number, string, picklable object)
+            per rank of the group; ignored elsewhere (pass None).
+        src: global rank that sends.
+        group: None (every rank), a list of global ranks, or a group handle.
+
+    Returns:
+        This rank's item (on ``src``, its own item itself); None on ranks outside ``group``.
+
+    Example:
+        >>> import onedist as od
+        >>> shards = [list(range(i, 10, od.get_world_size())) for i in range(od.get_world_size())]
+        >>> od.scatter(shards if od.get_rank() == 0 else None, src=0)
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    """
+    b = current()
+    g, me, ranks = _members("scatter", b, group)
+    _check_peer("scatter", "src", src, b, g)
+    if me < 0:
+        return None
+    size = len(ranks)
+    ch = _Channels(b, g, "scatter", size)
+    src_i = ranks.index(src)
+    is_src = me == src_i
+    S = ch.slot
+    packs: list[tuple[Optional[W.Packed], int]] = []
+    local_error: Optional[Exception] = None
+    if is_src:
+        slots_in = torch.empty(size * S, dtype=_U8)
+        views = slots_in.view(size, S)
+        if not isinstance(data, (list, tuple)) or len(data) != size:
+            local_error = bad_value(
+                "scatter", "data", _short(data), f"a list or tuple of {size} values (one per rank of the group)"
+            )
+        else:
+            for i in range(size):
+                p, inline, err = _pack_or_error("scatter", data[i], ch, views[i])
+                packs.append((p, inline))
+                if p is None and local_error is None:
+                    local_error = OnedistTypeError(f"{err} (item {i})")
+        if local_error is not None:  # every rank learns it, not only the failing item's rank
+            for i in range(size):
+                W.error_slot(views[i], str(local_error))
+        in_splits = [S] * size
+    else:
+        slots_in = torch.empty(0, dtype=_U8)
+        in_splits = [0] * size
+    out_splits = [S if i == src_i else 0 for i in range(size)]
+    slot = torch.empty(S, dtype=_U8)
+    b.all_to_all_single_(slot, slots_in, out_splits, in_splits, ch.og, False)
+    h = W.parse_headers(slot, 1)[0]
+    if h.status != 0:
+        if local_error is not None:
+            raise local_error
+        raise _remote_error("scatter", src, _slot_message(slot, h))
+    # round 2: each rank's bytes from src only
+    if is_src:
+        headers = [W.parse_headers(slots_in.view(size, S)[i], 1)[0] for i in range(size)]
+        blocks = [_my_blocks(p, inline, ch, _obj_len(hh, ch.merged)) for (p, inline), hh in zip(packs, headers)]
+        obj_in = torch.cat([blk[0] for blk in blocks]) if blocks else torch.empty(0, dtype=_U8)
+        obj_splits = [blk[0].numel() for blk in blocks]
+        t_in = torch.cat([blk[1] for blk in blocks]) if blocks else torch.empty(0, dtype=_U8, device=ch.tdev)
+        t_splits = [blk[1].numel() for blk in blocks]
+    else:
+        obj_in, obj_splits = torch.empty(0, dtype=_U8), [0] * size
+        t_in, t_splits = torch.empty(0, dtype=_U8, device=ch.tdev), [0] * size
+    my_obj_len = _obj_len(h, ch.merged)
+    my_t_len = 0 if ch.merged else h.tensor_len
+    obj = _from_one(b, ch.og, _CPU, obj_in, obj_splits, my_obj_len, src_i)
+    tens = None if ch.merged else _from_one(b, g, ch.tdev, t_in, t_splits, my_t_len, src_i)
+    if is_src:
+        return data[me]  # type: ignore[index]
+    _, _, tensors, rest = _decode(ch, h, slot, obj, tens)
+    return W.unpack(h.kind, rest, tensors)
+
+
+def _from_one(
+    b: Backend, group: Any, dev: torch.device, inp: torch.Tensor, in_splits: list[int], my_len: int, src_i: int
+) -> Optional[torch.Tensor]:
+    """This rank's block, sent by group rank ``src_i`` only (exact sizes)."""
+    out_splits = [my_len if i == src_i else 0 for i in range(len(in_splits))]
+    out = torch.empty(my_len, dtype=_U8, device=dev)
+    b.all_to_all_single_(out, inp, out_splits, in_splits, group, False)
+    return out
+
+
+def _short(value: Any) -> Any:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ============================================================================ sync and groups
+def barrier(group: GroupLike = None, *, async_op: bool = False) -> Any:
+    """Wait until every rank of the group arrives (NCCL: on this rank's GPU).
+
+    Example:
+        >>> import onedist as od
+        >>> od.barrier()
+    """
+    b = current()
+    g, me, _ = _members("barrier", b, group)
+    if me < 0:
+        return _done(None, async_op)
+    work = b.barrier_(g, async_op)
+    return AsyncResult([work], lambda: None) if async_op else None
+
+
+def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
+    """The group of these global ranks, created once and cached.
+
+    Only the members take part in creating it (torch's local synchronization), so a group can be
+    made and used inside ``if rank in ranks:``. The same list (in any order) returns the same
+    group; the list of every rank returns None (the default group).
+
+    Args:
+        ranks: distinct global ranks.
+        **kwargs: passed to ``torch.distributed.new_group`` (``backend``, ``timeout``, ...).
+
+    Example:
+        >>> import onedist as od
+        >>> group = od.new_group([0])
+        >>> od.all_reduce(1, group=group)
+        1
+    """
+    b = current()
+    return b.new_group(_check_ranks("new_group", "ranks", ranks, b.world_size), **kwargs)
+
+
+# ============================================================================ point to point
+def send(tensor: Any, dst: int, group: GroupLike = None, tag: int = 0) -> None:
+    """Send a tensor or any picklable object to global rank ``dst`` (blocking).
+
+    The receiver calls :func:`recv` with a tensor of the same shape and dtype for a tensor, or
+    without one for an object.
+
+    Example:
+        >>> import onedist as od
+        >>> if od.get_rank() == 0:                                  # doctest: +SKIP
+        ...     od.send({"step": 10}, dst=1)
+        ... elif od.get_rank() == 1:
+        ...     state = od.recv(src=0)
+    """
+    b = current()
+    g = _resolve_group("send", b, group)
+    _check_peer("send", "dst", dst, b, g)
+    if dst == b.rank:
+        raise bad_value("send", "dst", dst, "a rank other than this process's own")
+    if isinstance(tensor, torch.Tensor):
+        dev = b.comm_device(tensor.device, "send")
+        buf = tensor if (tensor.device == dev and tensor.is_contiguous()) else tensor.to(dev).contiguous()
+        b.send_(buf, dst, g, tag, False)
+        return
+    try:
+        data = pickle.dumps(tensor, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise bad_type("send", "tensor", tensor, "a tensor or a picklable object", hint=f"pickling failed: {e}") from e
+    dev = b.comm_device(_CPU, "send")
+    og = b.object_group(g)
+    b.send_(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst, og, tag, False)
+    b.send_(torch.frombuffer(bytearray(data), dtype=_U8).to(dev), dst, og, tag, False)
+
+
+def recv(tensor: Optional[torch.Tensor] = None, src: Optional[int] = None, group: GroupLike = None, tag: int = 0) -> Any:
+    """Receive what :func:`send` sent.
+
+    Args:
+        tensor: for a tensor, the buffer to receive into (filled in place and returned); None to
+            receive an object.
+        src: global rank to receive from; None for any rank.
+        group: None, a list of global ranks, or a group handle.
+        tag: matches the sender's tag.
+
+    Returns:
+        The filled ``tensor``, or the received object.
+
+    Example:
+        >>> import onedist as od
+        >>> buf = torch.empty(3)
+        >>> if od.get_rank() == 1:                                  # doctest: +SKIP
+        ...     od.recv(buf, src=0)
+    """
+    b = current()
+    g = _resolve_group("recv", b, group)
+    if src is not None:
+        _check_peer("recv", "src", src, b, g)
+    if tensor is not None and not isinstance(tensor, torch.Tensor):
+        raise bad_type("recv", "tensor", tensor, "a tensor to receive into, or None to receive an object")
+    if tensor is not None:
+        dev = b.comm_device(tensor.device, "recv")
+        direct = tensor.device == dev and tensor.is_contiguous()
+        buf = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype, device=dev)
+        b.recv_(buf, src, g, tag, False)
+        if not direct:
+            tensor.copy_(buf)
+        return tensor
+    dev = b.comm_device(_CPU, "recv")
+    og = b.object_group(g)
+    n = torch.empty(1, dtype=torch.int64, device=dev)
+    sender = b.recv_(n, src, og, tag, False)
+    data = torch.empty(int(n.item()), dtype=_U8, device=dev)
+    b.recv_(data, src if src is not None else int(sender), og, tag, False)
+    return pickle.loads(bytes(data.cpu().numpy()))
+
+
+def isend(tensor: torch.Tensor, dst: int, group: GroupLike = None, tag: int = 0) -> AsyncResult:
+    """Start sending a tensor to global rank ``dst``; ``.wait()`` on the result.
+
+    Example:
+        >>> import onedist as od
+        >>> handle = od.isend(torch.ones(2), dst=1)                 # doctest: +SKIP
+        >>> handle.wait()
+    """
+    b = current()
+    g = _resolve_group("isend", b, group)
+    _check_peer("isend", "dst", dst, b, g)
+    if not isinstance(tensor, torch.Tensor):
+        raise bad_type("isend", "tensor", tensor, "a tensor (use send for objects)")
+    dev = b.comm_device(tensor.device, "send")
+    buf = tensor if (tensor.device == dev and tensor.is_contiguous()) else tensor.to(dev).contiguous()
+    work = b.send_(buf, dst, g, tag, True)
+    return AsyncResult([work], lambda: None)
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupLike = None, tag: int = 0) -> AsyncResult:
+    """Start receiving into ``tensor``; ``.wait()`` returns the filled tensor.
+
+    Example:
+        >>> import onedist as od
+        >>> handle = od.irecv(torch.empty(2), src=0)                # doctest: +SKIP
+        >>> tensor = handle.wait()
+    """
+    b = current()
+    g = _resolve_group("irecv", b, group)
+    if src is not None:
+        _check_peer("irecv", "src", src, b, g)
+    if not isinstance(tensor, torch.Tensor):
+        raise bad_type("irecv", "tensor", tensor, "a tensor to receive into")
+    dev = b.comm_device(tensor.device, "recv")
+    direct = tensor.device == dev and tensor.is_contiguous()
+    buf = tensor if direct else torch.empty(tensor.shape, dtype=tensor.dtype, device=dev)
+    work = b.recv_(buf, src, g, tag, True)
+
+    def finish() -> torch.Tensor:
+        if not direct:
+            tensor.copy_(buf)
+        return tensor
+
+    return AsyncResult([work], finish)
+
+

@@ -1,0 +1,419 @@
+"""The one active backend, its lifecycle (initialize / finalize / sync) and the queries.
+
+A context created outside onedist (the user called ``dist.init_process_group``) is picked up by
+the first query that runs after it, with a pointer check and no collective, so a query made on
+one rank only never blocks. A context the user destroyed is dropped the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import socket
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+
+from .backends import Backend, SerialBackend, available_backends, class_for_backend, detect
+from .errors import BackendUnavailableError, OnedistRuntimeError, bad_type, bad_value
+
+__all__ = [
+    "available_backends",
+    "backend",
+    "current",
+    "device",
+    "finalize",
+    "get_local_process_group",
+    "get_local_rank",
+    "get_local_size",
+    "get_nnodes",
+    "get_node_rank",
+    "get_nproc_per_node",
+    "get_rank",
+    "get_world_size",
+    "hostname",
+    "initialize",
+    "is_main_process",
+    "model_name",
+    "set_local_rank",
+    "show_config",
+    "sync",
+]
+
+logger = logging.getLogger("onedist")
+
+# every backend name onedist knows, with what to install when it is missing here
+_KNOWN_BACKENDS = {
+    "gloo": "a PyTorch build with distributed support (pip install torch)",
+    "nccl": "a CUDA build of PyTorch and an NVIDIA GPU",
+    "mpi": "a PyTorch built from source against MPI",
+    "horovod": "Horovod (see README: Horovod install)",
+    "xla-tpu": "torch_xla (pip install torch_xla)",
+}
+
+TimeoutLike = Union[timedelta, float, int, None]
+
+
+class _State:
+    """Holds the active backend. One instance, module-level; only this module writes it."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self) -> None:
+        self.backend: Backend = SerialBackend()
+
+
+_state = _State()
+
+
+def current() -> Backend:
+    """The active backend, re-detected only when the one held went stale (a pointer check)."""
+    b = _state.backend
+    if b.is_stale():
+        if not isinstance(b, SerialBackend):
+            b.finalize()  # the user destroyed the group: restore what onedist set
+        b = _state.backend = detect()
+    return b
+
+
+def sync(temporary: bool = False) -> None:
+    """Re-detect the distributed context now.
+
+    onedist notices a context created or destroyed outside it on its own, without running any
+    collective; call this to make the detection explicit (e.g. right after your own
+    ``dist.init_process_group`` on every rank, which also publishes this rank's node for
+    :func:`get_local_rank`).
+
+    Args:
+        temporary: accepted for ignite compatibility; has no effect (detection is always cheap).
+
+    Example:
+        >>> import onedist as od
+        >>> od.sync()
+        >>> od.model_name()
+        'serial'
+    """
+    current()
+
+
+def _resolve_backend_name(name: Any) -> str:
+    if not isinstance(name, str):
+        raise bad_type("initialize", "backend", name, "str, e.g. 'gloo', 'nccl' or 'auto'")
+    if name == "auto":
+        return "nccl" if "nccl" in available_backends() else "gloo"
+    return name
+
+
+def _timeout(func: str, timeout: TimeoutLike) -> Optional[timedelta]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise bad_type(func, "timeout", timeout, "datetime.timedelta, seconds as a number, or None")
+    if not seconds > 0:
+        raise bad_value(func, "timeout", timeout, "a positive duration")
+    return timedelta(seconds=seconds)
+
+
+def _check_rank_world(func: str, rank: Optional[int], world_size: Optional[int]) -> None:
+    for arg, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise bad_type(func, arg, value, "int or None")
+    if world_size is not None and world_size < 1:
+        raise bad_value(func, "world_size", world_size, "an int >= 1")
+    if rank is not None and (rank < 0 or (world_size is not None and rank >= world_size)):
+        upper = "world_size - 1" if world_size is None else str(world_size - 1)
+        raise bad_value(func, "rank", rank, f"0..{upper}")
+
+
+def initialize(
+    backend: str,
+    timeout: TimeoutLike = None,
+    init_method: Optional[str] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    **kwargs: Any,
+) -> None:
+    """Create the distributed context of this process.
+
+    Args:
+        backend: "gloo", "nccl", "mpi" (when available, see :func:`available_backends`) or
+            "auto": nccl when CUDA is available, else gloo.
+        timeout: timeout of the rendezvous and of collectives (``timedelta`` or seconds);
+            None keeps torch's default.
+        init_method: "env://" (default; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the
+            environment, as torchrun sets them), "tcp://host:port" or "file:///path"
+            (both need ``rank`` and ``world_size``). Under ``env://`` in a process that no launcher
+            started, a group of one process is made on 127.0.0.1 and a free port; the variables
+            onedist sets are logged and restored by :func:`finalize`.
+        rank: rank of this process (default: from the environment).
+        world_size: number of processes (default: from the environment).
+        **kwargs: passed to ``torch.distributed.init_process_group`` (e.g. ``pg_options``).
+
+    Raises:
+        BackendUnavailableError: unknown backend or not installed here.
+        OnedistRuntimeError: a context exists already (call :func:`finalize` first).
+        OnedistValueError: bad timeout, rank, world_size or init_method.
+
+    Example:
+        >>> import onedist as od
+        >>> od.initialize("gloo")          # a lone process: world size 1
+        >>> od.get_world_size(), od.backend()
+        (1, 'gloo')
+        >>> od.finalize()
+    """
+    name = _resolve_backend_name(backend)
+    td = _timeout("initialize", timeout)
+    _check_rank_world("initialize", rank, world_size)
+    cls = class_for_backend(name)
+    if cls is None:
+        here = available_backends()
+        if name in _KNOWN_BACKENDS:
+            raise BackendUnavailableError(
+                f"onedist.initialize: backend={name!r} is not available on this machine; "
+                f"available here: {', '.join(repr(b) for b in here) or 'none'}\n"
+                f"HINT: {name!r} needs {_KNOWN_BACKENDS[name]}"
+            )
+        raise BackendUnavailableError(
+            f"onedist.initialize: backend={name!r} is not a known backend; allowed: "
+            f"{', '.join(repr(b) for b in ('auto', *here))}"
+        )
+    active = current()
+    if not isinstance(active, SerialBackend):
+        origin = "onedist" if getattr(active, "owned", True) else "your code (torch.distributed)"
+        raise OnedistRuntimeError(
+            f"onedist.initialize: a distributed context ({active.backend}, world size "
+            f"{active.world_size}) is already initialized by {origin}\n"
+            "HINT: call onedist.finalize() before initializing again"
+        )
+    _state.backend = cls.create_from_backend(
+        name, timeout=td, init_method=init_method, rank=rank, world_size=world_size, **kwargs
+    )
+
+
+def finalize() -> None:
+    """Destroy the distributed context and return to serial; safe to call twice.
+
+    Restores every environment variable :func:`initialize` set.
+
+    Example:
+        >>> import onedist as od
+        >>> od.finalize()   # nothing to do: no context
+        >>> od.get_world_size()
+        1
+    """
+    b = _state.backend
+    _state.backend = SerialBackend()
+    if not isinstance(b, SerialBackend):
+        b.finalize()
+
+
+def backend() -> Optional[str]:
+    """The backend name of the active context: "gloo", "nccl", "mpi", ..., or None when serial.
+
+    Example:
+        >>> import onedist as od
+        >>> od.backend() is None
+        True
+    """
+    return current().backend
+
+
+def model_name() -> str:
+    """The computation model: "serial", "native-dist" (torch.distributed), ...
+
+    Example:
+        >>> import onedist as od
+        >>> od.model_name()
+        'serial'
+    """
+    return current().model_name
+
+
+def device() -> torch.device:
+    """The device this process should compute on.
+
+    ``cuda:<local rank>`` on nccl and on gloo when CUDA is available (``cuda:0`` when the process
+    sees one GPU), ``cpu`` on gloo without CUDA, the current CUDA device or cpu when serial.
+
+    Example:
+        >>> import onedist as od
+        >>> model = torch.nn.Linear(2, 2).to(od.device())
+    """
+    return current().device()
+
+
+def get_world_size() -> int:
+    """Number of processes (1 when serial).
+
+    Example:
+        >>> import onedist as od
+        >>> od.get_world_size()
+        1
+    """
+    return current().world_size
+
+
+def get_rank() -> int:
+    """Global rank of this process (0 when serial). Never runs a collective.
+
+    Example:
+        >>> import onedist as od
+        >>> od.get_rank()
+        0
+    """
+    return current().rank
+
+
+def get_local_rank() -> int:
+    """Rank of this process on its node.
+
+    From the launcher's environment (LOCAL_RANK, ...) or :func:`set_local_rank` when present,
+    else from the node every rank published when its context was created (no collective).
+
+    Example:
+        >>> import onedist as od
+        >>> od.get_local_rank()
+        0
+    """
+    return current().layout().local_rank
+
+
+def get_nproc_per_node() -> int:
+    """Number of processes on this node (uneven layouts are exact per node).
+
+    Example:
+        >>> import onedist as od
+        >>> od.get_nproc_per_node()
+        1
+    """
+    return current().layout().nproc_per_node
+
+
+def get_local_size() -> int:
+    """Alias of :func:`get_nproc_per_node` (detectron2's name).
+
+    Example:
+        >>> import onedist as od
+        >>> od.get_local_size()
+        1
+    """
+    return current().layout().nproc_per_node
+
+
+def get_nnodes() -> int:
+    """Number of nodes.
+
+    Example:
+        >>> import onedist as od
+        >>> od.get_nnodes()
+        1
+    """
+    return current().layout().nnodes
+
+
+def get_node_rank() -> int:
+    """Index of this process's node (nodes are ordered by their lowest rank).
+
+    Example:
+        >>> import onedist as od
+        >>> od.get_node_rank()
+        0
+    """
+    return current().layout().node_rank
+
+
+def hostname() -> str:
+    """Host name of this process.
+
+    Example:
+        >>> import onedist as od
+        >>> isinstance(od.hostname(), str)
+        True
+    """
+    return socket.gethostname()
+
+
+def is_main_process() -> bool:
+    """True on global rank 0.
+
+    Example:
+        >>> import onedist as od
+        >>> if od.is_main_process():
+        ...     print("only once")
+        only once
+    """
+    return current().rank == 0
+
+
+def set_local_rank(index: int) -> None:
+    """Tell onedist this process's local rank, for a context you create yourself.
+
+    Wins over every other source (environment, published nodes).
+
+    Args:
+        index: local rank, e.g. the process index ``torch.multiprocessing.spawn`` passes.
+
+    Example:
+        >>> import onedist as od
+        >>> def worker(local_rank):
+        ...     od.set_local_rank(local_rank)
+        ...     # dist.init_process_group(...)
+    """
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise bad_type("set_local_rank", "index", index, "int >= 0")
+    if index < 0:
+        raise bad_value("set_local_rank", "index", index, "an int >= 0")
+    Backend.local_rank_hint = index
+    _state.backend.reset_layout()
+
+
+def get_local_process_group() -> Any:
+    """The group of the ranks on this node (for per-node SyncBatchNorm, local reductions, ...).
+
+    Created on first use by the ranks of each node (only they take part); None when every rank is
+    on this node (the default group) or when serial.
+
+    Example:
+        >>> import onedist as od
+        >>> group = od.get_local_process_group()
+        >>> od.all_reduce(1, group=group) == od.get_local_size()
+        True
+    """
+    return current().local_group()
+
+
+def show_config() -> dict[str, Any]:
+    """Log the distributed configuration (on rank 0, logger "onedist") and return it.
+
+    Example:
+        >>> import onedist as od
+        >>> od.show_config()["world_size"]
+        1
+    """
+    from .log import setup_logger
+
+    b = current()
+    lay = b.layout()
+    config = {
+        "model_name": b.model_name,
+        "backend": b.backend,
+        "device": str(b.device()),
+        "hostname": hostname(),
+        "world_size": b.world_size,
+        "rank": b.rank,
+        "local_rank": lay.local_rank,
+        "nproc_per_node": lay.nproc_per_node,
+        "nnodes": lay.nnodes,
+        "node_rank": lay.node_rank,
+    }
+    log = setup_logger("onedist.config")
+    log.info("distributed configuration: %s", config["model_name"])
+    for key, value in config.items():
+        if key != "model_name":
+            log.info("%s: %s", key.replace("_", " "), value)
+    return config

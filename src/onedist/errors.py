@@ -1,0 +1,131 @@
+"""The exceptions onedist raises.
+
+Every exception derives from :class:`OnedistError` and from the built-in exception it means
+(``ValueError``, ``TypeError``, ``RuntimeError``, ``TimeoutError``), so code written against
+ignite.distributed or torch.distributed that catches the built-ins keeps working.
+
+Messages say what was given, what is allowed and, where there is one, the fix (after
+``HINT:``).
+
+Example:
+    >>> import onedist as od
+    >>> try:
+    ...     od.initialize("glooo")
+    ... except od.OnedistValueError as e:
+    ...     print(str(e).splitlines()[0])
+    onedist.initialize: backend='glooo' is not a known backend; allowed: ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "OnedistError",
+    "OnedistRuntimeError",
+    "OnedistTimeoutError",
+    "OnedistTypeError",
+    "OnedistValueError",
+    "RemoteRankError",
+    "WorkerFailedError",
+]
+
+
+class OnedistError(Exception):
+    """Base class of every exception raised by onedist."""
+
+
+class OnedistValueError(OnedistError, ValueError):
+    """An argument has a value that is not allowed."""
+
+
+class OnedistTypeError(OnedistError, TypeError):
+    """An argument has a type that is not allowed."""
+
+
+class OnedistRuntimeError(OnedistError, RuntimeError):
+    """The distributed context is not in a state that allows the call."""
+
+
+class OnedistTimeoutError(OnedistError, TimeoutError):
+    """Something did not happen within its timeout."""
+
+
+class BackendUnavailableError(OnedistValueError):
+    """The requested backend is unknown or not installed on this machine."""
+
+
+class CollectiveMismatchError(OnedistRuntimeError):
+    """The ranks called a collective with inputs that cannot be combined.
+
+    Raised on every rank of the group with the same message (each rank sees what every rank
+    passed), instead of a hang or an abort deep inside the communication library.
+    """
+
+
+class RemoteRankError(OnedistRuntimeError):
+    """Another rank failed while preparing its part of a collective.
+
+    Attributes:
+        rank: the rank that failed.
+    """
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorkerFailedError(OnedistRuntimeError):
+    """A worker process started by :func:`onedist.spawn` or :class:`onedist.Parallel` failed.
+
+    Attributes:
+        rank: global rank of the worker whose failure came first.
+        local_rank: its local rank.
+        exitcode: its exit code (negative: killed by that signal), or ``None``.
+        remote_traceback: the formatted traceback of its exception, if it raised one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank: int,
+        local_rank: int,
+        exitcode: Optional[int],
+        remote_traceback: Optional[str],
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.local_rank = local_rank
+        self.exitcode = exitcode
+        self.remote_traceback = remote_traceback
+
+
+def _fmt_allowed(allowed: Iterable[Any]) -> str:
+    return ", ".join(repr(a) for a in allowed)
+
+
+def bad_value(
+    func: str, arg: str, value: Any, allowed: str | Iterable[Any], hint: Optional[str] = None
+) -> OnedistValueError:
+    """Build the standard "bad argument value" error (not raised here)."""
+    allowed_text = allowed if isinstance(allowed, str) else _fmt_allowed(allowed)
+    msg = f"onedist.{func}: {arg}={value!r} is not allowed; allowed: {allowed_text}"
+    if hint:
+        msg += f"\nHINT: {hint}"
+    return OnedistValueError(msg)
+
+
+def bad_type(
+    func: str, arg: str, value: Any, allowed: str, hint: Optional[str] = None
+) -> OnedistTypeError:
+    """Build the standard "bad argument type" error (not raised here)."""
+    shown = repr(value)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    msg = f"onedist.{func}: {arg} has type {type(value).__name__} ({shown}); allowed: {allowed}"
+    if hint:
+        msg += f"\nHINT: {hint}"
+    return OnedistTypeError(msg)

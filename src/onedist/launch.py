@@ -1,0 +1,616 @@
+"""Starting worker processes (:func:`spawn`) and running a function distributed (:class:`Parallel`).
+
+Starting processes and initialising a group are separate: :func:`spawn` starts and watches the
+workers, each worker calls :func:`onedist.initialize`; :class:`Parallel` decides whether to spawn,
+only initialise (an external launcher such as torchrun already started the processes), or run
+serially.
+
+Failure handling: every worker reports its exception (type, message, traceback, time) to the
+parent through a pipe. When one fails, the parent collects what arrives within a short grace
+period, stops the others (SIGTERM, then SIGKILL after 3 s) and raises :class:`WorkerFailedError`
+with the failing rank's traceback first. Errors that are only a consequence of another rank's
+death ("Connection closed by peer", ...) are never shown as the cause. Workers die with the parent
+(Linux ``PR_SET_PDEATHSIG``), so a killed parent leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Callable, Optional
+
+from ._net import LOOPBACK, free_port
+from .environments import launched_externally
+from .errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value
+
+__all__ = ["Parallel", "spawn"]
+
+logger = logging.getLogger("onedist")
+
+_START_METHODS = ("spawn", "fork", "forkserver")
+_GRACE_S = 0.3  # wait this long after the first failure for near-simultaneous reports
+_TERM_S = 3.0  # then SIGTERM, and SIGKILL whoever is left after this long
+# messages of errors that are only the consequence of a peer's death
+_PEER_LOST = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket closed",
+    "connection refused",
+    "read error",
+    "remote process exited",
+    "communicator was aborted",
+    "could not send its value",
+)
+
+
+# ============================================================================ worker side
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this worker when the process that started it dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _report(conn: Any, message: tuple[Any, ...]) -> None:
+    try:
+        conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:
+        pass
+
+
+def _worker_main(
+    local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: dict[str, Any], conn: Any
+) -> None:
+    """Entry point of every worker: initialise, run ``fn``, report, finalise."""
+    _die_with_parent(cfg["parent_pid"])
+    os.environ.update(cfg["env"])
+    from .context import finalize, initialize
+
+    try:
+        initialize(
+            cfg["backend"],
+            timeout=cfg["timeout"],
+            init_method=cfg["init_method"],
+            rank=cfg["rank"],
+            world_size=cfg["world_size"],
+        )
+        try:
+            result = fn(local_rank, *args, **kwargs)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+            result = None
+        finalize()
+    except BaseException as e:
+        _report(conn, ("error", time.time(), type(e).__name__, str(e), traceback.format_exc()))
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(1)
+    try:
+        payload = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        logger.warning("onedist.spawn: the return value of local rank %d cannot be pickled (%s); returning None", local_rank, e)
+        payload = pickle.dumps(("ok", None))
+    conn.send_bytes(payload)
+    conn.close()
+
+
+# ============================================================================ parent side
+@dataclass
+class _Worker:
+    rank: int
+    local_rank: int
+    process: Any
+    conn: Any
+    reported: bool = False
+    result: Any = None
+    failure: Optional[_Failure] = None
+
+
+@dataclass
+class _Failure:
+    rank: int
+    local_rank: int
+    pid: Optional[int]
+    when: float
+    exitcode: Optional[int] = None
+    exc_type: Optional[str] = None
+    message: str = ""
+    traceback: Optional[str] = None
+    stopped: bool = False  # stopped by onedist after another worker failed
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def secondary(self) -> bool:
+        if self.stopped or self.exc_type == "RemoteRankError":
+            return True
+        text = f"{self.message}\n{self.traceback or ''}".lower()
+        return any(p in text for p in _PEER_LOST)
+
+    def what(self) -> str:
+        if self.exc_type is not None:
+            return f"failed with {self.exc_type}: {self.message}"
+        if self.exitcode is not None and self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = str(-self.exitcode)
+            return f"was killed by signal {name}"
+        return f"exited with code {self.exitcode} without raising an exception"
+
+    def headline(self) -> str:
+        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) {self.what()}"
+
+
+def _exit_failure(w: _Worker) -> _Failure:
+    code = w.process.exitcode
+    failure = _Failure(w.rank, w.local_rank, w.process.pid, time.time(), exitcode=code)
+    if code == 1:
+        failure.extra.append(
+            "It exited before onedist could run your function. If the script starts workers at "
+            "import time, guard the start with `if __name__ == \"__main__\":` (start_method "
+            "'spawn' re-imports the main module in every worker)."
+        )
+    return failure
+
+
+def _read(w: _Worker) -> None:
+    """Read the worker's report if one is waiting (non-blocking)."""
+    if w.reported:
+        return
+    try:
+        if not w.conn.poll():
+            return
+        msg = pickle.loads(w.conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    except Exception as e:  # the result could not be unpickled here
+        w.reported = True
+        w.failure = _Failure(w.rank, w.local_rank, w.process.pid, time.time(), exc_type=type(e).__name__,
+                             message=f"its return value could not be unpickled in the parent: {e}")
+        return
+    w.reported = True
+    if msg[0] == "ok":
+        w.result = msg[1]
+    else:
+        _, when, exc_type, message, tb = msg
+        w.failure = _Failure(w.rank, w.local_rank, w.process.pid, when, exc_type=exc_type, message=message, traceback=tb)
+
+
+def _stop(workers: list[_Worker]) -> None:
+    alive = [w for w in workers if w.process.is_alive()]
+    for w in alive:
+        try:
+            os.kill(w.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + _TERM_S
+    for w in alive:
+        w.process.join(max(0.0, deadline - time.monotonic()))
+    for w in alive:
+        if w.process.is_alive():
+            try:
+                os.kill(w.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            w.process.join()
+
+
+def _failure_error(workers: list[_Worker]) -> WorkerFailedError:
+    failures = [w.failure for w in workers if w.failure is not None]
+    primary_pool = [f for f in failures if not f.secondary] or failures
+    primary = min(primary_pool, key=lambda f: f.when)
+    lines = [f"onedist: worker {primary.headline()}"]
+    lines.extend(primary.extra)
+    if primary.traceback:
+        lines.append(f"\nTraceback of rank {primary.rank}:\n{primary.traceback.rstrip()}")
+    others = [f for f in failures if f is not primary]
+    if others:
+        lines.append("\nOther workers:")
+        for f in sorted(others, key=lambda f: f.rank):
+            if f.stopped:
+                lines.append(f"  rank {f.rank}: stopped by onedist after rank {primary.rank} failed")
+            elif f.secondary:
+                lines.append(f"  rank {f.rank}: {f.what()} (a consequence of rank {primary.rank}'s failure)")
+            else:
+                lines.append(f"  rank {f.rank}: {f.what()}")
+    return WorkerFailedError(
+        "\n".join(lines), primary.rank, primary.local_rank, primary.exitcode, primary.traceback
+    )
+
+
+def _watch(workers: list[_Worker]) -> list[Any]:
+    """Wait for every worker; on the first failure stop the rest and raise."""
+    pending = {id(w): w for w in workers}
+    first_failure_at: Optional[float] = None
+    while pending:
+        waitables: list[Any] = []
+        for w in pending.values():
+            waitables.append(w.process.sentinel)
+            if not w.reported:
+                waitables.append(w.conn)
+        timeout = None if first_failure_at is None else max(0.0, first_failure_at + _GRACE_S - time.monotonic())
+        ready = multiprocessing.connection.wait(waitables, timeout)
+        for w in list(pending.values()):
+            if w.conn in ready or w.process.sentinel in ready:
+                _read(w)
+            if w.process.sentinel in ready:
+                w.process.join()
+                _read(w)
+                if w.failure is None and (w.process.exitcode != 0 or not w.reported):
+                    w.failure = _exit_failure(w)
+                del pending[id(w)]
+            if w.failure is not None and first_failure_at is None:
+                first_failure_at = time.monotonic()
+        if first_failure_at is not None and time.monotonic() >= first_failure_at + _GRACE_S:
+            for w in pending.values():
+                _read(w)
+                if w.failure is None:
+                    w.failure = _Failure(w.rank, w.local_rank, w.process.pid, time.time(), stopped=True)
+            _stop(list(pending.values()))
+            raise _failure_error(workers)
+    if any(w.failure is not None for w in workers):
+        raise _failure_error(workers)
+    return [w.result for w in workers]
+
+
+def _interactive_main(fn: Callable[..., Any]) -> bool:
+    main = sys.modules.get("__main__")
+    return getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__")
+
+
+def _check_spawn_args(
+    backend: Any,
+    fn: Any,
+    args: Any,
+    kwargs_dict: Any,
+    nproc_per_node: Any,
+    nnodes: Any,
+    node_rank: Any,
+    master_addr: Any,
+    master_port: Any,
+    init_method: Any,
+    start_method: Any,
+) -> None:
+    if not isinstance(backend, str):
+        raise bad_type("spawn", "backend", backend, "str, e.g. 'gloo', 'nccl' or 'auto'")
+    if not callable(fn):
+        raise bad_type("spawn", "fn", fn, "a callable fn(local_rank, *args, **kwargs)")
+    if not isinstance(args, (tuple, list)):
+        raise bad_type("spawn", "args", args, "tuple of positional arguments for fn")
+    if kwargs_dict is not None and not isinstance(kwargs_dict, Mapping):
+        raise bad_type("spawn", "kwargs_dict", kwargs_dict, "dict of keyword arguments for fn, or None")
+    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes), ("node_rank", node_rank)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad_type("spawn", name, value, "int")
+    if nproc_per_node < 1:
+        raise bad_value("spawn", "nproc_per_node", nproc_per_node, "an int >= 1")
+    if nnodes < 1:
+        raise bad_value("spawn", "nnodes", nnodes, "an int >= 1")
+    if not 0 <= node_rank < nnodes:
+        raise bad_value("spawn", "node_rank", node_rank, f"0..{nnodes - 1} (nnodes={nnodes})")
+    if not isinstance(master_addr, str) or not master_addr:
+        raise bad_type("spawn", "master_addr", master_addr, "a host name or IP address (str)")
+    if master_port is not None and (
+        not isinstance(master_port, int) or isinstance(master_port, bool) or not 1 <= master_port <= 65535
+    ):
+        raise bad_value("spawn", "master_port", master_port, "None (pick a free port) or an int in 1..65535")
+    if init_method is not None and (
+        not isinstance(init_method, str) or not init_method.startswith(("env://", "tcp://", "file://"))
+    ):
+        raise bad_value("spawn", "init_method", init_method, "None, 'env://', 'tcp://host:port' or 'file:///path'")
+    if start_method not in _START_METHODS or start_method not in multiprocessing.get_all_start_methods():
+        allowed = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
+        raise bad_value("spawn", "start_method", start_method, allowed)
+    if nnodes > 1 and master_port is None and (init_method is None or init_method.startswith("env://")):
+        raise bad_value(
+            "spawn",
+            "master_port",
+            None,
+            "a port number when nnodes > 1 (every node must use the same one)",
+            hint="pass master_addr=<node 0's address> and master_port=<free port on node 0> on every node",
+        )
+
+
+def spawn(
+    backend: str,
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs_dict: Optional[Mapping[str, Any]] = None,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = LOOPBACK,
+    master_port: Optional[int] = None,
+    init_method: Optional[str] = None,
+    timeout: Any = None,
+    start_method: str = "spawn",
+) -> list[Any]:
+    """Start ``nproc_per_node`` workers on this node, each running ``fn(local_rank, *args, **kwargs_dict)``.
+
+    Each worker initialises ``backend`` (rank ``node_rank * nproc_per_node + local_rank`` of
+    ``nnodes * nproc_per_node``), runs ``fn`` and finalises. The environment variables torchrun sets
+    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT) are set in each worker.
+
+    Args:
+        backend: "gloo", "nccl", "mpi" or "auto".
+        fn: the function; with start_method "spawn" it must be importable (defined at module top
+            level). From a notebook, a function defined in it is run with "fork" automatically when
+            CUDA is not initialised yet.
+        args: positional arguments after ``local_rank``.
+        kwargs_dict: keyword arguments.
+        nproc_per_node: workers on this node (>= 1).
+        nnodes: number of nodes; run the same call on each with its ``node_rank``.
+        node_rank: index of this node.
+        master_addr: address of node 0 (127.0.0.1 for one node).
+        master_port: rendezvous port; None picks a free one (one node only).
+        init_method: None / "env://" (default), "tcp://host:port" or "file:///path".
+        timeout: rendezvous and collective timeout (``timedelta`` or seconds).
+        start_method: "spawn" (default, safe with CUDA), "fork" (fast; no CUDA before it) or
+            "forkserver".
+
+    Returns:
+        Each local rank's return value, in local-rank order (values that cannot be pickled come
+        back as None).
+
+    Raises:
+        WorkerFailedError: a worker raised or died. The message starts with the failing rank and
+            its traceback; the other workers were stopped.
+
+    Example:
+        >>> import onedist as od
+        >>> def train(local_rank, lr):
+        ...     return od.all_reduce(lr, op="MEAN")
+        >>> if __name__ == "__main__":                                   # doctest: +SKIP
+        ...     print(od.spawn("gloo", train, args=(0.1,), nproc_per_node=2))
+        [0.1, 0.1]
+    """
+    _check_spawn_args(
+        backend, fn, args, kwargs_dict, nproc_per_node, nnodes, node_rank,
+        master_addr, master_port, init_method, start_method,
+    )  # fmt: skip
+    from .context import _resolve_backend_name, _timeout, class_for_backend
+
+    name = _resolve_backend_name(backend)
+    if class_for_backend(name) is None:
+        from .context import initialize
+
+        initialize(name)  # raises the standard "not available" error, listing what is
+    td = _timeout("spawn", timeout)
+    if start_method == "spawn" and _interactive_main(fn):
+        import torch
+
+        if torch.cuda.is_initialized():
+            raise OnedistRuntimeError(
+                "onedist.spawn: fn is defined in an interactive session, so 'spawn' cannot import it "
+                "in the workers, and 'fork' is unsafe because CUDA is already initialised here.\n"
+                "HINT: move fn to a .py module and import it, or restart the kernel and call spawn "
+                "before any CUDA call"
+            )
+        logger.info("onedist.spawn: fn is defined interactively; starting workers with 'fork'")
+        start_method = "fork"
+    if start_method != "fork":
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise bad_type(
+                "spawn", "fn", fn, "a function defined at the top level of a module",
+                hint=f"start_method={start_method!r} must pickle fn ({e}); move it to module level, or use start_method='fork'",
+            ) from e  # fmt: skip
+
+    world_size = nnodes * nproc_per_node
+    port = master_port if master_port is not None else free_port(LOOPBACK if master_addr == LOOPBACK else "")
+    ctx = multiprocessing.get_context(start_method)
+    workers: list[_Worker] = []
+    try:
+        for local_rank in range(nproc_per_node):
+            rank = node_rank * nproc_per_node + local_rank
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(nproc_per_node),
+                "GROUP_RANK": str(node_rank),
+                "GROUP_WORLD_SIZE": str(nnodes),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(port),
+            }
+            cfg = {
+                "backend": name,
+                "env": env,
+                "init_method": init_method,
+                "timeout": td,
+                "rank": None if init_method is None or init_method.startswith("env://") else rank,
+                "world_size": None if init_method is None or init_method.startswith("env://") else world_size,
+                "parent_pid": os.getpid(),
+            }
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(local_rank, fn, tuple(args), dict(kwargs_dict or {}), cfg, writer),
+                name=f"onedist-rank{rank}",
+                daemon=False,
+            )
+            proc.start()
+            writer.close()
+            workers.append(_Worker(rank, local_rank, proc, reader))
+        return _watch(workers)
+    except BaseException:
+        _stop(workers)
+        raise
+    finally:
+        for w in workers:
+            w.conn.close()
+
+
+# ============================================================================ Parallel
+class Parallel:
+    """Run a function distributed: spawn workers, only initialise under a launcher, or run serially.
+
+    * ``backend=None``: serial; ``run(fn)`` calls ``fn(0, ...)`` here.
+    * Under an external launcher (torchrun, srun, ... set RANK and WORLD_SIZE) or with a process
+      group already created: initialise (if needed) on ``__enter__``; ``run`` calls
+      ``fn(local_rank, ...)`` here. Spawn arguments, if given, must agree with the launcher.
+    * Else with ``nproc_per_node``: ``run`` spawns the workers (:func:`spawn`).
+    * Else: a group of this one process.
+
+    Args:
+        backend: "gloo", "nccl", "mpi", "auto", or None for serial.
+        nproc_per_node: workers to spawn on this node.
+        nnodes: nodes (spawn mode).
+        node_rank: this node's index (spawn mode).
+        master_addr: node 0's address (spawn mode).
+        master_port: rendezvous port (spawn mode; None picks a free one on one node).
+        init_method: "env://", "tcp://..." or "file://...".
+        **spawn_kwargs: ``timeout`` and ``start_method`` (see :func:`spawn`).
+
+    Example:
+        >>> import onedist as od
+        >>> def training(local_rank, config):
+        ...     print(od.get_rank(), od.get_world_size(), config["lr"])
+        >>> if __name__ == "__main__":                                  # doctest: +SKIP
+        ...     with od.Parallel(backend="gloo", nproc_per_node=2) as parallel:
+        ...         parallel.run(training, {"lr": 0.1})
+
+        The same script under ``torchrun --nproc-per-node 2 script.py`` only initialises.
+    """
+
+    _SPAWN_KWARGS = ("timeout", "start_method")
+
+    def __init__(
+        self,
+        backend: Optional[str] = None,
+        nproc_per_node: Optional[int] = None,
+        nnodes: Optional[int] = None,
+        node_rank: Optional[int] = None,
+        master_addr: Optional[str] = None,
+        master_port: Optional[int] = None,
+        init_method: Optional[str] = None,
+        **spawn_kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(spawn_kwargs) - set(self._SPAWN_KWARGS))
+        if unknown:
+            raise bad_value("Parallel", unknown[0], spawn_kwargs[unknown[0]], "keyword arguments " + ", ".join(self._SPAWN_KWARGS))
+        self.backend = backend
+        self.nproc_per_node = nproc_per_node
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.init_method = init_method
+        self.spawn_kwargs = spawn_kwargs
+        self._initialized_here = False
+        spawn_args = {
+            "nproc_per_node": nproc_per_node, "nnodes": nnodes, "node_rank": node_rank,
+            "master_addr": master_addr, "master_port": master_port,
+        }  # fmt: skip
+        given = {k: v for k, v in spawn_args.items() if v is not None}
+        if backend is None:
+            if given or init_method is not None:
+                first = next(iter(given), "init_method")
+                raise bad_value(
+                    "Parallel", first, given.get(first, init_method), "None when backend is None (serial run)",
+                    hint="pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
+                )  # fmt: skip
+            self.mode = "serial"
+        elif launched_externally(os.environ) or _context_active():
+            self._check_against_launcher(given)
+            self.mode = "external"
+        elif nproc_per_node is not None:
+            self.mode = "spawn"
+        else:
+            if given:
+                first = next(iter(given))
+                raise bad_value("Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)")
+            self.mode = "external"
+
+    @staticmethod
+    def _check_against_launcher(given: dict[str, Any]) -> None:
+        env = os.environ
+        expected = {
+            "nproc_per_node": env.get("LOCAL_WORLD_SIZE"),
+            "nnodes": env.get("GROUP_WORLD_SIZE"),
+            "node_rank": env.get("GROUP_RANK"),
+            "master_addr": env.get("MASTER_ADDR"),
+            "master_port": env.get("MASTER_PORT"),
+        }
+        for key, value in given.items():
+            known = expected.get(key)
+            if known is not None and str(value) != known:
+                raise bad_value(
+                    "Parallel", key, value, f"{known!r}, the value the launcher that started this process set",
+                    hint="an external launcher (torchrun, srun, ...) already started the processes; drop the "
+                    "spawn arguments or make them match",
+                )  # fmt: skip
+
+    def __enter__(self) -> Parallel:
+        if self.mode == "external" and not _context_active():
+            from .context import initialize
+
+            initialize(self.backend, timeout=self.spawn_kwargs.get("timeout"), init_method=self.init_method)  # type: ignore[arg-type]
+            self._initialized_here = True
+        return self
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(local_rank, *args, **kwargs)`` in the mode this object chose.
+
+        Returns:
+            ``fn``'s return value (in spawn mode: local rank 0's).
+        """
+        if self.mode == "serial":
+            return fn(0, *args, **kwargs)
+        if self.mode == "external":
+            from .context import get_local_rank
+
+            return fn(get_local_rank(), *args, **kwargs)
+        results = spawn(
+            self.backend,  # type: ignore[arg-type]
+            fn,
+            args=args,
+            kwargs_dict=kwargs,
+            nproc_per_node=self.nproc_per_node,  # type: ignore[arg-type]
+            nnodes=self.nnodes or 1,
+            node_rank=self.node_rank or 0,
+            master_addr=self.master_addr or LOOPBACK,
+            master_port=self.master_port,
+            init_method=self.init_method,
+            **self.spawn_kwargs,
+        )
+        return results[0]
+
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        if self._initialized_here:
+            from .context import finalize
+
+            finalize()
+            self._initialized_here = False
+
+
+def _context_active() -> bool:
+    from .backends import external_context_active
+
+    return external_context_active()

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import pytest
+
+from distpool import DistPool
+
+WORLDS = ["serial", 1, 2, 3, 4]
+
+_pools: dict[int, DistPool] = {}
+
+
+def _pool(world_size: int) -> DistPool:
+    pool = _pools.get(world_size)
+    if pool is None or pool.broken:
+        pool = _pools[world_size] = DistPool(world_size)
+    return pool
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_pools():
+    yield
+    for pool in _pools.values():
+        pool.close()
+
+
+class Runner:
+    """Runs a check on every rank of a world: in this process ("serial") or in a shared pool."""
+
+    def __init__(self, world: Any) -> None:
+        self.world = world
+        self.world_size = 1 if world == "serial" else int(world)
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
+        if self.world == "serial":
+            return [fn(*args)]
+        return _pool(self.world_size).run(fn, *args, timeout=timeout)
+
+    def __repr__(self) -> str:
+        return f"Runner({self.world})"
+
+
+@pytest.fixture(params=WORLDS, ids=lambda w: "serial" if w == "serial" else f"ws{w}")
+def world(request: pytest.FixtureRequest) -> Runner:
+    return Runner(request.param)
+
+
+@pytest.fixture(params=[2, 3], ids=lambda w: f"ws{w}")
+def multi(request: pytest.FixtureRequest) -> Runner:
+    """Only world sizes where ranks really differ."""
+    return Runner(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value

@@ -1,0 +1,107 @@
+"""A pool of real gloo worker processes, shared by the tests of one world size.
+
+Each worker initialises onedist with ``init_method="tcp://..."`` and an explicit rank and world
+size, and no launcher variables (LOCAL_RANK, ...) in its environment, so the layout queries are
+answered from what the ranks published, not from the environment. A check is a module-level
+function; :meth:`DistPool.run` calls it on every rank and returns the per-rank results, or raises
+with every failing rank's traceback. A check that hangs is a failure: the pool is killed after
+``timeout`` seconds and a fresh one is made for the next test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+from onedist._net import free_port
+
+_CTX = mp.get_context("fork")  # workers start in ~0.1 s instead of re-importing torch
+
+
+def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
+    import onedist as od
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    od.initialize("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=120)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(*args)))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+    od.finalize()
+    conn.close()
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+class DistPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        port = free_port()
+        self.conns = []
+        self.procs = []
+        for rank in range(world_size):
+            parent, child = _CTX.Pipe()
+            p = _CTX.Process(target=_serve, args=(rank, world_size, port, child), daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
+        if self.broken:
+            raise CheckFailed("pool is broken")
+        for c in self.conns:
+            c.send((fn, args))
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = set(range(self.world_size))
+        while pending:
+            # once a rank failed, give the others a few seconds, then consider them stuck
+            limit = deadline if not errors else min(deadline, first_error + 5.0)
+            progressed = False
+            for r in sorted(pending):
+                if self.conns[r].poll(0.01):
+                    status, value = self.conns[r].recv()
+                    pending.discard(r)
+                    progressed = True
+                    if status == "ok":
+                        results[r] = value
+                    else:
+                        if not errors:
+                            first_error = time.monotonic()
+                        errors[r] = value
+            if not progressed and time.monotonic() > limit:
+                self.close()
+                for r in pending:
+                    errors[r] = f"rank {r} did not finish within the time limit (hung)"
+                break
+        if errors:
+            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise CheckFailed(f"{fn.__name__} failed on ranks {sorted(errors)}:\n{text}")
+        return results
+
+    def close(self) -> None:
+        self.broken = True
+        for c in self.conns:
+            try:
+                c.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join()

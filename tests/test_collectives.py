@@ -1,0 +1,82 @@
+"""Every query, collective and helper, checked on real gloo process groups of 1-4 ranks and serially."""
+
+from __future__ import annotations
+
+import checks
+
+
+def test_queries(world):
+    out = world(checks.check_queries)
+    assert [o["rank"] for o in out] == list(range(world.world_size))
+
+
+def test_all_reduce_every_op_and_dtype(world):
+    world(checks.check_all_reduce_ops_and_dtypes)
+
+
+def test_all_reduce_layout_device_inplace_async(world):
+    world(checks.check_all_reduce_layout_device_inplace_async)
+
+
+def test_all_reduce_numbers_are_exact(world):
+    world(checks.check_all_reduce_numbers_exact)
+
+
+def test_all_reduce_nested_one_collective_per_dtype(world):
+    world(checks.check_all_reduce_nested_one_collective_per_dtype)
+
+
+def test_reduce(world):
+    world(checks.check_reduce)
+
+
+def test_all_gather_tensors_even_and_uneven(world):
+    world(checks.check_all_gather_tensors)
+
+
+def test_all_gather_numbers_strings_objects_nested(world):
+    world(checks.check_all_gather_values)
+
+
+def test_all_gather_mismatch_raises_on_every_rank(multi):
+    assert multi(checks.check_all_gather_mismatch_raises_everywhere) == ["ok"] * multi.world_size
+
+
+def test_broadcast(world):
+    world(checks.check_broadcast)
+
+
+def test_broadcast_source_error_reaches_every_rank(multi):
+    multi(checks.check_broadcast_source_error)
+
+
+def test_gather(world):
+    world(checks.check_gather)
+
+
+def test_scatter(world):
+    world(checks.check_scatter)
+
+
+def test_groups_barrier_local_group(world):
+    world(checks.check_groups)
+
+
+def test_send_recv(world):
+    world(checks.check_p2p)
+
+
+def test_helpers(world, tmp_path):
+    world(checks.check_helpers, str(tmp_path))
+
+
+def test_one_rank_first_failure_reaches_waiting_ranks(multi):
+    multi(checks.check_one_rank_first_failure)
+
+
+def test_logger_rank_filter(world, tmp_path):
+    world(checks.check_logger, str(tmp_path / "log"))
+
+
+def test_all_gather_object_returns_one_entry_per_rank(world):
+    world(checks.check_all_gather_object)

@@ -1,0 +1,173 @@
+"""spawn / Parallel with real worker processes, failure propagation, and torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import onedist as od
+
+import workers
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_spawn_returns_every_local_rank_result():
+    out = od.spawn("gloo", workers.report, args=("x",), nproc_per_node=4, start_method="fork")
+    assert [o["local_rank_arg"] for o in out] == [0, 1, 2, 3]
+    assert all(o["world_size"] == 4 and o["sum"] == 6 and o["nproc_per_node"] == 4 for o in out)
+    assert len({o["pid"] for o in out}) == 4 and os.getpid() not in {o["pid"] for o in out}
+
+
+@pytest.mark.launcher
+def test_spawn_with_start_method_spawn_imports_the_function():
+    out = od.spawn("gloo", workers.report, kwargs_dict={"tag": "s"}, nproc_per_node=2, start_method="spawn")
+    assert [o["rank"] for o in out] == [0, 1] and out[0]["tag"] == "s"
+
+
+@pytest.mark.parametrize(
+    "how, headline",
+    [
+        ("raise", "rank 1 (local rank 1, pid {pid}) failed with ValueError: boom on rank 1"),
+        ("exit", "rank 1 (local rank 1, pid {pid}) exited with code 3"),
+        ("kill", "rank 1 (local rank 1, pid {pid}) was killed by signal SIGKILL"),
+    ],
+)
+def test_a_failing_worker_stops_the_others_and_is_reported_first(how, headline):
+    t0 = time.monotonic()
+    with pytest.raises(od.WorkerFailedError) as e:
+        od.spawn("gloo", workers.fail_on, args=(1, how), nproc_per_node=3, start_method="fork", timeout=120)
+    elapsed = time.monotonic() - t0
+    err = e.value
+    assert err.rank == 1 and err.local_rank == 1
+    first_line = str(err).splitlines()[0]
+    assert first_line.startswith("onedist: worker rank 1 (local rank 1, pid "), first_line
+    assert headline.split("pid {pid})")[1] in first_line
+    if how == "raise":
+        assert "Traceback of rank 1" in str(err) and "in fail_on" in str(err)
+        assert 'raise ValueError(f"boom on rank {bad_rank}")' in err.remote_traceback
+    else:
+        assert err.exitcode == (3 if how == "exit" else -9)
+    assert "rank 0:" in str(err) and "rank 2:" in str(err)  # the others are accounted for
+    assert elapsed < 30, elapsed  # the waiting ranks were not left to the 120 s timeout
+
+
+def test_system_exit_zero_is_success():
+    assert od.spawn("gloo", workers.exit_zero, nproc_per_node=2, start_method="fork") == [None, None]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"nproc_per_node": 0}, r"nproc_per_node=0 is not allowed; allowed: an int >= 1"),
+        ({"nproc_per_node": "2"}, "nproc_per_node has type str"),
+        ({"nnodes": 2, "node_rank": 2, "master_port": 1234}, r"node_rank=2 is not allowed; allowed: 0..1"),
+        ({"nnodes": 2}, r"master_port=None is not allowed.*nnodes > 1"),
+        ({"master_port": 70000}, "master_port=70000"),
+        ({"start_method": "thread"}, "start_method='thread'"),
+        ({"init_method": "udp://x"}, "init_method='udp://x'"),
+        ({"args": 3}, "args has type int"),
+    ],
+)
+def test_spawn_bad_arguments(kwargs, match):
+    with pytest.raises((od.OnedistValueError, od.OnedistTypeError), match=match):
+        od.spawn("gloo", workers.report, **kwargs)
+
+
+def test_spawn_unpicklable_function_says_how_to_fix():
+    with pytest.raises(od.OnedistTypeError, match="(?s)fn has type function.*module level.*fork"):
+        od.spawn("gloo", lambda i: i, nproc_per_node=2, start_method="spawn")
+    with pytest.raises(od.BackendUnavailableError, match="xla-tpu"):
+        od.spawn("xla-tpu", workers.report)
+
+
+def test_parallel_modes_serial_spawn_and_errors():
+    with od.Parallel(backend=None) as p:
+        assert p.mode == "serial"
+        assert p.run(lambda i, x: (i, x, od.get_world_size()), 5) == (0, 5, 1)
+    with od.Parallel(backend="gloo", nproc_per_node=2, start_method="fork") as p:
+        assert p.mode == "spawn"
+        res = p.run(workers.report, "par")
+        assert res["rank"] == 0 and res["world_size"] == 2 and res["tag"] == "par"
+    with od.Parallel(backend="gloo") as p:  # no launcher, no nproc: a group of one process
+        assert p.run(lambda i: (i, od.get_world_size(), od.backend())) == (0, 1, "gloo")
+    assert od.model_name() == "serial"
+    with pytest.raises(od.OnedistValueError, match="nproc_per_node=2 is not allowed.*serial"):
+        od.Parallel(backend=None, nproc_per_node=2)
+    with pytest.raises(od.OnedistValueError, match="stat_method"):
+        od.Parallel(backend="gloo", stat_method="fork")
+    with pytest.raises(od.WorkerFailedError, match="boom on rank 0"):
+        with od.Parallel(backend="gloo", nproc_per_node=2, start_method="fork") as p:
+            p.run(workers.fail_on, 0, "raise")
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import onedist as od
+
+    def main(local_rank, out):
+        info = {"local_rank": local_rank, "rank": od.get_rank(), "world_size": od.get_world_size(),
+                "nproc": od.get_nproc_per_node(), "sum": od.all_reduce(1),
+                "ranks": od.all_gather(od.get_rank()).tolist()}
+        with open(f"{out}/{od.get_rank()}.json", "w") as f:
+            json.dump(info, f)
+
+    if __name__ == "__main__":
+        with od.Parallel(backend="gloo", nproc_per_node=2) as parallel:
+            assert parallel.mode == sys.argv[2], parallel.mode
+            parallel.run(main, sys.argv[1])
+    """
+)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_same_script_under_python_and_torchrun(launcher, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(od._net.free_port()), str(script), str(tmp_path), "external"]  # fmt: skip
+    else:
+        cmd = [sys.executable, str(script), str(tmp_path), "spawn"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    infos = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert [i["local_rank"] for i in infos] == [0, 1]
+    assert all(i["world_size"] == 2 and i["nproc"] == 2 and i["sum"] == 2 and i["ranks"] == [0, 1] for i in infos)
+
+
+@pytest.mark.launcher
+def test_worker_error_under_python_script_exits_nonzero_with_rank_traceback(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import onedist as od
+            import torch
+
+            def main(local_rank):
+                if od.get_rank() == 1:
+                    raise RuntimeError("disk full on rank 1")
+                od.all_reduce(torch.ones(1))
+
+            if __name__ == "__main__":
+                with od.Parallel(backend="gloo", nproc_per_node=2) as p:
+                    p.run(main)
+            """
+        )
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "WorkerFailedError: onedist: worker rank 1 (local rank 1" in proc.stderr
+    assert "RuntimeError: disk full on rank 1" in proc.stderr

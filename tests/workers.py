@@ -1,0 +1,69 @@
+"""Worker functions for spawn / Parallel tests (module level, so 'spawn' can import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import onedist as od
+
+
+def report(local_rank: int, tag: str = "") -> dict:
+    return {
+        "tag": tag,
+        "local_rank_arg": local_rank,
+        "rank": od.get_rank(),
+        "world_size": od.get_world_size(),
+        "local_rank": od.get_local_rank(),
+        "nproc_per_node": od.get_nproc_per_node(),
+        "nnodes": od.get_nnodes(),
+        "node_rank": od.get_node_rank(),
+        "backend": od.backend(),
+        "sum": od.all_reduce(od.get_rank()),
+        "gathered": od.all_gather(od.get_rank()).tolist(),
+        "pid": os.getpid(),
+    }
+
+
+def fail_on(local_rank: int, bad_rank: int, how: str) -> None:
+    if od.get_rank() == bad_rank:
+        time.sleep(0.2)
+        if how == "raise":
+            raise ValueError(f"boom on rank {bad_rank}")
+        if how == "exit":
+            os._exit(3)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    od.all_reduce(torch.ones(1))  # the others wait here for the failed rank
+    od.barrier()
+
+
+def exit_zero(local_rank: int) -> str:
+    raise SystemExit(0)
+
+
+def user_group(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """A process group made by the user (no onedist call before), under torch.multiprocessing."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if rank == 1:
+        # first onedist query on one rank only, while rank 0 is busy: must not block
+        t0 = time.monotonic()
+        info = (od.get_rank(), od.get_world_size(), od.backend(), od.model_name())
+        elapsed = time.monotonic() - t0
+        with open(os.path.join(out_dir, "first_query"), "w") as f:
+            f.write(f"{info}|{elapsed:.3f}")
+    dist.barrier()  # rank 0 arrives here only now: rank 1's queries did not need it
+    od.sync()  # every rank publishes its node
+    dist.barrier()
+    if rank == world_size - 1:  # local layout asked by one rank alone: no collective needed
+        with open(os.path.join(out_dir, "layout"), "w") as f:
+            f.write(repr((od.get_local_rank(), od.get_nproc_per_node(), od.get_nnodes(), od.get_node_rank())))
+    assert od.all_reduce(1) == world_size
+    assert od.all_gather(rank).tolist() == list(range(world_size))
+    dist.barrier()
+    dist.destroy_process_group()
+    assert od.get_world_size() == 1 and od.model_name() == "serial"  # noticed the destroy
