@@ -521,3 +521,36 @@ def check_all_gather_object() -> None:
     assert all(torch.equal(o["t"], torch.arange(q + 1)) for q, o in enumerate(out))
     assert od.all_gather_object(torch.ones(r + 1)) [0].shape == (1,)
     assert od.all_gather_object((r, "x")) == [(q, "x") for q in range(w)]
+
+
+def check_argument_errors() -> None:
+    r, w = rw()
+    x = torch.ones(2)
+    with pytest.raises(od.OnedistValueError, match=r"op='FOO' is not allowed; allowed: 'SUM', 'PRODUCT'"):
+        od.all_reduce(x, op="FOO")
+    with pytest.raises(od.OnedistTypeError, match="op='AND' needs bool or integer"):
+        od.all_reduce(x, op="AND")
+    with pytest.raises(od.OnedistTypeError, match="op='AND' needs bool or int values, got the float"):
+        od.all_reduce(0.5, op="AND")
+    with pytest.raises(od.OnedistTypeError, match="complex"):
+        od.all_reduce(torch.ones(1, dtype=torch.complex64), op="MAX")
+    with pytest.raises(od.OnedistTypeError, match="inplace=True needs a floating-point"):
+        od.all_reduce(torch.ones(1, dtype=torch.int64), op="MEAN", inplace=True)
+    with pytest.raises(od.OnedistTypeError, match=r"tensor has type str"):
+        od.all_reduce("text")
+    for fn, kw in ((od.broadcast, "src"), (od.reduce, "dst"), (od.gather, "dst"), (od.scatter, "src")):
+        with pytest.raises(od.OnedistValueError, match=rf"{kw}={w} is not allowed; allowed: a global rank in 0..{w - 1}"):
+            fn(x, **{kw: w})
+        with pytest.raises(od.OnedistTypeError, match=rf"{kw} has type str"):
+            fn(x, **{kw: "0"})
+    if w > 1:
+        with pytest.raises(od.OnedistValueError, match=r"src=1 is not allowed; allowed: a rank of the group \[0\]"):
+            od.broadcast(x, src=1, group=[0])
+    with pytest.raises(od.OnedistTypeError, match="safe_mode has type int"):
+        od.broadcast(x, safe_mode=1)
+    with pytest.raises(od.OnedistTypeError, match="recv: tensor has type list"):
+        od.recv([1])
+    with pytest.raises(od.OnedistTypeError, match="isend: tensor has type dict"):
+        od.isend({}, dst=0)
+    with pytest.raises(od.OnedistValueError, match="new_group: ranks=\\[\\] is not allowed"):
+        od.new_group([])

@@ -22,7 +22,11 @@ _CTX = mp.get_context("fork")  # workers start in ~0.1 s instead of re-importing
 
 
 def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
+    import torch
+
     import onedist as od
+
+    torch.set_num_threads(1)  # forked after the parent may have used OpenMP (libgomp would hang)
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"):
         os.environ.pop(name, None)

@@ -80,3 +80,7 @@ def test_logger_rank_filter(world, tmp_path):
 
 def test_all_gather_object_returns_one_entry_per_rank(world):
     world(checks.check_all_gather_object)
+
+
+def test_bad_arguments_raise_clear_errors_without_communicating(world):
+    world(checks.check_argument_errors)

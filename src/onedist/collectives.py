@@ -106,21 +106,14 @@ def _check_ranks(func: str, arg: str, ranks: Any, world_size: int) -> tuple[int,
     return tuple(sorted(seen))
 
 
-def _resolve_group(func: str, b: Backend, group: GroupLike) -> Any:
-    if group is None:
-        return None
-    if isinstance(group, (list, tuple, range)):
-        return b.new_group(_check_ranks(func, "group", group, b.world_size))
-    return group
-
-
-def _check_peer(func: str, arg: str, value: Any, b: Backend, group: Any) -> None:
+def _check_peer(func: str, arg: str, value: Any, b: Backend, ranks: Optional[Sequence[int]]) -> None:
+    """Validate a global ``src``/``dst``; ``ranks``: the group's ranks (None: the world, (): unknown)."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise bad_type(func, arg, value, "int (a global rank)")
     if not 0 <= value < b.world_size:
         raise bad_value(func, arg, value, f"a global rank in 0..{b.world_size - 1}")
-    if group is not None and value not in b.group_ranks(group):
-        raise bad_value(func, arg, value, f"a rank of the group {list(b.group_ranks(group))}")
+    if ranks and value not in ranks:
+        raise bad_value(func, arg, value, f"a rank of the group {list(ranks)}")
 
 
 # ============================================================================ async results
@@ -203,10 +196,10 @@ def all_reduce(
     if group is None:
         g, size = None, b.world_size
     else:
-        g = _resolve_group("all_reduce", b, group)
-        if b.group_rank(g) < 0:
+        g, me, ranks = _members("all_reduce", b, group)
+        if me < 0:
             return _done(tensor, async_op)
-        size = len(b.group_ranks(g))
+        size = len(ranks)
     if isinstance(tensor, torch.Tensor):
         return _reduce_tensor(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
     return _reduce_tree(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
@@ -238,11 +231,11 @@ def reduce(
     """
     b = current()
     opn = _op_name("reduce", op)
-    g = _resolve_group("reduce", b, group)
-    _check_peer("reduce", "dst", dst, b, g)
-    if b.group_rank(g) < 0:
+    g, me, ranks = _members("reduce", b, group)
+    _check_peer("reduce", "dst", dst, b, ranks)
+    if me < 0:
         return _done(tensor, async_op)
-    size = len(b.group_ranks(g))
+    size = len(ranks)
     if isinstance(tensor, torch.Tensor):
         return _reduce_tensor(b, "reduce", tensor, opn, g, size, dst, async_op, False)
     return _reduce_tree(b, "reduce", tensor, opn, g, size, dst, async_op, False)
@@ -625,12 +618,15 @@ def _slices(buf: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torc
 
 
 def _members(func: str, b: Backend, group: GroupLike) -> tuple[Any, int, tuple[int, ...]]:
-    """(group handle, my group rank or -1, the group's global ranks)."""
+    """(group handle, my group rank or -1, the group's global ranks; () when unknown here)."""
     if group is None:
         return None, b.rank, tuple(range(b.world_size))
-    g = _resolve_group(func, b, group)
-    me = b.group_rank(g)
-    return g, me, (b.group_ranks(g) if me >= 0 else ())
+    if isinstance(group, (list, tuple, range)):
+        ranks = _check_ranks(func, "group", group, b.world_size)
+        g = b.new_group(ranks)
+        return g, (ranks.index(b.rank) if b.rank in ranks else -1), ranks
+    me = b.group_rank(group)
+    return group, me, (b.group_ranks(group) if me >= 0 else ())
 
 
 def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False) -> Any:
@@ -868,7 +864,7 @@ def broadcast(
     g, me, ranks = _members("broadcast", b, group)
     if not isinstance(safe_mode, bool):
         raise bad_type("broadcast", "safe_mode", safe_mode, "bool")
-    _check_peer("broadcast", "src", src, b, g)
+    _check_peer("broadcast", "src", src, b, ranks)
     if me < 0:
         return _done(tensor, async_op)
     is_src = b.rank == src
@@ -943,7 +939,7 @@ def gather(data: Any, dst: int = 0, group: GroupLike = None) -> list[Any]:
     """
     b = current()
     g, me, ranks = _members("gather", b, group)
-    _check_peer("gather", "dst", dst, b, g)
+    _check_peer("gather", "dst", dst, b, ranks)
     if me < 0:
         return []
     size = len(ranks)
@@ -1006,7 +1002,7 @@ def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None
     """
     b = current()
     g, me, ranks = _members("scatter", b, group)
-    _check_peer("scatter", "src", src, b, g)
+    _check_peer("scatter", "src", src, b, ranks)
     if me < 0:
         return None
     size = len(ranks)
@@ -1132,8 +1128,8 @@ def send(tensor: Any, dst: int, group: GroupLike = None, tag: int = 0) -> None:
         ...     state = od.recv(src=0)
     """
     b = current()
-    g = _resolve_group("send", b, group)
-    _check_peer("send", "dst", dst, b, g)
+    g, _, ranks = _members("send", b, group)
+    _check_peer("send", "dst", dst, b, ranks)
     if dst == b.rank:
         raise bad_value("send", "dst", dst, "a rank other than this process's own")
     if isinstance(tensor, torch.Tensor):
@@ -1171,9 +1167,9 @@ def recv(tensor: Optional[torch.Tensor] = None, src: Optional[int] = None, group
         ...     od.recv(buf, src=0)
     """
     b = current()
-    g = _resolve_group("recv", b, group)
+    g, _, ranks = _members("recv", b, group)
     if src is not None:
-        _check_peer("recv", "src", src, b, g)
+        _check_peer("recv", "src", src, b, ranks)
     if tensor is not None and not isinstance(tensor, torch.Tensor):
         raise bad_type("recv", "tensor", tensor, "a tensor to receive into, or None to receive an object")
     if tensor is not None:
@@ -1202,8 +1198,8 @@ def isend(tensor: torch.Tensor, dst: int, group: GroupLike = None, tag: int = 0)
         >>> handle.wait()
     """
     b = current()
-    g = _resolve_group("isend", b, group)
-    _check_peer("isend", "dst", dst, b, g)
+    g, _, ranks = _members("isend", b, group)
+    _check_peer("isend", "dst", dst, b, ranks)
     if not isinstance(tensor, torch.Tensor):
         raise bad_type("isend", "tensor", tensor, "a tensor (use send for objects)")
     dev = b.comm_device(tensor.device, "send")
@@ -1221,9 +1217,9 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupLike = No
         >>> tensor = handle.wait()
     """
     b = current()
-    g = _resolve_group("irecv", b, group)
+    g, _, ranks = _members("irecv", b, group)
     if src is not None:
-        _check_peer("irecv", "src", src, b, g)
+        _check_peer("irecv", "src", src, b, ranks)
     if not isinstance(tensor, torch.Tensor):
         raise bad_type("irecv", "tensor", tensor, "a tensor to receive into")
     dev = b.comm_device(tensor.device, "recv")

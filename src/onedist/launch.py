@@ -82,6 +82,13 @@ def _worker_main(
     """Entry point of every worker: initialise, run ``fn``, report, finalise."""
     _die_with_parent(cfg["parent_pid"])
     os.environ.update(cfg["env"])
+    if cfg["forked"]:
+        import torch
+
+        # A forked child inherits the parent's OpenMP thread pool in a broken state (libgomp):
+        # its first parallel region would hang if the parent ever ran one. One thread avoids
+        # parallel regions; OMP_NUM_THREADS, when the user set it, is honoured.
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from .context import finalize, initialize
 
     try:
@@ -421,6 +428,11 @@ def spawn(
             ) from e  # fmt: skip
 
     world_size = nnodes * nproc_per_node
+    threads: dict[str, str] = {}
+    if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # as torchrun does: N processes with all cores each would oversubscribe the machine
+        threads["OMP_NUM_THREADS"] = "1"
+        logger.info("onedist.spawn: OMP_NUM_THREADS=1 in each worker (set it to override)")
     port = master_port if master_port is not None else free_port(LOOPBACK if master_addr == LOOPBACK else "")
     ctx = multiprocessing.get_context(start_method)
     workers: list[_Worker] = []
@@ -436,6 +448,7 @@ def spawn(
                 "GROUP_WORLD_SIZE": str(nnodes),
                 "MASTER_ADDR": master_addr,
                 "MASTER_PORT": str(port),
+                **threads,
             }
             cfg = {
                 "backend": name,
@@ -445,6 +458,7 @@ def spawn(
                 "rank": None if init_method is None or init_method.startswith("env://") else rank,
                 "world_size": None if init_method is None or init_method.startswith("env://") else world_size,
                 "parent_pid": os.getpid(),
+                "forked": start_method == "fork",
             }
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
