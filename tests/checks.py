@@ -183,6 +183,14 @@ def check_all_reduce_nested_one_collective_per_dtype() -> None:
     assert list(out) == order  # the caller's key order is kept
     for i, k in enumerate(keys):
         assert out[k] == i + (w - 1) / 2
+    tensor_metrics = {k: torch.tensor(float(i + r)) for i, k in enumerate(keys)}
+    with count_primitives() as counts:
+        out = od.all_reduce(tensor_metrics)
+    assert counts["all_reduce_"] == 1, counts
+    assert all(torch.equal(out[k], torch.tensor(float(i * w + sum(range(w))))) for i, k in enumerate(keys))
+    mixed_shapes = [torch.ones(2) * r, torch.ones(3, 1) * r, torch.tensor(float(r))]
+    out = od.all_reduce(mixed_shapes, op="MAX")
+    assert [t.shape for t in out] == [(2,), (3, 1), ()] and all(torch.all(t == w - 1) for t in out)
     nested = {
         "loss": torch.tensor(float(r)),
         "counts": [r, 2 * r, torch.tensor([r, r], dtype=torch.int64)],

@@ -362,7 +362,7 @@ class NativeBackend(Backend):
     def all_gather_into_(
         self, out: torch.Tensor, t: torch.Tensor, group: Any, async_op: bool
     ) -> Optional[Work]:
-        return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)  # type: ignore[no-any-return]
+        return _all_gather_single(out, t, group=group, async_op=async_op)  # type: ignore[no-any-return]
 
     def all_to_all_single_(
         self,
@@ -396,6 +396,8 @@ class NativeBackend(Backend):
 
 
 _CPU = torch.device("cpu")
+# torch >= 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _set_env(name: str, value: str, env_set: dict[str, Optional[str]]) -> None:
