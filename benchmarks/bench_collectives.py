@@ -7,7 +7,8 @@ repetitions (raw, onedist, raw, onedist, ...), and the report gives medians and 
     python benchmarks/bench_collectives.py --world-size 4 --json out.json
 
 Cases
-  small all_reduce     one float32, per-call latency; raw = dist.all_reduce in place
+  small all_reduce     one float32, per-call latency; raw = dist.all_reduce in place, compared with
+                       onedist inplace=True; "raw + clone" (input kept) with onedist's default
   large all_reduce     16/64/128 MB float32; onedist with inplace=True (same semantics as raw) and
                        with the default (returns a new tensor, input untouched)
   dict of 100 metrics  100 0-dim tensors; raw = torch.stack + one all_reduce + unbind (by hand);
@@ -105,10 +106,16 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
     # -- small all_reduce latency
     t = torch.ones(1)
+    def raw_new_tensor() -> torch.Tensor:
+        out = t.clone()
+        dist.all_reduce(out)
+        return out
+
     variants: dict[str, Callable[[], Any]] = {
         "raw": lambda: dist.all_reduce(t),
-        "onedist": lambda: od.all_reduce(t),
         "onedist inplace": lambda: od.all_reduce(t, inplace=True),
+        "raw + clone": raw_new_tensor,
+        "onedist (new tensor)": lambda: od.all_reduce(t),
     }
     if idist is not None:
         variants["ignite"] = lambda: idist.all_reduce(t)

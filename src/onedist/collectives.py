@@ -31,7 +31,7 @@ import torch
 
 from . import _wire as W
 from .backends import Backend, Work
-from .context import current
+from .context import _state, current
 from .errors import (
     CollectiveMismatchError,
     OnedistTypeError,
@@ -66,7 +66,8 @@ _OP_NAMES = {
     "MEAN": "MEAN", "AVERAGE": "MEAN", "AVG": "MEAN",
 }  # fmt: skip
 _ALLOWED_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AND", "OR", "MEAN")
-_CHECKED_OPS = frozenset({"AND", "OR"})  # ops with dtype restrictions beyond complex numbers
+_CHECKED_OPS = frozenset({"AND", "OR"})
+_PLAIN_OPS = frozenset({"SUM", "PRODUCT", "MIN", "MAX"})  # ops with dtype restrictions beyond complex numbers
 
 GroupLike = Union[None, Sequence[int], Any]
 
@@ -194,9 +195,28 @@ def all_reduce(
         >>> od.all_reduce({"loss": 0.5, "correct": 3}, op="MEAN")
         {'loss': 0.5, 'correct': 3.0}
     """
-    b = current()
-    opn = _op_name("all_reduce", op)
+    b = _state.backend
+    if b.is_stale():
+        b = current()
+    opn = _OP_NAMES.get(op) if op.__class__ is str else None
+    if opn is None:
+        opn = _op_name("all_reduce", op)
     if group is None:
+        # fast path: a CPU tensor the backend reduces as it is, synchronously, with a plain op
+        if (
+            tensor.__class__ is torch.Tensor
+            and not async_op
+            and opn in _PLAIN_OPS
+            and tensor.is_cpu
+            and tensor.dtype in b.cpu_reduce_dtypes
+        ):
+            if not inplace:
+                buf = tensor.detach().clone(memory_format=torch.contiguous_format)
+                b.all_reduce_(buf, opn, None, False)
+                return buf
+            if tensor.is_contiguous():
+                b.all_reduce_(tensor, opn, None, False)
+                return tensor
         g, size = None, b.world_size
     else:
         g, me, ranks = _members("all_reduce", b, group)
@@ -654,18 +674,50 @@ def _my_blocks(packed: Optional[W.Packed], inline: int, ch: _Channels, obj_len: 
     return block, tblock
 
 
+# Uneven round 2 with blocks this large goes over concurrent isend/irecv with every peer: no
+# repeated input (all_to_all_single needs the block once per peer) and, on gloo, about 2x faster at
+# 4 MB+ (benchmarks/bench_collectives.py). The tag keeps it apart from the user's own p2p traffic.
+_P2P_MIN_BYTES = 256 * 1024
+_EXCHANGE_TAG = 0x6F6E64
+
+
 def _gather_bytes(
-    b: Backend, group: Any, dev: torch.device, block: torch.Tensor, sizes: list[int], async_op: bool
-) -> tuple[Optional[torch.Tensor], Optional[Work]]:
+    b: Backend,
+    group: Any,
+    ranks: Sequence[int],
+    me: int,
+    dev: torch.device,
+    block: torch.Tensor,
+    sizes: list[int],
+    async_op: bool,
+) -> tuple[Optional[torch.Tensor], list[Optional[Work]]]:
     """Every rank's block, concatenated in group-rank order; exact sizes, no padding."""
     total = sum(sizes)
     if total == 0:
-        return None, None
+        return None, []
     out = torch.empty(total, dtype=_U8, device=dev)
     if all(s == sizes[0] for s in sizes):
-        return out, b.all_gather_into_(out, block, group, async_op)
+        return out, [b.all_gather_into_(out, block, group, async_op)]
+    if max(sizes) >= _P2P_MIN_BYTES:
+        views = _slices(out, sizes)
+        mine = views[me]
+        assert mine is not None
+        mine.copy_(block)
+        works: list[Optional[Work]] = []
+        for i, peer in enumerate(ranks):
+            if i != me:
+                if block.numel():
+                    works.append(b.send_(block, peer, group, _EXCHANGE_TAG, True))
+                if sizes[i]:
+                    works.append(b.recv_(views[i], peer, group, _EXCHANGE_TAG, True))
+        if not async_op:
+            for w in works:
+                if w is not None:
+                    w.wait()
+            works = []
+        return out, works
     inp = block.repeat(len(sizes)) if block.numel() else block
-    return out, b.all_to_all_single_(out, inp, sizes, [block.numel()] * len(sizes), group, async_op)
+    return out, [b.all_to_all_single_(out, inp, sizes, [block.numel()] * len(sizes), group, async_op)]
 
 
 def _decode(
@@ -785,9 +837,9 @@ def _all_gather(func: str, value: Any, group: GroupLike, async_op: bool, merge: 
     _raise_slot_errors(func, ch, slots, headers, ranks, me, err)
     obj_sizes = [_obj_len(h, ch.merged) for h in headers]
     my_obj, my_t = _my_blocks(packed, inline, ch, obj_sizes[me])
-    obj_buf, w1 = _gather_bytes(b, ch.og, _CPU, my_obj, obj_sizes, async_op)
+    obj_buf, w1 = _gather_bytes(b, ch.og, ranks, me, _CPU, my_obj, obj_sizes, async_op)
     t_sizes = [0 if ch.merged else h.tensor_len for h in headers]
-    t_buf, w2 = _gather_bytes(b, g, ch.tdev, my_t, t_sizes, async_op) if not ch.merged else (None, None)
+    t_buf, w2 = _gather_bytes(b, g, ranks, me, ch.tdev, my_t, t_sizes, async_op) if not ch.merged else (None, [])
 
     def finish() -> Any:
         slot_views = slots.view(size, ch.slot)
@@ -798,7 +850,7 @@ def _all_gather(func: str, value: Any, group: GroupLike, async_op: bool, merge: 
         return [_localize(W.unpack(kind, rest, tensors), value) for kind, _, tensors, rest in parts]
 
     if async_op:
-        return AsyncResult([w1, w2], finish)
+        return AsyncResult(w1 + w2, finish)
     return finish()
 
 

@@ -45,6 +45,9 @@ class Backend(ABC):
     model_name: ClassVar[str]
     #: a local rank given by :func:`onedist.set_local_rank`; wins over every other source
     local_rank_hint: ClassVar[Optional[int]] = None
+    #: CPU tensors of these dtypes reduce as they are (no move, no widening): the collectives'
+    #: fast path skips every routing question for them
+    cpu_reduce_dtypes: frozenset[torch.dtype] = frozenset()
 
     def __init__(self, backend: Optional[str], rank: int, world_size: int) -> None:
         #: the backend name :func:`onedist.backend` reports (``None`` when serial)

@@ -43,6 +43,11 @@ _GLOO_REDUCE_DTYPES = {
     torch.uint32: torch.int64,
 }
 
+_CPU_REDUCE_DTYPES = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int32, torch.int64,
+     torch.bool}
+)  # fmt: skip
+
 # ops whose CUDA tensors gloo accepts (torch.distributed capability table); others go through CPU
 _GLOO_CUDA_OPS = frozenset({"all_reduce", "broadcast"})
 
@@ -80,6 +85,8 @@ class NativeBackend(Backend):
         self._local_group: Any = None
         self._local_group_made = False
         self._nccl = "nccl" in self.backend and "gloo" not in self.backend
+        if not self._nccl:
+            self.cpu_reduce_dtypes = _CPU_REDUCE_DTYPES
         self._env_layout = layout_from_environ(os.environ, self.rank, self.world_size)
         self._publish_node_key()
         dev = self.device()
