@@ -328,16 +328,34 @@ def _reduce_tensor(
 
 
 # ---------------------------------------------------------------------------- nested reductions
+_KEY_ORDERS: dict[tuple[Any, ...], list[Any]] = {}  # a dict's keys (insertion order) -> sorted
+
+
 def _sorted_keys(m: Mapping[Any, Any]) -> list[Any]:
+    """The keys in sorted order (insertion order if they cannot be sorted), cached per key set:
+    metric dicts come back with the same keys on every step."""
+    keys = tuple(m)
     try:
-        return sorted(m)
-    except TypeError:
-        return list(m)
+        order = _KEY_ORDERS.get(keys)
+    except TypeError:  # unhashable key tuple
+        order = None
+    if order is None:
+        try:
+            order = sorted(keys)
+        except TypeError:
+            order = list(keys)
+        if len(_KEY_ORDERS) >= 256:
+            _KEY_ORDERS.clear()
+        try:
+            _KEY_ORDERS[keys] = order
+        except TypeError:
+            pass
+    return order
 
 
 _LEAF_TYPES = (torch.Tensor, float, int)  # bool is an int
 _EXACT_LEAF_TYPES = frozenset({torch.Tensor, float, int, bool})
-_get_dtype, _get_device = attrgetter("dtype"), attrgetter("device")
+_get_dtype, _get_device, _is_cpu = attrgetter("dtype"), attrgetter("device"), attrgetter("is_cpu")
 
 
 def _is_leaf(v: Any) -> bool:
@@ -438,9 +456,9 @@ def _buckets(func: str, leaves: list[Any], op: str) -> list[_Bucket]:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     if set(map(type, leaves)) == {torch.Tensor}:
         t_ids = list(range(len(leaves)))
-        dtypes, devices = set(map(_get_dtype, leaves)), set(map(_get_device, leaves))
-        if len(dtypes) == 1 and len(devices) == 1:
-            groups = {(devices.pop(), dtypes.pop()): t_ids}
+        dtypes = set(map(_get_dtype, leaves))
+        if len(dtypes) == 1 and (all(map(_is_cpu, leaves)) or len(set(map(_get_device, leaves))) == 1):
+            groups = {(leaves[0].device, dtypes.pop()): t_ids}
     else:
         t_ids = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     if t_ids and not groups:
@@ -455,7 +473,7 @@ def _buckets(func: str, leaves: list[Any], op: str) -> list[_Bucket]:
         _check_op_dtype(func, op, key[1], f" (leaf {ids[0]})")
         bucket = buckets[key] = _Bucket(*key)
         bucket.leaf_ids = ids
-        bucket.tensors = [leaves[i] for i in ids]
+        bucket.tensors = leaves if len(ids) == len(leaves) else [leaves[i] for i in ids]
     if len(t_ids) == len(leaves):
         return list(buckets.values())
     py: dict[str, list[int]] = {}
