@@ -27,13 +27,14 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-import onedist as od  # noqa: E402
+import onedist as od
 
 
 def _optional(name: str) -> Any:
@@ -100,12 +101,17 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     def record(case: str, medians: dict[str, float], unit: str, scale: float, bytes_: int = 0) -> None:
         raw = medians["raw"]
         results[case] = {
-            name: {unit: value * scale, "ratio_to_raw": value / raw, **({"GB/s": bytes_ / value / 1e9} if bytes_ else {})}
+            name: {
+                unit: value * scale,
+                "ratio_to_raw": value / raw,
+                **({"GB/s": bytes_ / value / 1e9} if bytes_ else {}),
+            }
             for name, value in medians.items()
         }
 
     # -- small all_reduce latency
     t = torch.ones(1)
+
     def raw_new_tensor() -> torch.Tensor:
         out = t.clone()
         dist.all_reduce(out)
@@ -121,7 +127,9 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
         variants["ignite"] = lambda: idist.all_reduce(t)
     if accel is not None:
         variants["accelerate"] = lambda: accel.reduce(t, reduction="sum")
-    record("small all_reduce (1 float)", compare(variants, 20 if quick else 50, 5 if quick else 60), "us", 1e6)
+    record(
+        "small all_reduce (1 float)", compare(variants, 20 if quick else 50, 5 if quick else 60), "us", 1e6
+    )
 
     # -- large all_reduce bandwidth
     for mb in (1, 16) if quick else (16, 64, 128):
@@ -155,14 +163,22 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
             out[k] = v
         return out
 
-    variants = {"raw": raw_stacked, "onedist": lambda: od.all_reduce(metrics), "raw leaf by leaf": raw_leafwise}
+    variants = {
+        "raw": raw_stacked,
+        "onedist": lambda: od.all_reduce(metrics),
+        "raw leaf by leaf": raw_leafwise,
+    }
     floats = {k: float(v) for k, v in metrics.items()}
     variants["onedist (Python floats)"] = lambda: od.all_reduce(floats)
     if idist is not None:
-        variants["ignite (leaf by leaf)"] = lambda: {k: idist.all_reduce(v.clone()) for k, v in metrics.items()}
+        variants["ignite (leaf by leaf)"] = lambda: {
+            k: idist.all_reduce(v.clone()) for k, v in metrics.items()
+        }
     if accel is not None:
         variants["accelerate"] = lambda: accel.reduce(metrics, reduction="sum")
-    record("dict of 100 scalar metrics", compare(variants, 10 if quick else 20, 3 if quick else 25), "us", 1e6)
+    record(
+        "dict of 100 scalar metrics", compare(variants, 10 if quick else 20, 3 if quick else 25), "us", 1e6
+    )
 
     # -- uneven all_gather
     for rows in (1_000, 1_000_000) if quick else (1_000, 100_000, 1_000_000, 4_000_000):
@@ -192,21 +208,32 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     variants = {"raw": raw_gather_object, "onedist": lambda: od.all_gather_object(obj)}
     if accel is not None:
         variants["accelerate"] = lambda: accel.gather_object([obj])
-    record("object all_gather (small dict)", compare(variants, 50 if quick else 200, 3 if quick else 5), "us", 1e6)
+    record(
+        "object all_gather (small dict)",
+        compare(variants, 50 if quick else 200, 3 if quick else 5),
+        "us",
+        1e6,
+    )
     variants = {"raw": raw_broadcast_object, "onedist": lambda: od.broadcast(obj if rank == 0 else None)}
-    record("object broadcast (small dict)", compare(variants, 50 if quick else 200, 3 if quick else 5), "us", 1e6)
+    record(
+        "object broadcast (small dict)", compare(variants, 50 if quick else 200, 3 if quick else 5), "us", 1e6
+    )
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (smoke run)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     results = od.spawn("gloo", run, args=(args,), nproc_per_node=args.world_size)[0]
-    print(f"onedist {od.__version__}, torch {torch.__version__}, gloo, world size {args.world_size}, "
-          f"{os.cpu_count()} CPUs")  # fmt: skip
+    print(
+        f"onedist {od.__version__}, torch {torch.__version__}, gloo, world size {args.world_size}, "
+        f"{os.cpu_count()} CPUs"
+    )
     for case, rows in results.items():
         print(f"\n{case}")
         for name, row in rows.items():
@@ -215,7 +242,9 @@ def main() -> None:
             print(f"  {name:26s} {row[unit]:10.1f} {unit}   x{row['ratio_to_raw']:.3f} of raw{extra}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"world_size": args.world_size, "torch": torch.__version__, "results": results}, f, indent=2)
+            json.dump(
+                {"world_size": args.world_size, "torch": torch.__version__, "results": results}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,16 @@ def main(local_rank: int, args: argparse.Namespace) -> float:
     rank, world_size = od.get_rank(), od.get_world_size()
     log.info(
         "rank %d/%d, local rank %d of %d on node %d/%d (%s), backend %s, device %s",
-        rank, world_size, local_rank, od.get_nproc_per_node(), od.get_node_rank(), od.get_nnodes(),
-        od.hostname(), od.backend(), od.device(),
-    )  # fmt: skip
+        rank,
+        world_size,
+        local_rank,
+        od.get_nproc_per_node(),
+        od.get_node_rank(),
+        od.get_nnodes(),
+        od.hostname(),
+        od.backend(),
+        od.device(),
+    )
 
     generator = torch.Generator().manual_seed(0)  # the same "dataset" on every rank
     scores = torch.rand(DATASET_SIZE, generator=generator, dtype=torch.float64)

@@ -10,8 +10,10 @@ import collections
 import math
 import os
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -20,8 +22,15 @@ import onedist as od
 from onedist.context import current
 
 PRIMITIVES = (
-    "all_reduce_", "reduce_", "broadcast_", "all_gather_into_", "all_to_all_single_", "barrier_", "send_", "recv_",
-)  # fmt: skip
+    "all_reduce_",
+    "reduce_",
+    "broadcast_",
+    "all_gather_into_",
+    "all_to_all_single_",
+    "barrier_",
+    "send_",
+    "recv_",
+)
 
 
 @contextmanager
@@ -100,8 +109,17 @@ def _expected(op: str, values: list[Any]) -> Any:
 def check_all_reduce_ops_and_dtypes() -> None:
     r, w = rw()
     for op in ("SUM", "PRODUCT", "MIN", "MAX", "MEAN"):
-        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
-                      torch.int32, torch.int64, torch.uint8):  # fmt: skip
+        for dtype in (
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.uint8,
+        ):
             base = torch.tensor([1, 2, 3], dtype=dtype) + r
             x = base.clone()
             out = od.all_reduce(x, op=op)
@@ -114,8 +132,11 @@ def check_all_reduce_ops_and_dtypes() -> None:
                 assert out.dtype == dtype, (op, dtype, out.dtype)
                 expected = torch.tensor(expected).to(dtype).tolist()  # wraps like the dtype does
             assert torch.allclose(out.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-2), (
-                op, dtype, out, expected,
-            )  # fmt: skip
+                op,
+                dtype,
+                out,
+                expected,
+            )
     for op in ("AND", "OR"):
         for dtype in (torch.int32, torch.int64, torch.uint8, torch.bool, torch.int16):
             values = [(0b1011 >> q) & 0xF or 1 for q in range(w)]
@@ -250,7 +271,9 @@ class Blob:
         self.payload = torch.full((2,), rank)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Blob) and other.rank == self.rank and torch.equal(other.payload, self.payload)
+        return (
+            isinstance(other, Blob) and other.rank == self.rank and torch.equal(other.payload, self.payload)
+        )
 
 
 def check_all_gather_tensors() -> None:
@@ -278,7 +301,9 @@ def check_all_gather_tensors() -> None:
     with count_primitives() as counts:
         out = od.all_gather(big_uneven)
     assert rounds(counts) == 2, counts
-    assert torch.equal(out, torch.cat([torch.full((50_000 * (q + 1),), q, dtype=torch.int16) for q in range(w)]))
+    assert torch.equal(
+        out, torch.cat([torch.full((50_000 * (q + 1),), q, dtype=torch.int16) for q in range(w)])
+    )
     # 0-dim tensors stack; dtypes kept; non-contiguous
     assert torch.equal(od.all_gather(torch.tensor(r)), torch.arange(w))
     for dtype in (torch.bool, torch.bfloat16, torch.complex64, torch.uint8, torch.float16):
@@ -332,7 +357,7 @@ def check_all_gather_mismatch_raises_everywhere() -> str:
             od.all_gather(value)
         assert e2.value.rank == 1
     # still usable afterwards
-    assert od.all_gather(r) .tolist() == list(range(w))
+    assert od.all_gather(r).tolist() == list(range(w))
     return "ok"
 
 
@@ -523,8 +548,8 @@ def check_logger(path: str) -> None:
     log0.info("only rank zero")
     for h in log.handlers + log0.handlers:
         h.flush()
-    assert f"[rank{r}]" in open(f"{path}-{r}.log").read()
-    assert ("only rank zero" in open(f"{path}-zero-{r}.log").read()) == (r == 0)
+    assert f"[rank{r}]" in Path(f"{path}-{r}.log").read_text()
+    assert ("only rank zero" in Path(f"{path}-zero-{r}.log").read_text()) == (r == 0)
     logging.getLogger(f"test-{w}").handlers.clear()
 
 
@@ -533,12 +558,12 @@ def check_all_gather_object() -> None:
     out = od.all_gather_object({"rank": r, "t": torch.arange(r + 1)})
     assert [o["rank"] for o in out] == list(range(w))
     assert all(torch.equal(o["t"], torch.arange(q + 1)) for q, o in enumerate(out))
-    assert od.all_gather_object(torch.ones(r + 1)) [0].shape == (1,)
+    assert od.all_gather_object(torch.ones(r + 1))[0].shape == (1,)
     assert od.all_gather_object((r, "x")) == [(q, "x") for q in range(w)]
 
 
 def check_argument_errors() -> None:
-    r, w = rw()
+    _, w = rw()
     x = torch.ones(2)
     with pytest.raises(od.OnedistValueError, match=r"op='FOO' is not allowed; allowed: 'SUM', 'PRODUCT'"):
         od.all_reduce(x, op="FOO")
@@ -553,12 +578,16 @@ def check_argument_errors() -> None:
     with pytest.raises(od.OnedistTypeError, match=r"tensor has type str"):
         od.all_reduce("text")
     for fn, kw in ((od.broadcast, "src"), (od.reduce, "dst"), (od.gather, "dst"), (od.scatter, "src")):
-        with pytest.raises(od.OnedistValueError, match=rf"{kw}={w} is not allowed; allowed: a global rank in 0..{w - 1}"):
+        with pytest.raises(
+            od.OnedistValueError, match=rf"{kw}={w} is not allowed; allowed: a global rank in 0..{w - 1}"
+        ):
             fn(x, **{kw: w})
         with pytest.raises(od.OnedistTypeError, match=rf"{kw} has type str"):
             fn(x, **{kw: "0"})
     if w > 1:
-        with pytest.raises(od.OnedistValueError, match=r"src=1 is not allowed; allowed: a rank of the group \[0\]"):
+        with pytest.raises(
+            od.OnedistValueError, match=r"src=1 is not allowed; allowed: a rank of the group \[0\]"
+        ):
             od.broadcast(x, src=1, group=[0])
     with pytest.raises(od.OnedistTypeError, match="safe_mode has type int"):
         od.broadcast(x, safe_mode=1)

@@ -14,7 +14,8 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from onedist._net import free_port
 
@@ -30,7 +31,9 @@ def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"):
         os.environ.pop(name, None)
-    od.initialize("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=120)
+    od.initialize(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=120
+    )
     while True:
         msg = conn.recv()
         if msg is None:
@@ -72,6 +75,7 @@ class DistPool:
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         pending = set(range(self.world_size))
+        first_error = 0.0
         while pending:
             # once a rank failed, give the others a few seconds, then consider them stuck
             limit = deadline if not errors else min(deadline, first_error + 5.0)

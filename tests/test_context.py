@@ -13,9 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 import onedist as od
-from onedist._net import free_port
-
 import workers
+from onedist._net import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +27,12 @@ def test_initialize_alone_makes_a_group_of_one_and_finalize_restores_env():
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(name, None)
     od.initialize("gloo", timeout=30)
-    assert (od.get_world_size(), od.get_rank(), od.backend(), od.model_name()) == (1, 0, "gloo", "native-dist")
+    assert (od.get_world_size(), od.get_rank(), od.backend(), od.model_name()) == (
+        1,
+        0,
+        "gloo",
+        "native-dist",
+    )
     assert dist.is_initialized() and os.environ["MASTER_ADDR"] == "127.0.0.1"
     od.finalize()
     assert not dist.is_initialized() and od.model_name() == "serial"
@@ -46,9 +50,13 @@ def test_initialize_twice_is_an_error():
 
 
 def test_unknown_and_unavailable_backends_list_what_is_allowed():
-    with pytest.raises(od.BackendUnavailableError, match=r"backend='glooo' is not a known backend; allowed: 'auto', 'gloo'"):
+    with pytest.raises(
+        od.BackendUnavailableError, match=r"backend='glooo' is not a known backend; allowed: 'auto', 'gloo'"
+    ):
         od.initialize("glooo")
-    with pytest.raises(od.BackendUnavailableError, match=r"(?s)'nccl' is not available.*available here: 'gloo'.*CUDA"):
+    with pytest.raises(
+        od.BackendUnavailableError, match=r"(?s)'nccl' is not available.*available here: 'gloo'.*CUDA"
+    ):
         if "nccl" in od.available_backends():
             pytest.skip("nccl is available here")
         od.initialize("nccl")
@@ -90,7 +98,9 @@ def test_env_rendezvous_with_partial_environment_says_what_is_missing():
 @pytest.mark.parametrize("scheme", ["env", "tcp", "file"])
 def test_init_methods_with_real_workers(scheme, tmp_path):
     init = {"env": None, "tcp": f"tcp://127.0.0.1:{free_port()}", "file": f"file://{tmp_path}/rdzv"}[scheme]
-    out = od.spawn("gloo", workers.report, args=(scheme,), nproc_per_node=3, init_method=init, start_method="fork")
+    out = od.spawn(
+        "gloo", workers.report, args=(scheme,), nproc_per_node=3, init_method=init, start_method="fork"
+    )
     assert [o["rank"] for o in out] == [0, 1, 2]
     assert all(o["sum"] == 3 and o["gathered"] == [0, 1, 2] and o["world_size"] == 3 for o in out)
     assert [o["local_rank"] for o in out] == [0, 1, 2]
@@ -144,7 +154,11 @@ def test_import_has_no_side_effects_and_imports_no_optional_backend():
 
 
 def test_cli_version_and_info():
-    out = subprocess.run([sys.executable, "-m", "onedist", "--version"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "onedist", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert out.stdout.strip() == f"onedist {od.__version__}"
-    out = subprocess.run([sys.executable, "-m", "onedist", "info", "--json"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "onedist", "info", "--json"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and '"available_backends": [' in out.stdout and '"gloo"' in out.stdout

@@ -7,9 +7,15 @@ import pytest
 from onedist.environments import PartialLayout, launched_externally, layout_from_environ
 
 TORCHRUN_NODE1 = {
-    "RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-    "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "3", "MASTER_ADDR": "n0", "MASTER_PORT": "29500",
-}  # fmt: skip
+    "RANK": "5",
+    "WORLD_SIZE": "6",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "2",
+    "GROUP_WORLD_SIZE": "3",
+    "MASTER_ADDR": "n0",
+    "MASTER_PORT": "29500",
+}
 
 
 def test_torchrun_variables_give_the_full_layout():
@@ -17,10 +23,22 @@ def test_torchrun_variables_give_the_full_layout():
 
 
 def test_uneven_layout_three_plus_one():
-    node0 = {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0",
-             "GROUP_WORLD_SIZE": "2"}  # fmt: skip
-    node1 = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "1",
-             "GROUP_WORLD_SIZE": "2"}  # fmt: skip
+    node0 = {
+        "RANK": "2",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "2",
+        "LOCAL_WORLD_SIZE": "3",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "2",
+    }
+    node1 = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+    }
     assert layout_from_environ(node0, 2, 4) == PartialLayout(2, 3, 0, 2)
     assert layout_from_environ(node1, 3, 4) == PartialLayout(0, 1, 1, 2)
 

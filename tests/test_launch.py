@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 import onedist as od
-
 import workers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,8 +132,18 @@ def test_same_script_under_python_and_torchrun(launcher, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(od._net.free_port()), str(script), str(tmp_path), "external"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(od._net.free_port()),
+            str(script),
+            str(tmp_path),
+            "external",
+        ]
     else:
         cmd = [sys.executable, str(script), str(tmp_path), "spawn"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -144,7 +153,9 @@ def test_same_script_under_python_and_torchrun(launcher, tmp_path):
 
     infos = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert [i["local_rank"] for i in infos] == [0, 1]
-    assert all(i["world_size"] == 2 and i["nproc"] == 2 and i["sum"] == 2 and i["ranks"] == [0, 1] for i in infos)
+    assert all(
+        i["world_size"] == 2 and i["nproc"] == 2 and i["sum"] == 2 and i["ranks"] == [0, 1] for i in infos
+    )
 
 
 @pytest.mark.launcher
@@ -167,7 +178,9 @@ def test_worker_error_under_python_script_exits_nonzero_with_rank_traceback(tmp_
             """
         )
     )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
     assert proc.returncode != 0
     assert "WorkerFailedError: onedist: worker rank 1 (local rank 1" in proc.stderr
     assert "RuntimeError: disk full on rank 1" in proc.stderr

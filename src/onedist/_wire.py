@@ -25,7 +25,7 @@ import numbers
 import pickle
 import struct
 import threading
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,9 +71,26 @@ KIND_NAMES = {
 _DTYPES: list[torch.dtype] = [
     getattr(torch, name)
     for name in (
-        "float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32", "int64",
-        "bool", "complex64", "complex128", "uint16", "uint32", "uint64", "complex32",
-        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "complex64",
+        "complex128",
+        "uint16",
+        "uint32",
+        "uint64",
+        "complex32",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
     )
     if hasattr(torch, name)
 ]
@@ -186,7 +203,9 @@ def pack(obj: Any, device: torch.device) -> Packed:
     try:
         _TensorPickler(buf, tensors).dump(obj)
     except Exception as e:
-        raise PackError(f"cannot pickle a value of type {type(obj).__qualname__}: {type(e).__name__}: {e}") from e
+        raise PackError(
+            f"cannot pickle a value of type {type(obj).__qualname__}: {type(e).__name__}: {e}"
+        ) from e
     wired = [_wire_tensor(t, device) for t in tensors]
     sizes = [align(t.numel() * t.element_size()) for t in wired]
     # tensor count, one dtype/shape record per tensor, then the pickle
@@ -221,9 +240,7 @@ def fill_slot(slot: torch.Tensor, packed: Packed, tensors_inline_ok: bool) -> in
         inline = INLINE_META
     else:
         inline = INLINE_NONE
-    header = struct.pack(
-        f"<{HEADER_FIELDS}q", MAGIC, STATUS_OK, packed.kind, meta_len, tensor_len, inline
-    )
+    header = struct.pack(f"<{HEADER_FIELDS}q", MAGIC, STATUS_OK, packed.kind, meta_len, tensor_len, inline)
     if inline == INLINE_NONE:
         slot[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return inline

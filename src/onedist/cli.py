@@ -14,10 +14,22 @@ __all__ = ["main"]
 
 # environment variables worth showing; never dump the whole environment (it may hold secrets)
 _LAUNCHER_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
-    "OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK", "CUDA_VISIBLE_DEVICES",
-)  # fmt: skip
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "HOROVOD_RANK",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 def _info() -> dict[str, Any]:
@@ -51,7 +63,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         onedist 0.1.0
         0
     """
-    parser = argparse.ArgumentParser(prog="onedist", description="One PyTorch script, every backend and launcher.")
+    parser = argparse.ArgumentParser(
+        prog="onedist", description="One PyTorch script, every backend and launcher."
+    )
     parser.add_argument("--version", action="version", version=f"onedist {__version__}")
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="what is installed, which backends work here, what launcher set")

@@ -22,10 +22,10 @@ from __future__ import annotations
 import copy
 import numbers
 import pickle
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from itertools import islice
 from operator import attrgetter
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -61,10 +61,19 @@ _CPU = torch.device("cpu")
 _U8 = torch.uint8
 
 _OP_NAMES = {
-    "SUM": "SUM", "PRODUCT": "PRODUCT", "PROD": "PRODUCT", "MIN": "MIN", "MAX": "MAX",
-    "AND": "AND", "BAND": "AND", "OR": "OR", "BOR": "OR",
-    "MEAN": "MEAN", "AVERAGE": "MEAN", "AVG": "MEAN",
-}  # fmt: skip
+    "SUM": "SUM",
+    "PRODUCT": "PRODUCT",
+    "PROD": "PRODUCT",
+    "MIN": "MIN",
+    "MAX": "MAX",
+    "AND": "AND",
+    "BAND": "AND",
+    "OR": "OR",
+    "BOR": "OR",
+    "MEAN": "MEAN",
+    "AVERAGE": "MEAN",
+    "AVG": "MEAN",
+}
 _ALLOWED_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AND", "OR", "MEAN")
 _CHECKED_OPS = frozenset({"AND", "OR"})
 _PLAIN_OPS = frozenset({"SUM", "PRODUCT", "MIN", "MAX"})  # ops with dtype restrictions beyond complex numbers
@@ -81,7 +90,7 @@ def _op_name(func: str, op: Any) -> str:
         elif op is not None:  # torch.distributed.ReduceOp / RedOpType
             name = _OP_NAMES.get(str(getattr(op, "name", op)).rsplit(".", 1)[-1].upper())
         if name is None:
-            raise bad_value(func, "op", op, _ALLOWED_OPS + ("AVERAGE",))
+            raise bad_value(func, "op", op, (*_ALLOWED_OPS, "AVERAGE"))
     return name
 
 
@@ -103,7 +112,9 @@ def _check_ranks(func: str, arg: str, ranks: Any, world_size: int) -> tuple[int,
         if not isinstance(r, int) or isinstance(r, bool):
             raise bad_type(func, f"{arg} item", r, f"int in 0..{world_size - 1}")
         if not 0 <= r < world_size:
-            raise bad_value(func, arg, list(ranks), f"ranks in 0..{world_size - 1} (rank {r} is out of range)")
+            raise bad_value(
+                func, arg, list(ranks), f"ranks in 0..{world_size - 1} (rank {r} is out of range)"
+            )
         if r in seen:
             raise bad_value(func, arg, list(ranks), f"distinct ranks (rank {r} appears twice)")
         seen.add(r)
@@ -493,10 +504,9 @@ def _buckets(func: str, leaves: list[Any], op: str) -> list[_Bucket]:
             py.setdefault("f", []).append(i)
     for kind, ids in py.items():
         key = (_CPU, _PY_DTYPES[kind])
-        bucket = buckets.get(key)
-        if bucket is None:
-            bucket = buckets[key] = _Bucket(*key)
-        bucket.py_kind, bucket.py_ids = kind, ids
+        if key not in buckets:
+            buckets[key] = _Bucket(*key)
+        buckets[key].py_kind, buckets[key].py_ids = kind, ids
     return list(buckets.values())
 
 
@@ -546,7 +556,8 @@ def _reduce_tree(
             if bucket.tensors and not (bucket.dtype.is_floating_point or bucket.dtype.is_complex):
                 raise OnedistTypeError(
                     f"onedist.{func}: op='MEAN' with inplace=True needs floating-point tensors, got "
-                    f"{bucket.dtype} (leaf {bucket.leaf_ids[0]})\nHINT: drop inplace=True to get float results"
+                    f"{bucket.dtype} (leaf {bucket.leaf_ids[0]})\n"
+                    "HINT: drop inplace=True to get float results"
                 )
     works: list[Optional[Work]] = []
     with torch.no_grad():  # results are not differentiable, as in torch.distributed
@@ -568,7 +579,9 @@ def _reduce_tree(
     return finish()
 
 
-def _unfill(bucket: _Bucket, leaves: list[Any], results: list[Any], op: str, size: int, inplace: bool) -> None:
+def _unfill(
+    bucket: _Bucket, leaves: list[Any], results: list[Any], op: str, size: int, inplace: bool
+) -> None:
     """Put the reduced values of one bucket into ``results`` (in leaf order)."""
     out = bucket.buf
     assert out is not None
@@ -591,7 +604,7 @@ def _unfill(bucket: _Bucket, leaves: list[Any], results: list[Any], op: str, siz
         pieces: Any = out.view(len(bucket.tensors), *bucket.tensors[0].shape).unbind(0)
     else:
         numels = [t.numel() for t in bucket.tensors]
-        pieces = [p.view(t.shape) for p, t in zip(out[offset:].split(numels), bucket.tensors)]
+        pieces = [p.view(t.shape) for p, t in zip(torch.split(out[offset:], numels), bucket.tensors)]
     if inplace:
         for leaf, piece in zip(bucket.tensors, pieces):
             leaf.copy_(piece)
@@ -618,7 +631,9 @@ class _Channels:
         self.slot = W.slot_size(size)
 
 
-def _pack_or_error(func: str, value: Any, ch: _Channels, slot: torch.Tensor) -> tuple[Optional[W.Packed], int, str]:
+def _pack_or_error(
+    func: str, value: Any, ch: _Channels, slot: torch.Tensor
+) -> tuple[Optional[W.Packed], int, str]:
     """Pack ``value`` into ``slot``; on failure write an error slot and return the message."""
     try:
         packed = W.pack(value, ch.tdev)
@@ -657,7 +672,9 @@ def _raise_slot_errors(
     if me in bad:
         raise OnedistTypeError(own_error)
     first = bad[0]
-    raise _remote_error(func, ranks[first], _slot_message(slots.view(len(headers), ch.slot)[first], headers[first]))
+    raise _remote_error(
+        func, ranks[first], _slot_message(slots.view(len(headers), ch.slot)[first], headers[first])
+    )
 
 
 def _obj_len(h: W.Header, merged: bool) -> int:
@@ -667,7 +684,9 @@ def _obj_len(h: W.Header, merged: bool) -> int:
     return n
 
 
-def _my_blocks(packed: Optional[W.Packed], inline: int, ch: _Channels, obj_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _my_blocks(
+    packed: Optional[W.Packed], inline: int, ch: _Channels, obj_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's round-2 bytes: (object channel block, tensor channel block)."""
     empty = torch.empty(0, dtype=_U8)
     if packed is None:
@@ -726,8 +745,9 @@ def _gather_bytes(
             if i != me:
                 if block.numel():
                     works.append(b.send_(block, peer, group, _EXCHANGE_TAG, True))
-                if sizes[i]:
-                    works.append(b.recv_(views[i], peer, group, _EXCHANGE_TAG, True))
+                view = views[i]
+                if view is not None and view.numel():
+                    works.append(b.recv_(view, peer, group, _EXCHANGE_TAG, True))
         if not async_op:
             for w in works:
                 if w is not None:
@@ -746,20 +766,25 @@ def _decode(
     tens: Optional[torch.Tensor],
 ) -> tuple[int, list[W.TensorSpec], list[torch.Tensor], bytes]:
     """One rank's value parts from its slot and its round-2 bytes (``obj``/``tens`` may be None)."""
+    obj_rest: Optional[torch.Tensor]
     if h.inline == W.INLINE_NONE:
         assert obj is not None
-        meta = bytes(obj[: h.meta_len].numpy()) if obj.device.type == "cpu" else bytes(obj[: h.meta_len].tolist())
+        meta = bytes(obj[: h.meta_len].numpy())  # the object channel is on the CPU
         obj_rest = obj[W.align(h.meta_len) :]
     else:
         meta = bytes(slot[W.HEADER_BYTES : W.HEADER_BYTES + h.meta_len].numpy())
         obj_rest = obj
     specs, offsets, rest = W.split_meta(h.kind, meta)
+    data: Optional[torch.Tensor]
     if h.inline == W.INLINE_ALL:
         data = slot[W.HEADER_BYTES + W.align(h.meta_len) :]
     elif ch.merged:
-        data = obj_rest  # type: ignore[assignment]
+        data = obj_rest
     else:
-        data = tens  # type: ignore[assignment]
+        data = tens
+    if not specs:
+        return h.kind, specs, [], rest
+    assert data is not None, "tensor bytes announced but not received"
     tensors = [W.view_tensor(data, off, spec) for spec, off in zip(specs, offsets)]
     return h.kind, specs, tensors, rest
 
@@ -857,7 +882,9 @@ def _all_gather(func: str, value: Any, group: GroupLike, async_op: bool, merge: 
     my_obj, my_t = _my_blocks(packed, inline, ch, obj_sizes[me])
     obj_buf, w1 = _gather_bytes(b, ch.og, ranks, me, _CPU, my_obj, obj_sizes, async_op)
     t_sizes = [0 if ch.merged else h.tensor_len for h in headers]
-    t_buf, w2 = _gather_bytes(b, g, ranks, me, ch.tdev, my_t, t_sizes, async_op) if not ch.merged else (None, [])
+    t_buf, w2 = (
+        _gather_bytes(b, g, ranks, me, ch.tdev, my_t, t_sizes, async_op) if not ch.merged else (None, [])
+    )
 
     def finish() -> Any:
         slot_views = slots.view(size, ch.slot)
@@ -945,7 +972,10 @@ def _merge_values(local: Any, values: list[Any], path: str) -> Any:
     if all(isinstance(v, torch.Tensor) for v in values):
         first_t: torch.Tensor = first
         trailing = tuple(first_t.shape[1:])
-        if any(v.dtype != first_t.dtype or v.dim() != first_t.dim() or tuple(v.shape[1:]) != trailing for v in values):
+        if any(
+            v.dtype != first_t.dtype or v.dim() != first_t.dim() or tuple(v.shape[1:]) != trailing
+            for v in values
+        ):
             raise _mismatch("all_gather", "tensors that cannot be concatenated on dim 0", values, path)
         out = torch.stack(values) if first_t.dim() == 0 else torch.cat(values)
         if isinstance(local, torch.Tensor) and out.device != local.device:
@@ -966,10 +996,12 @@ def _merge_values(local: Any, values: list[Any], path: str) -> Any:
         if not all(isinstance(v, Mapping) and set(v) == set(first) for v in values):
             raise _mismatch("all_gather", "dicts with different keys", values, path)
         merged = {
-            k: _merge_values(local.get(k) if isinstance(local, Mapping) else None, [v[k] for v in values], f"{path}[{k!r}]")
+            k: _merge_values(
+                local.get(k) if isinstance(local, Mapping) else None, [v[k] for v in values], f"{path}[{k!r}]"
+            )
             for k in first
         }
-        if type(local) is dict or not isinstance(local, Mapping):
+        if type(local) is dict or not isinstance(local, MutableMapping):
             return merged
         new = copy.copy(local)
         for k, v in merged.items():
@@ -981,7 +1013,7 @@ def _merge_values(local: Any, values: list[Any], path: str) -> Any:
         loc = local if isinstance(local, (list, tuple)) and len(local) == len(first) else [None] * len(first)
         items = [_merge_values(loc[i], [v[i] for v in values], f"{path}[{i}]") for i in range(len(first))]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
-            return type(first)._make(items)
+            return type(first)._make(items)  # type: ignore[attr-defined]
         return type(first)(items) if isinstance(first, tuple) else items
     return list(values)
 
@@ -1175,7 +1207,10 @@ def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None
         views = slots_in.view(size, S)
         if not isinstance(data, (list, tuple)) or len(data) != size:
             local_error = bad_value(
-                "scatter", "data", _short(data), f"a list or tuple of {size} values (one per rank of the group)"
+                "scatter",
+                "data",
+                _short(data),
+                f"a list or tuple of {size} values (one per rank of the group)",
             )
         else:
             for i in range(size):
@@ -1201,7 +1236,9 @@ def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None
     # round 2: each rank's bytes from src only
     if is_src:
         headers = [W.parse_headers(slots_in.view(size, S)[i], 1)[0] for i in range(size)]
-        blocks = [_my_blocks(p, inline, ch, _obj_len(hh, ch.merged)) for (p, inline), hh in zip(packs, headers)]
+        blocks = [
+            _my_blocks(p, inline, ch, _obj_len(hh, ch.merged)) for (p, inline), hh in zip(packs, headers)
+        ]
         obj_in = torch.cat([blk[0] for blk in blocks]) if blocks else torch.empty(0, dtype=_U8)
         obj_splits = [blk[0].numel() for blk in blocks]
         t_in = torch.cat([blk[1] for blk in blocks]) if blocks else torch.empty(0, dtype=_U8, device=ch.tdev)
@@ -1220,7 +1257,13 @@ def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None
 
 
 def _from_one(
-    b: Backend, group: Any, dev: torch.device, inp: torch.Tensor, in_splits: list[int], my_len: int, src_i: int
+    b: Backend,
+    group: Any,
+    dev: torch.device,
+    inp: torch.Tensor,
+    in_splits: list[int],
+    my_len: int,
+    src_i: int,
 ) -> Optional[torch.Tensor]:
     """This rank's block, sent by group rank ``src_i`` only (exact sizes)."""
     out_splits = [my_len if i == src_i else 0 for i in range(len(in_splits))]
@@ -1298,14 +1341,18 @@ def send(tensor: Any, dst: int, group: GroupLike = None, tag: int = 0) -> None:
     try:
         data = pickle.dumps(tensor, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
-        raise bad_type("send", "tensor", tensor, "a tensor or a picklable object", hint=f"pickling failed: {e}") from e
+        raise bad_type(
+            "send", "tensor", tensor, "a tensor or a picklable object", hint=f"pickling failed: {e}"
+        ) from e
     dev = b.comm_device(_CPU, "send")
     og = b.object_group(g)
     b.send_(torch.tensor([len(data)], dtype=torch.int64, device=dev), dst, og, tag, False)
     b.send_(torch.frombuffer(bytearray(data), dtype=_U8).to(dev), dst, og, tag, False)
 
 
-def recv(tensor: Optional[torch.Tensor] = None, src: Optional[int] = None, group: GroupLike = None, tag: int = 0) -> Any:
+def recv(
+    tensor: Optional[torch.Tensor] = None, src: Optional[int] = None, group: GroupLike = None, tag: int = 0
+) -> Any:
     """Receive what :func:`send` sent.
 
     Args:
@@ -1366,7 +1413,9 @@ def isend(tensor: torch.Tensor, dst: int, group: GroupLike = None, tag: int = 0)
     return AsyncResult([work], lambda: None)
 
 
-def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupLike = None, tag: int = 0) -> AsyncResult:
+def irecv(
+    tensor: torch.Tensor, src: Optional[int] = None, group: GroupLike = None, tag: int = 0
+) -> AsyncResult:
     """Start receiving into ``tensor``; ``.wait()`` returns the filled tensor.
 
     Example:
@@ -1391,5 +1440,3 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: GroupLike = No
         return tensor
 
     return AsyncResult([work], finish)
-
-

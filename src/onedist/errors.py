@@ -118,9 +118,7 @@ def bad_value(
     return OnedistValueError(msg)
 
 
-def bad_type(
-    func: str, arg: str, value: Any, allowed: str, hint: Optional[str] = None
-) -> OnedistTypeError:
+def bad_type(func: str, arg: str, value: Any, allowed: str, hint: Optional[str] = None) -> OnedistTypeError:
     """Build the standard "bad argument type" error (not raised here)."""
     shown = repr(value)
     if len(shown) > 80:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import wraps
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 from .collectives import GroupLike, all_gather_object, all_reduce, barrier, broadcast
 from .context import current
@@ -119,7 +119,9 @@ def shared_random_seed() -> int:
     return result
 
 
-def reduce_dict(input_dict: Mapping[Any, Any], average: bool = True, group: GroupLike = None) -> dict[Any, Any]:
+def reduce_dict(
+    input_dict: Mapping[Any, Any], average: bool = True, group: GroupLike = None
+) -> dict[Any, Any]:
     """Reduce a dict of scalar metrics (tensors or numbers) in one collective per dtype.
 
     Unlike detectron2's version (which leaves the result on rank 0 only), every rank gets the

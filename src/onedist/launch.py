@@ -25,10 +25,10 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ._net import LOOPBACK, free_port
 from .environments import launched_externally
@@ -77,7 +77,12 @@ def _report(conn: Any, message: tuple[Any, ...]) -> None:
 
 
 def _worker_main(
-    local_rank: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: dict[str, Any], conn: Any
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cfg: dict[str, Any],
+    conn: Any,
 ) -> None:
     """Entry point of every worker: initialise, run ``fn``, report, finalise."""
     _die_with_parent(cfg["parent_pid"])
@@ -117,7 +122,11 @@ def _worker_main(
     try:
         payload = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
-        logger.warning("onedist.spawn: the return value of local rank %d cannot be pickled (%s); returning None", local_rank, e)
+        logger.warning(
+            "onedist.spawn: the return value of local rank %d cannot be pickled (%s); returning None",
+            local_rank,
+            e,
+        )
         payload = pickle.dumps(("ok", None))
     conn.send_bytes(payload)
     conn.close()
@@ -176,7 +185,7 @@ def _exit_failure(w: _Worker) -> _Failure:
     if code == 1:
         failure.extra.append(
             "It exited before onedist could run your function. If the script starts workers at "
-            "import time, guard the start with `if __name__ == \"__main__\":` (start_method "
+            'import time, guard the start with `if __name__ == "__main__":` (start_method '
             "'spawn' re-imports the main module in every worker)."
         )
     return failure
@@ -194,15 +203,23 @@ def _read(w: _Worker) -> None:
         return
     except Exception as e:  # the result could not be unpickled here
         w.reported = True
-        w.failure = _Failure(w.rank, w.local_rank, w.process.pid, time.time(), exc_type=type(e).__name__,
-                             message=f"its return value could not be unpickled in the parent: {e}")
+        w.failure = _Failure(
+            w.rank,
+            w.local_rank,
+            w.process.pid,
+            time.time(),
+            exc_type=type(e).__name__,
+            message=f"its return value could not be unpickled in the parent: {e}",
+        )
         return
     w.reported = True
     if msg[0] == "ok":
         w.result = msg[1]
     else:
         _, when, exc_type, message, tb = msg
-        w.failure = _Failure(w.rank, w.local_rank, w.process.pid, when, exc_type=exc_type, message=message, traceback=tb)
+        w.failure = _Failure(
+            w.rank, w.local_rank, w.process.pid, when, exc_type=exc_type, message=message, traceback=tb
+        )
 
 
 def _stop(workers: list[_Worker]) -> None:
@@ -257,7 +274,9 @@ def _watch(workers: list[_Worker]) -> list[Any]:
             waitables.append(w.process.sentinel)
             if not w.reported:
                 waitables.append(w.conn)
-        timeout = None if first_failure_at is None else max(0.0, first_failure_at + _GRACE_S - time.monotonic())
+        timeout = (
+            None if first_failure_at is None else max(0.0, first_failure_at + _GRACE_S - time.monotonic())
+        )
         ready = multiprocessing.connection.wait(waitables, timeout)
         for w in list(pending.values()):
             if w.conn in ready or w.process.sentinel in ready:
@@ -326,7 +345,9 @@ def _check_spawn_args(
     if init_method is not None and (
         not isinstance(init_method, str) or not init_method.startswith(("env://", "tcp://", "file://"))
     ):
-        raise bad_value("spawn", "init_method", init_method, "None, 'env://', 'tcp://host:port' or 'file:///path'")
+        raise bad_value(
+            "spawn", "init_method", init_method, "None, 'env://', 'tcp://host:port' or 'file:///path'"
+        )
     if start_method not in _START_METHODS or start_method not in multiprocessing.get_all_start_methods():
         allowed = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
         raise bad_value("spawn", "start_method", start_method, allowed)
@@ -395,10 +416,20 @@ def spawn(
         [0.1, 0.1]
     """
     _check_spawn_args(
-        backend, fn, args, kwargs_dict, nproc_per_node, nnodes, node_rank,
-        master_addr, master_port, init_method, start_method,
-    )  # fmt: skip
-    from .context import _resolve_backend_name, _timeout, class_for_backend
+        backend,
+        fn,
+        args,
+        kwargs_dict,
+        nproc_per_node,
+        nnodes,
+        node_rank,
+        master_addr,
+        master_port,
+        init_method,
+        start_method,
+    )
+    from .backends import class_for_backend
+    from .context import _resolve_backend_name, _timeout
 
     name = _resolve_backend_name(backend)
     if class_for_backend(name) is None:
@@ -409,7 +440,7 @@ def spawn(
     if start_method == "spawn" and _interactive_main(fn):
         import torch
 
-        if torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             raise OnedistRuntimeError(
                 "onedist.spawn: fn is defined in an interactive session, so 'spawn' cannot import it "
                 "in the workers, and 'fork' is unsafe because CUDA is already initialised here.\n"
@@ -423,9 +454,13 @@ def spawn(
             pickle.dumps(fn)
         except Exception as e:
             raise bad_type(
-                "spawn", "fn", fn, "a function defined at the top level of a module",
-                hint=f"start_method={start_method!r} must pickle fn ({e}); move it to module level, or use start_method='fork'",
-            ) from e  # fmt: skip
+                "spawn",
+                "fn",
+                fn,
+                "a function defined at the top level of a module",
+                hint=f"start_method={start_method!r} must pickle fn ({e}); move it to module level, "
+                "or use start_method='fork'",
+            ) from e
 
     world_size = nnodes * nproc_per_node
     threads: dict[str, str] = {}
@@ -461,7 +496,7 @@ def spawn(
                 "forked": start_method == "fork",
             }
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
+            proc = ctx.Process(  # type: ignore[attr-defined]
                 target=_worker_main,
                 args=(local_rank, fn, tuple(args), dict(kwargs_dict or {}), cfg, writer),
                 name=f"onedist-rank{rank}",
@@ -526,7 +561,12 @@ class Parallel:
     ) -> None:
         unknown = sorted(set(spawn_kwargs) - set(self._SPAWN_KWARGS))
         if unknown:
-            raise bad_value("Parallel", unknown[0], spawn_kwargs[unknown[0]], "keyword arguments " + ", ".join(self._SPAWN_KWARGS))
+            raise bad_value(
+                "Parallel",
+                unknown[0],
+                spawn_kwargs[unknown[0]],
+                "keyword arguments " + ", ".join(self._SPAWN_KWARGS),
+            )
         self.backend = backend
         self.nproc_per_node = nproc_per_node
         self.nnodes = nnodes
@@ -537,17 +577,23 @@ class Parallel:
         self.spawn_kwargs = spawn_kwargs
         self._initialized_here = False
         spawn_args = {
-            "nproc_per_node": nproc_per_node, "nnodes": nnodes, "node_rank": node_rank,
-            "master_addr": master_addr, "master_port": master_port,
-        }  # fmt: skip
+            "nproc_per_node": nproc_per_node,
+            "nnodes": nnodes,
+            "node_rank": node_rank,
+            "master_addr": master_addr,
+            "master_port": master_port,
+        }
         given = {k: v for k, v in spawn_args.items() if v is not None}
         if backend is None:
             if given or init_method is not None:
                 first = next(iter(given), "init_method")
                 raise bad_value(
-                    "Parallel", first, given.get(first, init_method), "None when backend is None (serial run)",
+                    "Parallel",
+                    first,
+                    given.get(first, init_method),
+                    "None when backend is None (serial run)",
                     hint="pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
-                )  # fmt: skip
+                )
             self.mode = "serial"
         elif launched_externally(os.environ) or _context_active():
             self._check_against_launcher(given)
@@ -557,7 +603,9 @@ class Parallel:
         else:
             if given:
                 first = next(iter(given))
-                raise bad_value("Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)")
+                raise bad_value(
+                    "Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)"
+                )
             self.mode = "external"
 
     @staticmethod
@@ -574,10 +622,13 @@ class Parallel:
             known = expected.get(key)
             if known is not None and str(value) != known:
                 raise bad_value(
-                    "Parallel", key, value, f"{known!r}, the value the launcher that started this process set",
+                    "Parallel",
+                    key,
+                    value,
+                    f"{known!r}, the value the launcher that started this process set",
                     hint="an external launcher (torchrun, srun, ...) already started the processes; drop the "
                     "spawn arguments or make them match",
-                )  # fmt: skip
+                )
 
     def __enter__(self) -> Parallel:
         if self.mode == "external" and not _context_active():
@@ -615,7 +666,10 @@ class Parallel:
         return results[0]
 
     def __exit__(
-        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
     ) -> None:
         if self._initialized_here:
             from .context import finalize

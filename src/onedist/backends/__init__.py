@@ -9,7 +9,7 @@ is true wins.
 from __future__ import annotations
 
 import importlib
-from functools import lru_cache
+from functools import cache
 
 from .base import Backend, Layout, Work
 from .serial import SerialBackend
@@ -32,7 +32,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def backend_classes() -> tuple[type[Backend], ...]:
     """The registered backend classes (not the serial one), imported on first use."""
     classes = []

@@ -44,9 +44,18 @@ _GLOO_REDUCE_DTYPES = {
 }
 
 _CPU_REDUCE_DTYPES = frozenset(
-    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int32, torch.int64,
-     torch.bool}
-)  # fmt: skip
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
 
 # ops whose CUDA tensors gloo accepts (torch.distributed capability table); others go through CPU
 _GLOO_CUDA_OPS = frozenset({"all_reduce", "broadcast"})
@@ -70,7 +79,9 @@ class NativeBackend(Backend):
 
     def __init__(self, owned: bool, env_set: Optional[dict[str, Optional[str]]] = None) -> None:
         world = dist.distributed_c10d._get_default_group()
-        super().__init__(str(dist.get_backend()), dist.get_rank(), dist.get_world_size())
+        name = str(dist.get_backend())
+        super().__init__(name, dist.get_rank(), dist.get_world_size())
+        self.name = name  # the backend string, never None here
         self._world = world
         #: True when onedist created the default group (initialize / spawn)
         self.owned = owned
@@ -84,7 +95,7 @@ class NativeBackend(Backend):
         self._device: Optional[torch.device] = None
         self._local_group: Any = None
         self._local_group_made = False
-        self._nccl = "nccl" in self.backend and "gloo" not in self.backend
+        self._nccl = "nccl" in name and "gloo" not in name
         if not self._nccl:
             self.cpu_reduce_dtypes = _CPU_REDUCE_DTYPES
         self._env_layout = layout_from_environ(os.environ, self.rank, self.world_size)
@@ -264,7 +275,7 @@ class NativeBackend(Backend):
     def device(self) -> torch.device:
         if self._device is None:
             self._device = torch.device("cpu")
-            uses_cuda = "nccl" in self.backend or (self.backend == "gloo" and torch.cuda.is_available())
+            uses_cuda = "nccl" in self.name or (self.name == "gloo" and torch.cuda.is_available())
             if uses_cuda and torch.cuda.is_available():
                 count = torch.cuda.device_count()
                 local_rank = self.layout().local_rank
@@ -294,7 +305,9 @@ class NativeBackend(Backend):
             return self._groups[key]
         if not kwargs and ranks == tuple(range(self.world_size)):
             group = None
-        elif self.rank not in ranks and (kwargs.get("use_local_synchronization", True) and self.backend != "mpi"):
+        elif self.rank not in ranks and (
+            kwargs.get("use_local_synchronization", True) and self.backend != "mpi"
+        ):
             # torch returns None to non-members here, which would read as "the whole world"
             group = dist.GroupMember.NON_GROUP_MEMBER
         else:
@@ -381,7 +394,12 @@ class NativeBackend(Backend):
         async_op: bool,
     ) -> Optional[Work]:
         return dist.all_to_all_single(  # type: ignore[no-any-return]
-            out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group, async_op=async_op
+            out,
+            inp,
+            output_split_sizes=out_splits,
+            input_split_sizes=in_splits,
+            group=group,
+            async_op=async_op,
         )
 
     def barrier_(self, group: Any, async_op: bool) -> Optional[Work]:

@@ -22,9 +22,19 @@ class SerialBackend(Backend):
 
     model_name = "serial"
     cpu_reduce_dtypes = frozenset(
-        {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-         torch.int32, torch.int64, torch.bool}
-    )  # fmt: skip
+        {
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+            torch.uint8,
+            torch.int8,
+            torch.int16,
+            torch.int32,
+            torch.int64,
+            torch.bool,
+        }
+    )
 
     def __init__(self) -> None:
         super().__init__(None, 0, 1)
