@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -162,3 +163,12 @@ def test_cli_version_and_info():
         [sys.executable, "-m", "onedist", "info", "--json"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and '"available_backends": [' in out.stdout and '"gloo"' in out.stdout
+
+
+def test_uneven_layout_three_plus_one_from_published_nodes(tmp_path):
+    tmp.start_processes(
+        workers.uneven_nodes, args=(4, free_port(), str(tmp_path)), nprocs=4, start_method="fork"
+    )
+    got = [ast.literal_eval((tmp_path / str(r)).read_text()) for r in range(4)]
+    # (local_rank, nproc_per_node, node_rank, nnodes, size of the local group)
+    assert got == [(0, 3, 0, 2, 3), (1, 3, 0, 2, 3), (2, 3, 0, 2, 3), (0, 1, 1, 2, 1)]

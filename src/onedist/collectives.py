@@ -234,9 +234,7 @@ def all_reduce(
         if me < 0:
             return _done(tensor, async_op)
         size = len(ranks)
-    if isinstance(tensor, torch.Tensor):
-        return _reduce_tensor(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
-    return _reduce_tree(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
+    return _reduce(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
 
 
 def reduce(
@@ -269,10 +267,24 @@ def reduce(
     _check_peer("reduce", "dst", dst, b, ranks)
     if me < 0:
         return _done(tensor, async_op)
-    size = len(ranks)
-    if isinstance(tensor, torch.Tensor):
-        return _reduce_tensor(b, "reduce", tensor, opn, g, size, dst, async_op, False)
-    return _reduce_tree(b, "reduce", tensor, opn, g, size, dst, async_op, False)
+    return _reduce(b, "reduce", tensor, opn, g, len(ranks), dst, async_op, False)
+
+
+def _reduce(
+    b: Backend,
+    func: str,
+    x: Any,
+    op: str,
+    g: Any,
+    size: int,
+    dst: Optional[int],
+    async_op: bool,
+    inplace: bool,
+) -> Any:
+    """all_reduce (``dst`` None) or reduce of a tensor or of a nested value."""
+    if isinstance(x, torch.Tensor):
+        return _reduce_tensor(b, func, x, op, g, size, dst, async_op, inplace)
+    return _reduce_tree(b, func, x, op, g, size, dst, async_op, inplace)
 
 
 def _issue(
