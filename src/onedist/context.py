@@ -198,7 +198,8 @@ def initialize(
 def finalize() -> None:
     """Destroy the distributed context and return to serial; safe to call twice.
 
-    Restores every environment variable :func:`initialize` set.
+    Restores every environment variable :func:`initialize` set and forgets a local rank given to
+    :func:`set_local_rank`.
 
     Example:
         >>> import onedist as od
@@ -208,6 +209,7 @@ def finalize() -> None:
     """
     b = _state.backend
     _state.backend = SerialBackend()
+    Backend.local_rank_hint = None  # a hint describes one context
     if not isinstance(b, SerialBackend):
         b.finalize()
 
@@ -353,7 +355,7 @@ def is_main_process() -> bool:
 def set_local_rank(index: int) -> None:
     """Tell onedist this process's local rank, for a context you create yourself.
 
-    Wins over every other source (environment, published nodes).
+    Wins over every other source (environment, published nodes) until :func:`finalize`.
 
     Args:
         index: local rank, e.g. the process index ``torch.multiprocessing.spawn`` passes.
