@@ -134,15 +134,16 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     # -- large all_reduce bandwidth
     for mb in (1, 16) if quick else (16, 64, 128):
         x = torch.ones(mb * 2**20 // 4)
-        iters = 2 if mb >= 64 else 5
+        iters = 2 if mb >= 64 else 4
         medians = compare(
             {
                 "raw": lambda x=x: dist.all_reduce(x),
                 "onedist inplace": lambda x=x: od.all_reduce(x, inplace=True),
+                "raw + clone": lambda x=x: dist.all_reduce(x.clone()),
                 "onedist (new tensor)": lambda x=x: od.all_reduce(x),
             },
             iters,
-            3 if quick else 5,
+            3 if quick else 9,
         )
         record(f"all_reduce {mb} MB", medians, "ms", 1e3, bytes_=mb * 2**20)
 
