@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .errors import CollectiveMismatchError
+
 __all__ = [
     "HEADER_BYTES",
     "INLINE_ALL",
@@ -267,9 +269,9 @@ def parse_headers(slots: torch.Tensor, n: int) -> list[Header]:
     headers = []
     for row in rows:
         if row[0] != MAGIC:
-            raise PackError(
-                "a rank sent data that is not an onedist slot: the ranks are calling different "
-                "collectives (or different onedist versions)"
+            raise CollectiveMismatchError(
+                "onedist: a rank sent data that is not an onedist slot: the ranks are calling "
+                "different collectives here (or run different onedist versions)"
             )
         headers.append(Header(*row[1:]))
     return headers
