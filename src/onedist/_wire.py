@@ -21,7 +21,6 @@ Slot layout (little-endian int64 header, then the inline area, 16-byte aligned):
 from __future__ import annotations
 
 import io
-import numbers
 import pickle
 import struct
 import threading
@@ -36,7 +35,6 @@ __all__ = [
     "INLINE_ALL",
     "INLINE_META",
     "INLINE_NONE",
-    "KIND_NAMES",
     "PackError",
     "Packed",
     "Header",
@@ -60,15 +58,6 @@ INLINE_NONE, INLINE_META, INLINE_ALL = 0, 1, 2
 STATUS_OK, STATUS_ERROR = 0, 1
 
 K_TENSOR, K_FLOAT, K_INT, K_BOOL, K_STR, K_NONE, K_PICKLE = 1, 2, 3, 4, 5, 6, 7
-KIND_NAMES = {
-    K_TENSOR: "tensor",
-    K_FLOAT: "float",
-    K_INT: "int",
-    K_BOOL: "bool",
-    K_STR: "str",
-    K_NONE: "None",
-    K_PICKLE: "object",
-}
 
 _DTYPES: list[torch.dtype] = [
     getattr(torch, name)
@@ -338,8 +327,3 @@ def unpack(kind: int, rest: bytes, tensors: list[torch.Tensor]) -> Any:
         return pickle.loads(rest)
     finally:
         _unpickling.tensors = None
-
-
-def is_number(x: Any) -> bool:
-    """A Python (or numpy) number that is not a tensor."""
-    return isinstance(x, numbers.Number) and not isinstance(x, torch.Tensor)
