@@ -17,65 +17,166 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch.distributed as _dist
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
-from .backends import available_backends
-from .collectives import (
-    AsyncResult,
-    all_gather,
-    all_gather_object,
-    all_reduce,
-    barrier,
-    broadcast,
-    gather,
-    irecv,
-    isend,
-    new_group,
-    recv,
-    reduce,
-    scatter,
-    send,
-)
-from .context import (
-    backend,
-    device,
-    finalize,
-    get_local_process_group,
-    get_local_rank,
-    get_local_size,
-    get_nnodes,
-    get_node_rank,
-    get_nproc_per_node,
-    get_rank,
-    get_world_size,
-    hostname,
-    initialize,
-    is_main_process,
-    model_name,
-    set_local_rank,
-    show_config,
-    sync,
-)
-from .errors import (
-    BackendUnavailableError,
-    CollectiveMismatchError,
-    OnedistError,
-    OnedistRuntimeError,
-    OnedistTimeoutError,
-    OnedistTypeError,
-    OnedistValueError,
-    RemoteRankError,
-    WorkerFailedError,
-)
-from .helpers import one_rank_first, one_rank_only, reduce_dict, shared_random_seed, synchronize
-from .launch import Parallel, spawn
-from .log import setup_logger
 
-#: True when this torch build has torch.distributed (ignite's name).
-has_native_dist_support: bool = _dist.is_available()
+if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
+    from .backends import (
+        available_backends as available_backends,
+    )
+    from .collectives import (
+        AsyncResult as AsyncResult,
+    )
+    from .collectives import (
+        all_gather as all_gather,
+    )
+    from .collectives import (
+        all_gather_object as all_gather_object,
+    )
+    from .collectives import (
+        all_reduce as all_reduce,
+    )
+    from .collectives import (
+        barrier as barrier,
+    )
+    from .collectives import (
+        broadcast as broadcast,
+    )
+    from .collectives import (
+        gather as gather,
+    )
+    from .collectives import (
+        irecv as irecv,
+    )
+    from .collectives import (
+        isend as isend,
+    )
+    from .collectives import (
+        new_group as new_group,
+    )
+    from .collectives import (
+        recv as recv,
+    )
+    from .collectives import (
+        reduce as reduce,
+    )
+    from .collectives import (
+        scatter as scatter,
+    )
+    from .collectives import (
+        send as send,
+    )
+    from .context import (
+        backend as backend,
+    )
+    from .context import (
+        device as device,
+    )
+    from .context import (
+        finalize as finalize,
+    )
+    from .context import (
+        get_local_process_group as get_local_process_group,
+    )
+    from .context import (
+        get_local_rank as get_local_rank,
+    )
+    from .context import (
+        get_local_size as get_local_size,
+    )
+    from .context import (
+        get_nnodes as get_nnodes,
+    )
+    from .context import (
+        get_node_rank as get_node_rank,
+    )
+    from .context import (
+        get_nproc_per_node as get_nproc_per_node,
+    )
+    from .context import (
+        get_rank as get_rank,
+    )
+    from .context import (
+        get_world_size as get_world_size,
+    )
+    from .context import (
+        hostname as hostname,
+    )
+    from .context import (
+        initialize as initialize,
+    )
+    from .context import (
+        is_main_process as is_main_process,
+    )
+    from .context import (
+        model_name as model_name,
+    )
+    from .context import (
+        set_local_rank as set_local_rank,
+    )
+    from .context import (
+        show_config as show_config,
+    )
+    from .context import (
+        sync as sync,
+    )
+    from .errors import (
+        BackendUnavailableError as BackendUnavailableError,
+    )
+    from .errors import (
+        CollectiveMismatchError as CollectiveMismatchError,
+    )
+    from .errors import (
+        OnedistError as OnedistError,
+    )
+    from .errors import (
+        OnedistRuntimeError as OnedistRuntimeError,
+    )
+    from .errors import (
+        OnedistTimeoutError as OnedistTimeoutError,
+    )
+    from .errors import (
+        OnedistTypeError as OnedistTypeError,
+    )
+    from .errors import (
+        OnedistValueError as OnedistValueError,
+    )
+    from .errors import (
+        RemoteRankError as RemoteRankError,
+    )
+    from .errors import (
+        WorkerFailedError as WorkerFailedError,
+    )
+    from .helpers import (
+        one_rank_first as one_rank_first,
+    )
+    from .helpers import (
+        one_rank_only as one_rank_only,
+    )
+    from .helpers import (
+        reduce_dict as reduce_dict,
+    )
+    from .helpers import (
+        shared_random_seed as shared_random_seed,
+    )
+    from .helpers import (
+        synchronize as synchronize,
+    )
+    from .launch import (
+        Parallel as Parallel,
+    )
+    from .launch import (
+        spawn as spawn,
+    )
+    from .log import (
+        setup_logger as setup_logger,
+    )
+
+    has_native_dist_support: bool
+    has_hvd_support: bool
+    has_xla_support: bool
 
 __all__ = [
     "AsyncResult",
@@ -134,14 +235,79 @@ __all__ = [
     "synchronize",
 ]
 
+# public name -> submodule that defines it. `import onedist` imports none of them (nor torch):
+# the launcher (`onedist run`) starts workers without paying for torch in its own process.
+_LAZY = {
+    "available_backends": "backends",
+    "AsyncResult": "collectives",
+    "all_gather": "collectives",
+    "all_gather_object": "collectives",
+    "all_reduce": "collectives",
+    "barrier": "collectives",
+    "broadcast": "collectives",
+    "gather": "collectives",
+    "irecv": "collectives",
+    "isend": "collectives",
+    "new_group": "collectives",
+    "recv": "collectives",
+    "reduce": "collectives",
+    "scatter": "collectives",
+    "send": "collectives",
+    "backend": "context",
+    "device": "context",
+    "finalize": "context",
+    "get_local_process_group": "context",
+    "get_local_rank": "context",
+    "get_local_size": "context",
+    "get_nnodes": "context",
+    "get_node_rank": "context",
+    "get_nproc_per_node": "context",
+    "get_rank": "context",
+    "get_world_size": "context",
+    "hostname": "context",
+    "initialize": "context",
+    "is_main_process": "context",
+    "model_name": "context",
+    "set_local_rank": "context",
+    "show_config": "context",
+    "sync": "context",
+    "BackendUnavailableError": "errors",
+    "CollectiveMismatchError": "errors",
+    "OnedistError": "errors",
+    "OnedistRuntimeError": "errors",
+    "OnedistTimeoutError": "errors",
+    "OnedistTypeError": "errors",
+    "OnedistValueError": "errors",
+    "RemoteRankError": "errors",
+    "WorkerFailedError": "errors",
+    "one_rank_first": "helpers",
+    "one_rank_only": "helpers",
+    "reduce_dict": "helpers",
+    "shared_random_seed": "helpers",
+    "synchronize": "helpers",
+    "Parallel": "launch",
+    "spawn": "launch",
+    "setup_logger": "log",
+}
+
 
 def __getattr__(name: str) -> Any:
-    # computed on first access so `import onedist` does not search the disk for optional backends
-    if name in ("has_hvd_support", "has_xla_support"):
-        import importlib.util
+    module_name = _LAZY.get(name)
+    if module_name is not None:
+        value = getattr(import_module(f".{module_name}", __name__), name)
+    elif name == "has_native_dist_support":
+        import torch.distributed
 
-        module = "horovod" if name == "has_hvd_support" else "torch_xla"
-        value = importlib.util.find_spec(module) is not None
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'onedist' has no attribute {name!r}")
+        value = torch.distributed.is_available()
+    elif name in ("has_hvd_support", "has_xla_support"):
+        from importlib.util import find_spec
+
+        value = find_spec("horovod" if name == "has_hvd_support" else "torch_xla") is not None
+    else:
+        raise AttributeError(f"module 'onedist' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,33 +1,63 @@
-"""Where rank, local rank, world size and the node layout come from: the launcher's environment.
+"""Who started this process: the launcher's environment, read without any communication.
 
-"Environment" here means what the launcher that started this process left in ``os.environ``.
-Every function is a pure function of an ``environ`` mapping, so it is tested with plain dicts
-and, for real, under the launchers that set the variables.
+"Environment" means what a launcher (torchrun, ``onedist run``, SLURM ``srun``, ``mpirun``,
+``horovodrun``, LSF ``jsrun``) left in ``os.environ``. Each launcher has one small class with a
+static :meth:`~Environment.detect` and a pure parser of an ``environ`` mapping; :func:`detect` tries
+them in the order below and returns the first match as a :class:`ClusterEnv` with every value it
+could derive. Nothing here imports torch or talks to another process.
 
-This module reads the variables of torchrun / ``torch.distributed.launch`` (elastic) and of
-:func:`onedist.spawn`, which sets the same names. SLURM, Open MPI / PMI, Horovod and LSF
-environments are parsed by the launcher layer (see docs/architecture.md).
+Detection order (the first that matches wins):
+
+1. ``torchelastic`` — torchrun / ``torch.distributed.launch`` / ``onedist run`` (which sets the same
+   variables). First, because torchrun is often started *inside* an ``srun`` or ``mpirun`` step
+   and then the SLURM / MPI variables describe the agents, not the workers.
+2. ``horovod`` — horovodrun; before MPI because horovodrun may launch through ``mpirun``.
+3. ``openmpi``, ``mvapich``, ``mpich`` (PMI: MPICH, Intel MPI, and ``srun --mpi=pmi2``) — before
+   SLURM, because ``mpirun`` inside an ``salloc`` leaves SLURM variables that describe the
+   allocation, not the ranks.
+4. ``slurm`` — a task started by ``srun`` (SLURM_STEP_ID is set); an ``sbatch`` script itself is
+   not a distributed run.
+5. ``lsf`` — IBM ``jsrun`` (JSM_NAMESPACE_*).
 
 Example:
-    >>> from onedist.environments import layout_from_environ
-    >>> env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-    ...        "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
-    >>> layout_from_environ(env, rank=3, world_size=4)
-    PartialLayout(local_rank=0, nproc_per_node=1, node_rank=1, nnodes=2)
+    >>> from onedist.environments import detect
+    >>> env = detect({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
+    ...               "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_NODEID": "1",
+    ...               "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "3,1",
+    ...               "SLURM_STEP_NODELIST": "node[07-08]"})
+    >>> (env.name, env.rank, env.local_rank, env.nproc_per_node, env.node_rank, env.nnodes)
+    ('slurm', 3, 0, 1, 1, 2)
+    >>> (env.master_addr, env.master_port)
+    ('node07', 24242)
 """
 
 from __future__ import annotations
 
+import re
+import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import ClassVar, Optional
 
-__all__ = ["PartialLayout", "launched_externally", "layout_from_environ"]
+__all__ = [
+    "ENVIRONMENTS",
+    "ClusterEnv",
+    "Environment",
+    "PartialLayout",
+    "detect",
+    "expand_nodelist",
+    "expand_tasks_per_node",
+    "gpu_index",
+    "launched_externally",
+    "layout_from_environ",
+]
+
+_PORT_BASE, _PORT_SPAN = 20000, 20000  # ports derived from a job id fall in 20000..39999
 
 
 @dataclass(frozen=True)
 class PartialLayout:
-    """What the environment says about this process's place on its node; ``None`` = unknown."""
+    """What is known about this process's place on its node; ``None`` = unknown."""
 
     local_rank: Optional[int] = None
     nproc_per_node: Optional[int] = None
@@ -39,18 +69,385 @@ class PartialLayout:
         return None not in (self.local_rank, self.nproc_per_node, self.node_rank, self.nnodes)
 
 
-def _int(environ: Mapping[str, str], name: str) -> Optional[int]:
-    value = environ.get(name)
-    if value is None or value.strip() == "":
+@dataclass(frozen=True)
+class ClusterEnv:
+    """Everything an environment says about this process.
+
+    ``rank`` and ``world_size`` are always known; the layout fields and the rendezvous address may
+    be ``None`` when the launcher does not provide them (they are then completed from what the
+    ranks publish once the group exists). ``master_port_derived`` is true when the port was derived
+    from a job id rather than given.
+    """
+
+    name: str
+    rank: int
+    world_size: int
+    local_rank: Optional[int] = None
+    nproc_per_node: Optional[int] = None
+    node_rank: Optional[int] = None
+    nnodes: Optional[int] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    master_port_derived: bool = False
+
+    @property
+    def layout(self) -> PartialLayout:
+        return PartialLayout(self.local_rank, self.nproc_per_node, self.node_rank, self.nnodes)
+
+    def rendezvous_env(self) -> dict[str, str]:
+        """The torchrun-style variables that describe this process (for ``env://``)."""
+        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)}
+        optional = {
+            "LOCAL_RANK": self.local_rank,
+            "LOCAL_WORLD_SIZE": self.nproc_per_node,
+            "GROUP_RANK": self.node_rank,
+            "GROUP_WORLD_SIZE": self.nnodes,
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": self.master_port,
+        }
+        env.update({k: str(v) for k, v in optional.items() if v is not None})
+        return env
+
+
+# ============================================================================ parsing helpers
+def _int(environ: Mapping[str, str], *names: str) -> Optional[int]:
+    """The first of ``names`` that is set to an integer."""
+    for name in names:
+        value = environ.get(name)
+        if value is not None and value.strip():
+            try:
+                return int(value)
+            except ValueError:
+                continue
+    return None
+
+
+def _port(environ: Mapping[str, str], job_id: Optional[str]) -> tuple[Optional[int], bool]:
+    """MASTER_PORT when set, else a port derived from the job id (same on every task of the job)."""
+    given = _int(environ, "MASTER_PORT")
+    if given is not None:
+        return given, False
+    if not job_id:
+        return None, False
+    digits = re.sub(r"\D", "", job_id)
+    key = int(digits) if digits else zlib.crc32(job_id.encode())
+    return _PORT_BASE + key % _PORT_SPAN, True
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM / LSF host list such as ``gpu-a[01-04,07],cpu9`` (python-hostlist).
+
+    Example:
+        >>> expand_nodelist("gpu-a[01-02,07],cpu9")
+        ['gpu-a01', 'gpu-a02', 'gpu-a07', 'cpu9']
+    """
+    import hostlist  # python-hostlist: a dependency of onedist, imported only here
+
+    hosts: list[str] = hostlist.expand_hostlist(nodelist)
+    return hosts
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Expand SLURM's tasks-per-node syntax, e.g. ``2(x3),1`` → ``[2, 2, 2, 1]``.
+
+    Example:
+        >>> expand_tasks_per_node("2(x3),1")
+        [2, 2, 2, 1]
+    """
+    counts: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part)
+        if match is None:
+            raise ValueError(f"cannot parse SLURM tasks-per-node {spec!r} (at {part!r})")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+# ============================================================================ environments
+class Environment:
+    """One launcher's variables. Subclasses set :attr:`name` and implement :meth:`parse`."""
+
+    name: ClassVar[str]
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        """True when this launcher started the process (cheap: variable presence)."""
+        raise NotImplementedError
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+        """Everything derivable from the variables, or None when they are incomplete."""
+        raise NotImplementedError
+
+
+class TorchElastic(Environment):
+    """torchrun / torch.distributed.launch / ``onedist run`` / :func:`onedist.spawn` workers."""
+
+    name = "torchelastic"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return _int(environ, "RANK") is not None and _int(environ, "WORLD_SIZE") is not None
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+        rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+        if rank is None or world is None:
+            return None
+        return ClusterEnv(
+            cls.name,
+            rank,
+            world,
+            local_rank=_int(environ, "LOCAL_RANK"),
+            nproc_per_node=_int(environ, "LOCAL_WORLD_SIZE"),
+            node_rank=_int(environ, "GROUP_RANK", "NODE_RANK"),
+            nnodes=_int(environ, "GROUP_WORLD_SIZE"),
+            master_addr=environ.get("MASTER_ADDR") or None,
+            master_port=_int(environ, "MASTER_PORT"),
+        )
+
+
+class Horovod(Environment):
+    """horovodrun (gloo or MPI controller)."""
+
+    name = "horovod"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "HOROVOD_RANK" in environ and "HOROVOD_SIZE" in environ
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+        rank, world = _int(environ, "HOROVOD_RANK"), _int(environ, "HOROVOD_SIZE")
+        if rank is None or world is None:
+            return None
+        single_node = _int(environ, "HOROVOD_CROSS_SIZE") == 1
+        return ClusterEnv(
+            cls.name,
+            rank,
+            world,
+            local_rank=_int(environ, "HOROVOD_LOCAL_RANK"),
+            nproc_per_node=_int(environ, "HOROVOD_LOCAL_SIZE"),
+            node_rank=_int(environ, "HOROVOD_CROSS_RANK"),
+            nnodes=_int(environ, "HOROVOD_CROSS_SIZE"),
+            master_addr=environ.get("MASTER_ADDR") or ("127.0.0.1" if single_node else None),
+            master_port=_int(environ, "MASTER_PORT"),
+        )
+
+
+class _Mpi(Environment):
+    """An MPI launcher: rank, size, local rank and local size; the node layout is not given."""
+
+    RANK: ClassVar[tuple[str, ...]]
+    SIZE: ClassVar[tuple[str, ...]]
+    LOCAL_RANK: ClassVar[tuple[str, ...]]
+    LOCAL_SIZE: ClassVar[tuple[str, ...]]
+    JOB_ID: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+        rank, world = _int(environ, *cls.RANK), _int(environ, *cls.SIZE)
+        if rank is None or world is None:
+            return None
+        local_rank, local_size = _int(environ, *cls.LOCAL_RANK), _int(environ, *cls.LOCAL_SIZE)
+        single_node = local_size is not None and local_size == world
+        job = next((environ[k] for k in cls.JOB_ID if environ.get(k)), None)
+        port, derived = _port(environ, job)
+        return ClusterEnv(
+            cls.name,
+            rank,
+            world,
+            local_rank=local_rank,
+            nproc_per_node=local_size,
+            node_rank=0 if single_node else None,
+            nnodes=1 if single_node else None,
+            # rank 0's host is not in an MPI environment; on one node it is this host
+            master_addr=environ.get("MASTER_ADDR") or ("127.0.0.1" if single_node else None),
+            master_port=port,
+            master_port_derived=derived,
+        )
+
+
+class OpenMpi(_Mpi):
+    """Open MPI's ``mpirun`` / ``mpiexec``."""
+
+    name = "openmpi"
+    RANK, SIZE = ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",)
+    LOCAL_RANK, LOCAL_SIZE = ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)
+    JOB_ID = ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE")
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "OMPI_COMM_WORLD_SIZE" in environ
+
+
+class Mvapich(_Mpi):
+    """MVAPICH2's ``mpirun_rsh`` / ``mpiexec``."""
+
+    name = "mvapich"
+    RANK, SIZE = ("MV2_COMM_WORLD_RANK",), ("MV2_COMM_WORLD_SIZE",)
+    LOCAL_RANK, LOCAL_SIZE = ("MV2_COMM_WORLD_LOCAL_RANK",), ("MV2_COMM_WORLD_LOCAL_SIZE",)
+    JOB_ID = ("MPIRUN_ID", "SLURM_JOB_ID")
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "MV2_COMM_WORLD_SIZE" in environ
+
+
+class Mpich(_Mpi):
+    """PMI launchers: MPICH / Intel MPI (hydra) and ``srun --mpi=pmi2``."""
+
+    name = "mpich"
+    RANK, SIZE = ("PMI_RANK", "PMIX_RANK"), ("PMI_SIZE",)
+    LOCAL_RANK, LOCAL_SIZE = ("MPI_LOCALRANKID",), ("MPI_LOCALNRANKS",)
+    JOB_ID = ("PMI_KVSNAME", "PMIX_NAMESPACE", "SLURM_JOB_ID")
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "PMI_SIZE" in environ and ("PMI_RANK" in environ or "PMIX_RANK" in environ)
+
+
+class Slurm(Environment):
+    """A task started by ``srun`` (also inside ``sbatch`` / ``salloc``)."""
+
+    name = "slurm"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        # an sbatch script has SLURM_PROCID=0 too, but no step: it is not one of N tasks
+        return "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ and "SLURM_NTASKS" in environ
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+        rank = _int(environ, "SLURM_PROCID")
+        world = _int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+        if rank is None or world is None:
+            return None
+        node_rank = _int(environ, "SLURM_NODEID")
+        nnodes = _int(environ, "SLURM_STEP_NUM_NODES", "SLURM_NNODES")
+        per_node_spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+        nproc = None
+        if per_node_spec and node_rank is not None:
+            per_node = expand_tasks_per_node(per_node_spec)
+            if node_rank < len(per_node):
+                nproc = per_node[node_rank]
+        nodelist = (
+            environ.get("SLURM_STEP_NODELIST")
+            or environ.get("SLURM_JOB_NODELIST")
+            or environ.get("SLURM_NODELIST")
+        )
+        master = environ.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else None)
+        port, derived = _port(environ, environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"))
+        return ClusterEnv(
+            cls.name,
+            rank,
+            world,
+            local_rank=_int(environ, "SLURM_LOCALID"),
+            nproc_per_node=nproc,
+            node_rank=node_rank,
+            nnodes=nnodes,
+            master_addr=master,
+            master_port=port,
+            master_port_derived=derived,
+        )
+
+
+class Lsf(Environment):
+    """IBM Spectrum LSF with ``jsrun`` (JSM)."""
+
+    name = "lsf"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return "LSB_JOBID" in environ and "JSM_NAMESPACE_SIZE" in environ and "JSM_NAMESPACE_RANK" in environ
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+        rank, world = _int(environ, "JSM_NAMESPACE_RANK"), _int(environ, "JSM_NAMESPACE_SIZE")
+        if rank is None or world is None:
+            return None
+        master = environ.get("MASTER_ADDR")
+        hosts = environ.get("LSB_MCPU_HOSTS", "").split()
+        if master is None and len(hosts) >= 4:
+            master = hosts[2]  # "launch-node N compute1 N ...": the first compute host
+        port, derived = _port(environ, environ.get("LSB_JOBID"))
+        return ClusterEnv(
+            cls.name,
+            rank,
+            world,
+            local_rank=_int(environ, "JSM_NAMESPACE_LOCAL_RANK"),
+            nproc_per_node=_int(environ, "JSM_NAMESPACE_LOCAL_SIZE"),
+            master_addr=master,
+            master_port=port,
+            master_port_derived=derived,
+        )
+
+
+#: the detection order (see the module docstring for why)
+ENVIRONMENTS: tuple[type[Environment], ...] = (TorchElastic, Horovod, OpenMpi, Mvapich, Mpich, Slurm, Lsf)
+
+
+def detect(environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+    """The environment of the launcher that started this process, or None (a plain process).
+
+    Values that contradict each other (a rank outside the world, a local rank outside its node)
+    are dropped, not trusted.
+    """
+    for cls in ENVIRONMENTS:
+        if cls.detect(environ):
+            env = cls.parse(environ)
+            if env is not None and 0 <= env.rank < env.world_size:
+                return _sanitize(env)
+    return None
+
+
+def _sanitize(env: ClusterEnv) -> ClusterEnv:
+    local_rank, nproc, node_rank, nnodes = env.local_rank, env.nproc_per_node, env.node_rank, env.nnodes
+    world = env.world_size
+    if local_rank is not None and not 0 <= local_rank < world:
+        local_rank = None
+    if nproc is not None and not 1 <= nproc <= world:
+        nproc = None
+    if local_rank is not None and nproc is not None and local_rank >= nproc:
+        local_rank = nproc = None
+    if nnodes is not None and not 1 <= nnodes <= world:
+        nnodes = None
+    if node_rank is not None and (node_rank < 0 or (nnodes is not None and node_rank >= nnodes)):
+        node_rank = None
+    if (nproc is not None and nproc == world) or nnodes == 1:
+        # every rank is on this node: the rest follows without asking anyone
+        nproc, nnodes, node_rank = world, 1, 0
+    return replace(env, local_rank=local_rank, nproc_per_node=nproc, node_rank=node_rank, nnodes=nnodes)
+
+
+def gpu_index(local_rank: int, visible_gpus: int, exclusive: bool) -> Optional[int]:
+    """The CUDA device index for a process with this local rank, or None when there is none.
+
+    A process that sees exactly one GPU (SLURM ``--gpus-per-task``, a per-task
+    ``CUDA_VISIBLE_DEVICES``) uses ``cuda:0``, whatever its local rank. Otherwise local rank ``i``
+    uses ``cuda:i``; with more processes than GPUs, ``exclusive`` (NCCL: one rank per GPU) gives
+    None, else ranks share GPUs round-robin.
+
+    Example:
+        >>> gpu_index(local_rank=3, visible_gpus=1, exclusive=True)
+        0
+        >>> gpu_index(local_rank=3, visible_gpus=8, exclusive=True)
+        3
+        >>> gpu_index(local_rank=3, visible_gpus=2, exclusive=False)
+        1
+    """
+    if visible_gpus < 1:
         return None
-    try:
-        return int(value)
-    except ValueError:
-        return None
+    if visible_gpus == 1:
+        return 0
+    if local_rank < visible_gpus:
+        return local_rank
+    return None if exclusive else local_rank % visible_gpus
 
 
 def launched_externally(environ: Mapping[str, str]) -> bool:
-    """True when a launcher (torchrun, ``onedist.spawn`` workers, ...) set RANK and WORLD_SIZE.
+    """True when some launcher started this process (:func:`detect` finds an environment).
 
     Example:
         >>> launched_externally({"RANK": "0", "WORLD_SIZE": "2"})
@@ -58,51 +455,32 @@ def launched_externally(environ: Mapping[str, str]) -> bool:
         >>> launched_externally({})
         False
     """
-    return _int(environ, "RANK") is not None and _int(environ, "WORLD_SIZE") is not None
+    return detect(environ) is not None
 
 
 def layout_from_environ(environ: Mapping[str, str], rank: int, world_size: int) -> PartialLayout:
-    """Read the node layout of this process from torchrun-style variables.
+    """This process's node layout from the launcher's variables.
 
-    The variables are only trusted when the RANK / WORLD_SIZE they come with (if present) match
-    the live process group, so a stale environment (a group built by hand with other ranks) is
-    ignored instead of producing wrong local ranks.
+    Only trusted when the environment's rank and world size match the live process group, so a
+    stale environment (a group built by hand with other ranks) is ignored instead of producing
+    wrong local ranks.
 
     Args:
         environ: the environment, usually ``os.environ``.
         rank: rank of this process in the live default group.
         world_size: size of the live default group.
 
-    Returns:
-        The fields the environment determines; the others are ``None``.
-
     Example:
-        >>> layout_from_environ({"LOCAL_RANK": "1"}, rank=1, world_size=2)
+        >>> layout_from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, rank=1, world_size=2)
         PartialLayout(local_rank=1, nproc_per_node=None, node_rank=None, nnodes=None)
     """
-    env_rank = _int(environ, "RANK")
-    env_world = _int(environ, "WORLD_SIZE")
-    if (env_rank is not None and env_rank != rank) or (env_world is not None and env_world != world_size):
+    env = detect(environ)
+    if env is None:
+        # torchrun-style variables without RANK/WORLD_SIZE (a lone LOCAL_RANK from
+        # torch.distributed.launch --use_env, a node rank set by a job script) are still hints
+        hints = TorchElastic.parse({**environ, "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+        assert hints is not None
+        return _sanitize(hints).layout
+    if env.rank != rank or env.world_size != world_size:
         return PartialLayout()
-
-    local_rank = _int(environ, "LOCAL_RANK")
-    nproc = _int(environ, "LOCAL_WORLD_SIZE")
-    node_rank = _int(environ, "GROUP_RANK")
-    if node_rank is None:
-        node_rank = _int(environ, "NODE_RANK")
-    nnodes = _int(environ, "GROUP_WORLD_SIZE")
-
-    if local_rank is not None and not 0 <= local_rank < world_size:
-        local_rank = None
-    if nproc is not None and not 1 <= nproc <= world_size:
-        nproc = None
-    if local_rank is not None and nproc is not None and local_rank >= nproc:
-        local_rank = nproc = None
-    if nnodes is not None and not 1 <= nnodes <= world_size:
-        nnodes = None
-    if node_rank is not None and (node_rank < 0 or (nnodes is not None and node_rank >= nnodes)):
-        node_rank = None
-    if (nproc is not None and nproc == world_size) or nnodes == 1:
-        # every rank is on this node: the rest follows without asking anyone
-        nproc, nnodes, node_rank = world_size, 1, 0
-    return PartialLayout(local_rank, nproc, node_rank, nnodes)
+    return env.layout

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._net import LOOPBACK, free_port
-from ..environments import PartialLayout, layout_from_environ
+from ..environments import ClusterEnv, PartialLayout, detect, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, OnedistValueError, bad_value
 from .base import Backend, Layout, Work
 
@@ -279,19 +280,15 @@ class NativeBackend(Backend):
             if uses_cuda and torch.cuda.is_available():
                 count = torch.cuda.device_count()
                 local_rank = self.layout().local_rank
-                if count == 1:
-                    index = 0
-                elif local_rank < count:
-                    index = local_rank
-                elif self._nccl:
+                index = gpu_index(local_rank, count, exclusive=self._nccl)
+                if index is None:
                     raise OnedistRuntimeError(
                         f"onedist: local rank {local_rank} has no GPU of its own: this node shows "
                         f"{count} GPUs and NCCL cannot put two ranks on one GPU.\n"
                         "HINT: start at most one process per GPU (nproc_per_node <= GPUs), or use "
                         "backend 'gloo'."
                     )
-                else:
-                    index = local_rank % count
+                if local_rank >= count > 1:
                     logger.warning(
                         "onedist: local rank %d shares cuda:%d (%d GPUs visible)", local_rank, index, count
                     )
@@ -443,23 +440,43 @@ def _restore_env(env_set: dict[str, Optional[str]]) -> None:
 def _prepare_env_rendezvous(
     rank: Optional[int], world_size: Optional[int], env_set: dict[str, Optional[str]]
 ) -> None:
-    """Check (and for a lone process, complete) what ``env://`` needs from the environment."""
+    """Check (and complete) what ``env://`` needs from the environment.
+
+    torchrun sets every variable. Under srun / mpirun / horovodrun / jsrun the launcher's own
+    variables are translated (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, ...). A
+    process no launcher started becomes a group of one on 127.0.0.1 and a free port.
+    """
     env = os.environ
+    if rank is None and world_size is None and "RANK" not in env and "WORLD_SIZE" not in env:
+        cluster = detect(env)
+        if cluster is not None:
+            cluster = _agree_master(cluster)
+            if cluster.master_addr is None:
+                raise OnedistValueError(
+                    f"onedist.initialize: the {cluster.name} environment (rank {cluster.rank} of "
+                    f"{cluster.world_size}, over several nodes) does not say where rank 0 runs, so the "
+                    "rendezvous address is unknown\n"
+                    "HINT: pass it to every rank, e.g. `mpirun -x MASTER_ADDR=<host of rank 0> "
+                    "-x MASTER_PORT=<port> ...`, or install mpi4py (onedist then asks rank 0)"
+                )
+            for name, value in cluster.rendezvous_env().items():
+                if name not in env:
+                    _set_env(name, value, env_set)
+        else:
+            # a plain `python script.py`: a group of one process, as ignite does
+            _set_env("RANK", "0", env_set)
+            _set_env("WORLD_SIZE", "1", env_set)
+            if "LOCAL_RANK" not in env:
+                _set_env("LOCAL_RANK", "0", env_set)
     env_rank = rank if rank is not None else env.get("RANK")
     env_world = world_size if world_size is not None else env.get("WORLD_SIZE")
-    if env_rank is None and env_world is None:
-        # a plain `python script.py`: a group of one process, as ignite does
-        _set_env("RANK", "0", env_set)
-        _set_env("WORLD_SIZE", "1", env_set)
-        if "LOCAL_RANK" not in env:
-            _set_env("LOCAL_RANK", "0", env_set)
-        env_world = "1"
-    elif env_rank is None or env_world is None:
+    if env_rank is None or env_world is None:
         missing = "RANK" if env_rank is None else "WORLD_SIZE"
         raise OnedistValueError(
             f"onedist.initialize: init_method='env://' needs both RANK and WORLD_SIZE; {missing} is "
             "not set (neither in the environment nor as an argument)\n"
-            "HINT: start the script with torchrun / onedist.spawn, or pass rank= and world_size="
+            "HINT: start the script with torchrun / onedist run / srun / mpirun, or pass rank= and "
+            "world_size="
         )
     single = str(env_world) == "1"
     for name, default in (("MASTER_ADDR", LOOPBACK), ("MASTER_PORT", None)):
@@ -472,3 +489,33 @@ def _prepare_env_rendezvous(
                     "init_method='tcp://host:port' / 'file:///shared/path'"
                 )
             _set_env(name, default or str(free_port()), env_set)
+
+
+_MPI_ENVIRONMENTS = ("openmpi", "mvapich", "mpich")
+
+
+def _agree_master(cluster: ClusterEnv) -> ClusterEnv:
+    """Under MPI, ask rank 0 (through mpi4py, when installed) for its host and a free port.
+
+    MPI environments do not name rank 0's host, and a port derived from the job id could be taken;
+    one MPI broadcast settles both. Without mpi4py the derived values (or MASTER_ADDR/PORT) stand.
+    """
+    if cluster.name not in _MPI_ENVIRONMENTS or not (
+        cluster.master_addr is None or cluster.master_port_derived
+    ):
+        return cluster
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return cluster
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != cluster.world_size:
+        return cluster
+    single = cluster.nnodes == 1
+    offer = None
+    if comm.Get_rank() == 0:
+        offer = (LOOPBACK if single else socket.gethostname(), free_port(LOOPBACK if single else ""))
+    addr, port = comm.bcast(offer, root=0)
+    return replace(
+        cluster, master_addr=cluster.master_addr or addr, master_port=port, master_port_derived=False
+    )
