@@ -140,12 +140,14 @@ def test_import_has_no_side_effects_and_imports_no_optional_backend():
         import logging, os, sys
         before = dict(os.environ)
         import onedist
+        assert "torch" not in sys.modules, "import onedist must not import torch (launchers need none)"
         assert dict(os.environ) == before, "environment changed"
         assert not logging.getLogger("onedist").handlers
         bad = [m for m in sys.modules if m.split(".")[0] in ("horovod", "torch_xla", "mpi4py", "hostlist")]
         assert not bad, bad
         assert onedist.has_hvd_support in (True, False) and onedist.has_xla_support in (True, False)
         assert onedist.has_native_dist_support
+        assert onedist.get_world_size() == 1 and "torch" in sys.modules  # imported on first use
         print("clean")
         """
     )

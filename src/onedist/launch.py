@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Any, Optional
 
 from ._net import LOOPBACK, free_port
-from .environments import launched_externally
+from .environments import detect, launched_externally
 from .errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value
 
 __all__ = ["Parallel", "spawn"]
@@ -610,17 +610,19 @@ class Parallel:
 
     @staticmethod
     def _check_against_launcher(given: dict[str, Any]) -> None:
-        env = os.environ
+        env = detect(os.environ)
+        if env is None:  # a group created by the user: nothing to compare with
+            return
         expected = {
-            "nproc_per_node": env.get("LOCAL_WORLD_SIZE"),
-            "nnodes": env.get("GROUP_WORLD_SIZE"),
-            "node_rank": env.get("GROUP_RANK"),
-            "master_addr": env.get("MASTER_ADDR"),
-            "master_port": env.get("MASTER_PORT"),
+            "nproc_per_node": env.nproc_per_node,
+            "nnodes": env.nnodes,
+            "node_rank": env.node_rank,
+            "master_addr": env.master_addr,
+            "master_port": None if env.master_port_derived else env.master_port,
         }
         for key, value in given.items():
             known = expected.get(key)
-            if known is not None and str(value) != known:
+            if known is not None and str(value) != str(known):
                 raise bad_value(
                     "Parallel",
                     key,
