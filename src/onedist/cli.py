@@ -1,4 +1,4 @@
-"""The ``onedist`` command: ``onedist info`` and ``onedist --version``."""
+"""The ``onedist`` command: ``onedist run``, ``onedist info`` and ``onedist --version``."""
 
 from __future__ import annotations
 
@@ -70,7 +70,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="what is installed, which backends work here, what launcher set")
     info.add_argument("--json", action="store_true", help="print JSON")
+    from .run import build_parser
+
+    build_parser(sub.add_parser("run", help="start the workers of a script (torchrun-compatible)"))
     args = parser.parse_args(argv)
+    if args.command == "run":
+        from .run import main as run_main
+
+        return run_main(args)
     if args.command == "info":
         data = _info()
         if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import socket
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -101,6 +102,9 @@ def _resolve_backend_name(name: Any) -> str:
     if not isinstance(name, str):
         raise bad_type("initialize", "backend", name, "str, e.g. 'gloo', 'nccl' or 'auto'")
     if name == "auto":
+        chosen = os.environ.get("ONEDIST_BACKEND")  # set by `onedist run --backend`
+        if chosen and chosen != "auto":
+            return chosen
         return "nccl" if "nccl" in available_backends() else "gloo"
     return name
 
@@ -142,7 +146,8 @@ def initialize(
 
     Args:
         backend: "gloo", "nccl", "mpi" (when available, see :func:`available_backends`) or
-            "auto": nccl when CUDA is available, else gloo.
+            "auto": the backend ``onedist run --backend`` chose (``ONEDIST_BACKEND``), else nccl when
+            CUDA is available, else gloo.
         timeout: timeout of the rendezvous and of collectives (``timedelta`` or seconds);
             None keeps torch's default.
         init_method: "env://" (default; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the

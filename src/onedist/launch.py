@@ -242,7 +242,15 @@ def _stop(workers: list[_Worker]) -> None:
 
 
 def _failure_error(workers: list[_Worker]) -> WorkerFailedError:
-    failures = [w.failure for w in workers if w.failure is not None]
+    primary, message = failure_report([w.failure for w in workers if w.failure is not None])
+    return WorkerFailedError(message, primary.rank, primary.local_rank, primary.exitcode, primary.traceback)
+
+
+def failure_report(failures: list[_Failure]) -> tuple[_Failure, str]:
+    """The failure to show first (the earliest that is not a consequence of another), and the report.
+
+    Shared by :func:`spawn` and ``onedist run``.
+    """
     primary_pool = [f for f in failures if not f.secondary] or failures
     primary = min(primary_pool, key=lambda f: f.when)
     lines = [f"onedist: worker {primary.headline()}"]
@@ -259,9 +267,7 @@ def _failure_error(workers: list[_Worker]) -> WorkerFailedError:
                 lines.append(f"  rank {f.rank}: {f.what()} (a consequence of rank {primary.rank}'s failure)")
             else:
                 lines.append(f"  rank {f.rank}: {f.what()}")
-    return WorkerFailedError(
-        "\n".join(lines), primary.rank, primary.local_rank, primary.exitcode, primary.traceback
-    )
+    return primary, "\n".join(lines)
 
 
 def _watch(workers: list[_Worker]) -> list[Any]:

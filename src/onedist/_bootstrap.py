@@ -1,0 +1,66 @@
+"""Worker bootstrap of ``onedist run``: run a script or module as ``__main__``, report its error.
+
+``python -m onedist._bootstrap script.py args...`` or ``python -m onedist._bootstrap -m pkg.mod args...``
+behaves like ``python script.py args...`` (same ``sys.argv``, ``sys.path[0]``, ``__main__``), and
+if the script raises, writes the exception's type, message, traceback and time as JSON to
+``$ONEDIST_ERROR_FILE`` before Python prints the traceback as usual. The launcher reads that file to
+show the failing rank's error first (the role of torchelastic's ``@record``, without a decorator).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+__all__ = ["main", "run_target"]
+
+
+def run_target(argv: list[str]) -> None:
+    """Run ``argv`` (``[script, *args]`` or ``["-m", module, *args]``) as ``__main__``."""
+    if argv and argv[0] == "-m":
+        if len(argv) < 2:
+            raise SystemExit("onedist: -m needs a module name")
+        module = argv[1]
+        sys.argv = [module, *argv[2:]]  # `python -m` already put the working directory first
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+def _write_error(path: str, exc: BaseException) -> None:
+    report = {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "time": time.time(),
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    """Entry point (see the module docstring)."""
+    error_file = os.environ.get("ONEDIST_ERROR_FILE")
+    try:
+        run_target(sys.argv[1:])
+    except SystemExit as e:
+        if error_file and e.code not in (0, None):
+            _write_error(error_file, e)
+        raise
+    except BaseException as e:
+        if error_file:
+            _write_error(error_file, e)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""``onedist run``: start the workers of a script on this node, like torchrun, without importing torch.
+
+    onedist run --nproc-per-node 2 train.py --lr 0.1
+    onedist run -n 4 -m mypkg.train
+    onedist run --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 -n 8 train.py
+    srun -n 8 onedist run train.py          # SLURM started the tasks: run in place, no second spawn
+
+Each worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), so scripts written for torchrun run
+unchanged. Output lines are prefixed with ``[rank<N>]: `` (``--output-ranks`` keeps only some ranks).
+When a worker fails, the others are stopped (SIGTERM, SIGKILL 3 s later), the failing rank's
+error is printed first, and the exit status is non-zero. SIGINT/SIGTERM are forwarded to the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import IO, Any, Optional
+
+from ._net import LOOPBACK, free_port
+from .environments import detect
+from .launch import _Failure, failure_report
+
+__all__ = ["build_parser", "main"]
+
+_TERM_S = 3.0
+_GRACE_S = 0.3
+_POLL_S = 0.02
+
+
+def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    """The ``onedist run`` arguments (torchrun's names; dashes and underscores both accepted)."""
+    p = parser or argparse.ArgumentParser(prog="onedist run")
+    p.description = "Start N workers of a script on this node (torchrun-compatible)."
+    p.add_argument(
+        "-n",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        default="1",
+        help="workers on this node: a number or 'auto' (one per visible GPU, else 1)",
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (run the same command on each)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0)
+    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=LOOPBACK)
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=int,
+        default=None,
+        help="rendezvous port (default on one node: a free port on 127.0.0.1)",
+    )
+    p.add_argument("--standalone", action="store_true", help="one node, free port on 127.0.0.1 (the default)")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="backend that initialize('auto') resolves to in the workers (sets ONEDIST_BACKEND)",
+    )
+    p.add_argument(
+        "--output-ranks",
+        default=None,
+        help="comma-separated ranks whose output is shown (default: all)",
+    )
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank<N>]:")
+    p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    p.add_argument("target", help="the script (or module with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def visible_gpus(environ: Optional[dict[str, str]] = None) -> int:
+    """GPUs this process may use, without importing torch (CUDA_VISIBLE_DEVICES or /dev/nvidiaN)."""
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _nproc(value: str) -> int:
+    if value == "auto":
+        return max(1, visible_gpus())
+    try:
+        n = int(value)
+    except ValueError:
+        raise _UsageError(
+            f"--nproc-per-node={value!r} is not allowed; allowed: an int >= 1 or 'auto'"
+        ) from None
+    if n < 1:
+        raise _UsageError(f"--nproc-per-node={n} is not allowed; allowed: an int >= 1 or 'auto'")
+    return n
+
+
+def _output_ranks(value: Optional[str]) -> Optional[set[int]]:
+    if value is None:
+        return None
+    try:
+        return {int(v) for v in value.split(",") if v.strip()}
+    except ValueError:
+        raise _UsageError(
+            f"--output-ranks={value!r} is not allowed; allowed: comma-separated ranks, e.g. 0,1"
+        ) from None
+
+
+# ============================================================================ workers
+@dataclass
+class _Proc:
+    rank: int
+    local_rank: int
+    popen: subprocess.Popen[bytes]
+    error_file: str
+    threads: list[threading.Thread] = field(default_factory=list)
+    failure: Optional[_Failure] = None
+
+
+def _die_with_launcher() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die when the launcher dies
+    except Exception:
+        pass
+
+
+def _pump(stream: IO[bytes], out: IO[bytes], prefix: bytes, show: bool, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, b""):
+        if show:
+            with lock:
+                out.write(prefix + line)
+                out.flush()
+    stream.close()
+
+
+def _read_failure(p: _Proc) -> _Failure:
+    code = p.popen.returncode
+    failure = _Failure(p.rank, p.local_rank, p.popen.pid, time.time(), exitcode=code)
+    try:
+        with open(p.error_file) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return failure
+    failure.exc_type = report.get("type")
+    failure.message = report.get("message", "")
+    failure.traceback = report.get("traceback")
+    failure.when = float(report.get("time", failure.when))
+    return failure
+
+
+def _signal_all(procs: list[_Proc], sig: int) -> None:
+    for p in procs:
+        if p.popen.poll() is None:
+            try:
+                p.popen.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def _stop(procs: list[_Proc]) -> None:
+    _signal_all(procs, signal.SIGTERM)
+    deadline = time.monotonic() + _TERM_S
+    for p in procs:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_all(procs, signal.SIGKILL)
+    for p in procs:
+        p.popen.wait()
+
+
+def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> int:
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise _UsageError(
+            f"--node-rank={args.node_rank} is not allowed with --nnodes={args.nnodes}; "
+            f"allowed: 0..{args.nnodes - 1}"
+        )
+    if args.nnodes > 1 and args.master_port is None:
+        raise _UsageError(
+            "--master-port is needed with --nnodes > 1 (every node must use the same one); "
+            "pass --master-addr=<node 0's address> --master-port=<free port on node 0> on every node"
+        )
+    port = args.master_port or free_port(LOOPBACK if args.master_addr == LOOPBACK else "")
+    world = nproc * args.nnodes
+    run_id = uuid.uuid4().hex[:12]
+    tmpdir = tempfile.mkdtemp(prefix="onedist-run-")
+    base_env = dict(os.environ)
+    base_env.update(
+        {
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": str(args.node_rank),
+            "GROUP_WORLD_SIZE": str(args.nnodes),
+            "MASTER_ADDR": args.master_addr,
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": f"onedist-{run_id}",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        base_env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers with all cores each oversubscribe
+    if args.backend:
+        base_env["ONEDIST_BACKEND"] = args.backend
+    target = ["-m", args.target] if args.module else [args.target]
+    cmd = [sys.executable, "-m", "onedist._bootstrap", *target, *args.args]
+    lock = threading.Lock()
+    procs: list[_Proc] = []
+    received: list[int] = []
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        _signal_all(procs, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for local_rank in range(nproc):
+            rank = args.node_rank * nproc + local_rank
+            error_file = os.path.join(tmpdir, f"error-{rank}.json")
+            env = {
+                **base_env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local_rank),
+                "ONEDIST_ERROR_FILE": error_file,
+            }
+            popen = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only: it forwards once
+                preexec_fn=_die_with_launcher,
+            )
+            procs.append(_Proc(rank, local_rank, popen, error_file))
+        for p in procs:
+            visible = show is None or p.rank in show
+            prefix = b"" if args.no_prefix else f"[rank{p.rank}]: ".encode()
+            for stream, out in ((p.popen.stdout, sys.stdout.buffer), (p.popen.stderr, sys.stderr.buffer)):
+                assert stream is not None
+                t = threading.Thread(target=_pump, args=(stream, out, prefix, visible, lock), daemon=True)
+                t.start()
+                p.threads.append(t)
+        return _wait(procs, received)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if any(p.popen.poll() is None for p in procs):
+            _stop(procs)
+        for p in procs:
+            for t in p.threads:
+                t.join(timeout=1.0)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _wait(procs: list[_Proc], received: list[int]) -> int:
+    first_failure: Optional[float] = None
+    signalled_at: Optional[float] = None
+    while True:
+        running = [p for p in procs if p.popen.poll() is None]
+        for p in procs:
+            if p.failure is None and p.popen.returncode not in (None, 0):
+                p.failure = _read_failure(p)
+                if first_failure is None:
+                    first_failure = time.monotonic()
+        if received and signalled_at is None:
+            signalled_at = time.monotonic()
+        if not running:
+            break
+        now = time.monotonic()
+        if first_failure is not None and now >= first_failure + _GRACE_S:
+            for p in running:
+                p.failure = _Failure(p.rank, p.local_rank, p.popen.pid, time.time(), stopped=True)
+            _stop(running)
+            break
+        if signalled_at is not None and now >= signalled_at + 5.0:
+            _stop(running)
+            break
+        time.sleep(_POLL_S)
+    for p in procs:  # let the output of every worker drain before the summary
+        for t in p.threads:
+            t.join(timeout=1.0)
+    failures = [p.failure for p in procs if p.failure is not None]
+    if received:
+        sys.stderr.write(f"onedist run: stopped by signal {signal.Signals(received[0]).name}\n")
+        return 128 + received[0]
+    if not failures:
+        return 0
+    primary, report = failure_report(failures)
+    sys.stderr.write(report.replace("onedist: worker", "onedist run: worker", 1) + "\n")
+    code = primary.exitcode
+    return code if code is not None and 0 < code < 128 else 1
+
+
+def _run_in_place(args: argparse.Namespace) -> int:
+    """Under srun / mpirun / torchrun the processes exist already: run the script here."""
+    from ._bootstrap import run_target
+
+    if args.backend:
+        os.environ["ONEDIST_BACKEND"] = args.backend
+    target = ["-m", args.target] if args.module else [args.target]
+    try:
+        run_target([*target, *args.args])
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``onedist run`` with parsed arguments; returns the exit status."""
+    try:
+        nproc = _nproc(str(args.nproc_per_node))
+        show = _output_ranks(args.output_ranks)
+        env = detect(os.environ)
+        if env is not None:
+            if nproc > 1 and env.nproc_per_node not in (None, nproc):
+                raise _UsageError(
+                    f"--nproc-per-node={nproc} disagrees with the {env.name} launcher that started this "
+                    f"process ({env.nproc_per_node} per node); it started the workers already: drop the flag"
+                )
+            return _run_in_place(args)
+        return _launch(args, nproc, show)
+    except _UsageError as e:
+        sys.stderr.write(f"onedist run: {e}\n")
+        return 2

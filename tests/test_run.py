@@ -1,0 +1,221 @@
+"""`onedist run` and external launchers (torchrun, mpirun) running one script, for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from onedist._net import free_port
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "agree.py")
+TESTS = str(Path(__file__).parent)
+
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
+pytestmark = pytest.mark.launcher
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_"))
+    }
+    env.update(extra)
+    return env
+
+
+def _infos(out: Path, n: int) -> list[dict]:
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(n)]
+
+
+def _check_agree(out: Path, n: int, nnodes: int = 1) -> list[dict]:
+    infos = _infos(out, n)
+    assert [i["rank"] for i in infos] == list(range(n))
+    assert all(i["world_size"] == n and i["sum"] == n and i["ranks"] == list(range(n)) for i in infos)
+    per_node = n // nnodes
+    assert [i["local_rank"] for i in infos] == [r % per_node for r in range(n)]
+    assert [i["local_rank_arg"] for i in infos] == [r % per_node for r in range(n)]
+    assert [i["node_rank"] for i in infos] == [r // per_node for r in range(n)]
+    assert all(i["nproc_per_node"] == per_node and i["nnodes"] == nnodes for i in infos)
+    return infos
+
+
+def _onedist(*args: str) -> list[str]:
+    return [sys.executable, "-m", "onedist", "run", *args]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_onedist_run_starts_n_workers_with_prefixed_output(n, tmp_path):
+    proc = subprocess.run(
+        _onedist("-n", str(n), SCRIPT, str(tmp_path)), capture_output=True, text=True, timeout=240, env=_env()
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_agree(tmp_path, n)
+    for r in range(n):
+        assert f"[rank{r}]: rank {r} of {n} done" in proc.stdout
+
+
+def test_onedist_run_module_mode_and_output_filter(tmp_path):
+    proc = subprocess.run(
+        _onedist(
+            "--nproc_per_node",
+            "2",
+            "--output-ranks",
+            "1",
+            "--no-prefix",
+            "-m",
+            "scripts.agree",
+            str(tmp_path),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
+        cwd=TESTS,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_agree(tmp_path, 2)
+    assert proc.stdout.strip() == "rank 1 of 2 done"
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "kill"])
+def test_onedist_run_failing_worker_stops_every_worker_within_5s(how, tmp_path):
+    t0 = time.time()
+    proc = subprocess.run(
+        _onedist("-n", "3", SCRIPT, str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(AGREE_FAIL_RANK="1", AGREE_FAIL_HOW=how, AGREE_SLEEP="60"),
+    )
+    ended = time.time()
+    assert proc.returncode != 0
+    failed_at = float((tmp_path / "failed_at").read_text())
+    assert ended - failed_at < 5.0, f"{ended - failed_at:.1f} s from the failure to the launcher's exit"
+    summary = proc.stderr[proc.stderr.index("onedist run: worker rank") :]
+    assert summary.startswith("onedist run: worker rank 1 (local rank 1")
+    if how == "raise":
+        assert "RuntimeError: rank 1 failed on purpose" in summary and "Traceback" in summary
+    elif how == "exit":
+        assert "exited with code 3" in summary and proc.returncode == 3
+    else:
+        assert "killed by signal SIGKILL" in summary
+    for info in _infos(tmp_path, 3):  # no worker left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(info["pid"], 0)
+    assert ended - t0 < 60
+
+
+def test_onedist_run_forwards_sigterm(tmp_path):
+    proc = subprocess.Popen(
+        _onedist("-n", "2", SCRIPT, str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(AGREE_SLEEP="60"),
+    )
+    deadline = time.time() + 120
+    while not (tmp_path / "1.json").exists() or not (tmp_path / "0.json").exists():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by signal SIGTERM" in err
+    for info in _infos(tmp_path, 2):
+        with pytest.raises(ProcessLookupError):
+            os.kill(info["pid"], 0)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-n", "0"], "--nproc-per-node=0 is not allowed"),
+        (["-n", "two"], "--nproc-per-node='two' is not allowed"),
+        (["--output-ranks", "a"], "--output-ranks='a' is not allowed"),
+        (["--nnodes", "2"], "--master-port is needed with --nnodes > 1"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "1"], "--node-rank=2 is not allowed"),
+    ],
+)
+def test_onedist_run_usage_errors(args, message, tmp_path):
+    proc = subprocess.run(
+        _onedist(*args, SCRIPT, str(tmp_path)), capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_torchrun_two_agents_as_two_nodes(tmp_path):
+    port = str(free_port())
+    cmds = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            SCRIPT,
+            str(tmp_path),
+        ]
+        for node in (0, 1)
+    ]
+    procs = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        for c in cmds
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    _check_agree(tmp_path, 4, nnodes=2)
+
+
+def test_onedist_run_two_nodes_on_one_host(tmp_path):
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            _onedist(
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "-n",
+                "2",
+                "--master-port",
+                port,
+                SCRIPT,
+                str(tmp_path),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for node in (0, 1)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    _check_agree(tmp_path, 4, nnodes=2)
+
+
+@needs_mpirun
+@pytest.mark.parametrize("via", ["python", "onedist run"])
+def test_open_mpi_mpirun(via, tmp_path):
+    runner = [sys.executable] if via == "python" else _onedist()
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "3", *runner, SCRIPT, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_agree(tmp_path, 3)
