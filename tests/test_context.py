@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -161,10 +162,31 @@ def test_cli_version_and_info():
         [sys.executable, "-m", "onedist", "--version"], capture_output=True, text=True, timeout=120
     )
     assert out.stdout.strip() == f"onedist {od.__version__}"
+    env = {
+        **os.environ,
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
+    for name in ("RANK", "WORLD_SIZE"):
+        env.pop(name, None)
     out = subprocess.run(
-        [sys.executable, "-m", "onedist", "info", "--json"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "onedist", "info", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
-    assert out.returncode == 0 and '"available_backends": [' in out.stdout and '"gloo"' in out.stdout
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert "gloo" in info["available_backends"]
+    detected = info["detected_environment"]
+    assert (detected["name"], detected["rank"], detected["world_size"], detected["nnodes"]) == (
+        "openmpi",
+        1,
+        2,
+        1,
+    )
 
 
 def test_uneven_layout_three_plus_one_from_published_nodes(tmp_path):

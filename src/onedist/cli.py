@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from typing import Any, Optional
 
 from ._version import __version__
@@ -29,6 +30,9 @@ _LAUNCHER_VARS = (
     "PMI_RANK",
     "HOROVOD_RANK",
     "CUDA_VISIBLE_DEVICES",
+    "GLOO_SOCKET_IFNAME",
+    "NCCL_SOCKET_IFNAME",
+    "ONEDIST_BACKEND",
 )
 
 
@@ -39,6 +43,9 @@ def _info() -> dict[str, Any]:
 
     import onedist
 
+    from .environments import detect
+
+    env = detect(os.environ)
     optional = {}
     for module in ("horovod", "torch_xla", "mpi4py", "hostlist"):
         optional[module] = importlib.util.find_spec(module) is not None
@@ -49,6 +56,7 @@ def _info() -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "available_backends": list(onedist.available_backends()),
+        "detected_environment": asdict(env) if env is not None else None,
         "optional_packages": optional,
         "launcher_environment": {k: os.environ[k] for k in _LAUNCHER_VARS if k in os.environ},
     }
