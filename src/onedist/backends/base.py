@@ -16,7 +16,22 @@ from typing import Any, ClassVar, NamedTuple, Optional, Protocol
 
 import torch
 
-__all__ = ["Backend", "Layout", "Work"]
+__all__ = ["NATIVE_REDUCE_DTYPES", "Backend", "Layout", "Work"]
+
+#: dtypes every CPU communication library here reduces without conversion (gloo's set)
+NATIVE_REDUCE_DTYPES = frozenset(
+    {
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.uint8,
+        torch.int8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
 
 
 class Work(Protocol):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .._net import LOOPBACK, free_port
 from ..environments import ClusterEnv, PartialLayout, detect, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, OnedistValueError, bad_value
-from .base import Backend, Layout, Work
+from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
 
 __all__ = ["NativeBackend"]
 
@@ -44,19 +44,6 @@ _GLOO_REDUCE_DTYPES = {
     torch.uint32: torch.int64,
 }
 
-_CPU_REDUCE_DTYPES = frozenset(
-    {
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.uint8,
-        torch.int8,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    }
-)
 
 # ops whose CUDA tensors gloo accepts (torch.distributed capability table); others go through CPU
 _GLOO_CUDA_OPS = frozenset({"all_reduce", "broadcast"})
@@ -98,7 +85,7 @@ class NativeBackend(Backend):
         self._local_group_made = False
         self._nccl = "nccl" in name and "gloo" not in name
         if not self._nccl:
-            self.cpu_reduce_dtypes = _CPU_REDUCE_DTYPES
+            self.cpu_reduce_dtypes = NATIVE_REDUCE_DTYPES
         self._env_layout = layout_from_environ(os.environ, self.rank, self.world_size)
         self._publish_node_key()
         dev = self.device()

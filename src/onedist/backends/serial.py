@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OnedistRuntimeError
-from .base import Backend, Layout, Work
+from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
 
 __all__ = ["SerialBackend"]
 
@@ -21,20 +21,7 @@ class SerialBackend(Backend):
     """No distributed context: rank 0 of 1."""
 
     model_name = "serial"
-    cpu_reduce_dtypes = frozenset(
-        {
-            torch.float16,
-            torch.bfloat16,
-            torch.float32,
-            torch.float64,
-            torch.uint8,
-            torch.int8,
-            torch.int16,
-            torch.int32,
-            torch.int64,
-            torch.bool,
-        }
-    )
+    cpu_reduce_dtypes = NATIVE_REDUCE_DTYPES | {torch.int16}  # no library: int16 needs no widening
 
     def __init__(self) -> None:
         super().__init__(None, 0, 1)
