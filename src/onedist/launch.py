@@ -39,8 +39,9 @@ __all__ = ["Parallel", "spawn"]
 logger = logging.getLogger("onedist")
 
 _START_METHODS = ("spawn", "fork", "forkserver")
-_GRACE_S = 0.3  # wait this long after the first failure for near-simultaneous reports
-_TERM_S = 3.0  # then SIGTERM, and SIGKILL whoever is left after this long
+# failure policy of spawn and `onedist run` alike:
+GRACE_S = 0.3  # wait this long after the first failure for near-simultaneous reports
+TERM_S = 3.0  # then SIGTERM, and SIGKILL whoever is left after this long
 # messages of errors that are only the consequence of a peer's death
 _PEER_LOST = (
     "connection closed by peer",
@@ -67,6 +68,18 @@ def _die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def worker_threads_env(nproc_per_node: int) -> dict[str, str]:
+    """OMP_NUM_THREADS=1 for the workers when several share a node and the user set nothing.
+
+    As torchrun does: N processes using every core each would oversubscribe the machine. Shared by
+    :func:`spawn` and ``onedist run``.
+    """
+    if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        logger.info("onedist: OMP_NUM_THREADS=1 in each worker (set it to override)")
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
 
 
 def _report(conn: Any, message: tuple[Any, ...]) -> None:
@@ -229,7 +242,7 @@ def _stop(workers: list[_Worker]) -> None:
             os.kill(w.process.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + _TERM_S
+    deadline = time.monotonic() + TERM_S
     for w in alive:
         w.process.join(max(0.0, deadline - time.monotonic()))
     for w in alive:
@@ -281,7 +294,7 @@ def _watch(workers: list[_Worker]) -> list[Any]:
             if not w.reported:
                 waitables.append(w.conn)
         timeout = (
-            None if first_failure_at is None else max(0.0, first_failure_at + _GRACE_S - time.monotonic())
+            None if first_failure_at is None else max(0.0, first_failure_at + GRACE_S - time.monotonic())
         )
         ready = multiprocessing.connection.wait(waitables, timeout)
         for w in list(pending.values()):
@@ -295,7 +308,7 @@ def _watch(workers: list[_Worker]) -> list[Any]:
                 del pending[id(w)]
             if w.failure is not None and first_failure_at is None:
                 first_failure_at = time.monotonic()
-        if first_failure_at is not None and time.monotonic() >= first_failure_at + _GRACE_S:
+        if first_failure_at is not None and time.monotonic() >= first_failure_at + GRACE_S:
             for w in pending.values():
                 _read(w)
                 if w.failure is None:
@@ -469,11 +482,7 @@ def spawn(
             ) from e
 
     world_size = nnodes * nproc_per_node
-    threads: dict[str, str] = {}
-    if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # as torchrun does: N processes with all cores each would oversubscribe the machine
-        threads["OMP_NUM_THREADS"] = "1"
-        logger.info("onedist.spawn: OMP_NUM_THREADS=1 in each worker (set it to override)")
+    threads = worker_threads_env(nproc_per_node)
     port = master_port if master_port is not None else free_port(LOOPBACK if master_addr == LOOPBACK else "")
     ctx = multiprocessing.get_context(start_method)
     workers: list[_Worker] = []

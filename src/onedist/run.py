@@ -32,12 +32,10 @@ from typing import IO, Any, Optional
 
 from ._net import LOOPBACK, free_port
 from .environments import detect
-from .launch import _Failure, failure_report
+from .launch import GRACE_S, TERM_S, _Failure, failure_report, worker_threads_env
 
 __all__ = ["build_parser", "main"]
 
-_TERM_S = 3.0
-_GRACE_S = 0.3
 _POLL_S = 0.02
 
 
@@ -173,7 +171,7 @@ def _signal_all(procs: list[_Proc], sig: int) -> None:
 
 def _stop(procs: list[_Proc]) -> None:
     _signal_all(procs, signal.SIGTERM)
-    deadline = time.monotonic() + _TERM_S
+    deadline = time.monotonic() + TERM_S
     for p in procs:
         try:
             p.popen.wait(max(0.0, deadline - time.monotonic()))
@@ -210,10 +208,9 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
             "MASTER_PORT": str(port),
             "TORCHELASTIC_RUN_ID": f"onedist-{run_id}",
             "PYTHONUNBUFFERED": "1",
+            **worker_threads_env(nproc),
         }
     )
-    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
-        base_env["OMP_NUM_THREADS"] = "1"  # as torchrun: N workers with all cores each oversubscribe
     if args.backend:
         base_env["ONEDIST_BACKEND"] = args.backend
     target = ["-m", args.target] if args.module else [args.target]
@@ -281,7 +278,7 @@ def _wait(procs: list[_Proc], received: list[int]) -> int:
         if not running:
             break
         now = time.monotonic()
-        if first_failure is not None and now >= first_failure + _GRACE_S:
+        if first_failure is not None and now >= first_failure + GRACE_S:
             for p in running:
                 p.failure = _Failure(p.rank, p.local_rank, p.popen.pid, time.time(), stopped=True)
             _stop(running)
