@@ -597,3 +597,14 @@ def check_argument_errors() -> None:
         od.isend({}, dst=0)
     with pytest.raises(od.OnedistValueError, match="new_group: ranks=\\[\\] is not allowed"):
         od.new_group([])
+
+
+def check_one_element_strided_tensors() -> None:
+    """x[r::w][:1] is 'contiguous' with stride 2: it must still travel (byte views need stride 1)."""
+    rank, world = od.get_rank(), od.get_world_size()
+    t = torch.arange(8)[rank + 1 :: 2][:1]
+    assert t.stride() == (2,)
+    assert od.all_gather(t).tolist() == [r + 1 for r in range(world)]
+    assert od.broadcast(t, src=0).tolist() == [1]
+    assert [x.tolist() for x in od.all_gather_object(t)] == [[r + 1] for r in range(world)]
+    assert od.all_gather({"a": t})["a"].tolist() == [r + 1 for r in range(world)]

@@ -84,3 +84,7 @@ def test_all_gather_object_returns_one_entry_per_rank(world):
 
 def test_bad_arguments_raise_clear_errors_without_communicating(world):
     world(checks.check_argument_errors)
+
+
+def test_one_element_strided_tensors(world):
+    world(checks.check_one_element_strided_tensors)

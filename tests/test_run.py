@@ -152,6 +152,28 @@ def test_onedist_run_usage_errors(args, message, tmp_path):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
+def test_python_spawns_the_same_script(tmp_path):
+    """`python agree.py OUT 2`: no launcher, so Parallel spawns the workers itself."""
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, str(tmp_path), "2"], capture_output=True, text=True, timeout=240, env=_env()
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_agree(tmp_path, 2)
+
+
+def test_torchrun_one_node(tmp_path):
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_agree(tmp_path, 2)
+
+
 def test_torchrun_two_agents_as_two_nodes(tmp_path):
     port = str(free_port())
     cmds = [
@@ -212,10 +234,10 @@ def test_onedist_run_two_nodes_on_one_host(tmp_path):
 
 
 @needs_mpirun
-@pytest.mark.parametrize("via", ["python", "onedist run"])
-def test_open_mpi_mpirun(via, tmp_path):
+@pytest.mark.parametrize("via, n", [("python", 2), ("python", 3), ("onedist run", 3)])
+def test_open_mpi_mpirun(via, n, tmp_path):
     runner = [sys.executable] if via == "python" else _onedist()
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "3", *runner, SCRIPT, str(tmp_path)]
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), *runner, SCRIPT, str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, 3)
+    _check_agree(tmp_path, n)

@@ -83,3 +83,17 @@ def uneven_nodes(rank: int, world_size: int, port: int, out_dir: str) -> None:
         f.write(repr((*layout, local_sum)))
     od.barrier()
     od.finalize()
+
+
+def listeners(local_rank: int) -> list[str]:
+    """The TCP addresses this worker listens on, after a collective (store and gloo are up)."""
+    from netutil import listening
+
+    od.all_reduce(1)
+    found = listening(os.getpid())
+    od.barrier()
+    return found
+
+
+def env_var(local_rank: int, name: str) -> str | None:
+    return os.environ.get(name)

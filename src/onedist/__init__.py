@@ -23,9 +23,16 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
+    from .auto import auto_dataloader as auto_dataloader
+    from .auto import auto_model as auto_model
+    from .auto import auto_optim as auto_optim
+    from .auto import unwrap as unwrap
     from .backends import (
         available_backends as available_backends,
     )
+    from .checkpoint import CheckpointNotFoundError as CheckpointNotFoundError
+    from .checkpoint import load_checkpoint as load_checkpoint
+    from .checkpoint import save_checkpoint as save_checkpoint
     from .collectives import (
         AsyncResult as AsyncResult,
     )
@@ -149,6 +156,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
     from .errors import (
         WorkerFailedError as WorkerFailedError,
     )
+    from .evaluation import all_gather_eval as all_gather_eval
     from .helpers import (
         one_rank_first as one_rank_first,
     )
@@ -173,15 +181,26 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
     from .log import (
         setup_logger as setup_logger,
     )
+    from .samplers import DistributedEvalSampler as DistributedEvalSampler
+    from .samplers import DistributedProxySampler as DistributedProxySampler
+    from .samplers import DistributedSampler as DistributedSampler
+    from .syncbn import SyncBatchNorm as SyncBatchNorm
+    from .syncbn import convert_sync_batchnorm as convert_sync_batchnorm
 
     has_native_dist_support: bool
     has_hvd_support: bool
     has_xla_support: bool
 
 __all__ = [
+    "CheckpointNotFoundError",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
     "AsyncResult",
     "BackendUnavailableError",
     "CollectiveMismatchError",
+    "DistributedEvalSampler",
+    "DistributedProxySampler",
+    "DistributedSampler",
     "OnedistError",
     "OnedistRuntimeError",
     "OnedistTimeoutError",
@@ -192,8 +211,12 @@ __all__ = [
     "WorkerFailedError",
     "__version__",
     "all_gather",
+    "all_gather_eval",
     "all_gather_object",
     "all_reduce",
+    "auto_dataloader",
+    "auto_model",
+    "auto_optim",
     "available_backends",
     "backend",
     "barrier",
@@ -217,6 +240,7 @@ __all__ = [
     "irecv",
     "is_main_process",
     "isend",
+    "load_checkpoint",
     "model_name",
     "new_group",
     "one_rank_first",
@@ -224,6 +248,7 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_dict",
+    "save_checkpoint",
     "scatter",
     "send",
     "set_local_rank",
@@ -233,11 +258,25 @@ __all__ = [
     "spawn",
     "sync",
     "synchronize",
+    "unwrap",
 ]
 
 # public name -> submodule that defines it. `import onedist` imports none of them (nor torch):
 # the launcher (`onedist run`) starts workers without paying for torch in its own process.
 _LAZY = {
+    "CheckpointNotFoundError": "checkpoint",
+    "SyncBatchNorm": "syncbn",
+    "convert_sync_batchnorm": "syncbn",
+    "auto_model": "auto",
+    "auto_optim": "auto",
+    "auto_dataloader": "auto",
+    "unwrap": "auto",
+    "DistributedSampler": "samplers",
+    "DistributedProxySampler": "samplers",
+    "DistributedEvalSampler": "samplers",
+    "all_gather_eval": "evaluation",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
     "available_backends": "backends",
     "AsyncResult": "collectives",
     "all_gather": "collectives",

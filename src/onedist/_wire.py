@@ -206,7 +206,11 @@ def pack(obj: Any, device: torch.device) -> Packed:
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor's data."""
-    return t.view(-1).view(torch.uint8)
+    flat = t.view(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # torch calls a 1-element tensor contiguous whatever its stride (x[r::w][:1]); a byte view needs 1
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def copy_tensors_into(packed: Packed, dst: torch.Tensor) -> None:

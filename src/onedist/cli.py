@@ -10,19 +10,13 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from ._version import __version__
+from .environments import TORCHRUN_VARS
 
 __all__ = ["main"]
 
 # environment variables worth showing; never dump the whole environment (it may hold secrets)
 _LAUNCHER_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+    *TORCHRUN_VARS,
     "TORCHELASTIC_RUN_ID",
     "SLURM_JOB_ID",
     "SLURM_PROCID",
@@ -43,23 +37,47 @@ def _info() -> dict[str, Any]:
 
     import onedist
 
+    from ._diagnose import network_report
+    from ._diagnose import warnings as launch_warnings
     from .environments import detect
 
     env = detect(os.environ)
     optional = {}
     for module in ("horovod", "torch_xla", "mpi4py", "hostlist"):
         optional[module] = importlib.util.find_spec(module) is not None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backends = list(onedist.available_backends())
+    # every probe has a short timeout: info stays fast even with an unroutable MASTER_ADDR
+    network = network_report(os.environ)
     return {
         "onedist": __version__,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "available_backends": list(onedist.available_backends()),
+        "gpus": gpus,
+        "available_backends": backends,
         "detected_environment": asdict(env) if env is not None else None,
         "optional_packages": optional,
         "launcher_environment": {k: os.environ[k] for k in _LAUNCHER_VARS if k in os.environ},
+        "network": network,
+        # advice, not errors: `onedist info` still exits 0
+        "warnings": launch_warnings(os.environ, network=network, available_backends=backends, gpu_count=gpus),
     }
+
+
+def _print_human(data: dict[str, Any]) -> None:
+    """``key: value`` lines, the network report indented, and the warnings last."""
+    for key, value in data.items():
+        if key == "warnings":
+            continue
+        if key == "network" and isinstance(value, dict):
+            print(f"{key}:")
+            for sub, item in value.items():
+                print(f"  {sub}: {item}")
+            continue
+        print(f"{key}: {value}")
+    for warning in data.get("warnings", []):
+        print(f"WARNING: {warning}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -91,8 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.json:
             print(json.dumps(data, indent=2))
         else:
-            for key, value in data.items():
-                print(f"{key}: {value}")
+            _print_human(data)
         return 0
     parser.print_help()
     return 0

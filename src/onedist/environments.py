@@ -41,6 +41,7 @@ from typing import ClassVar, Optional
 
 __all__ = [
     "ENVIRONMENTS",
+    "TORCHRUN_VARS",
     "ClusterEnv",
     "Environment",
     "PartialLayout",
@@ -51,6 +52,18 @@ __all__ = [
     "launched_externally",
     "layout_from_environ",
 ]
+
+#: the variables torchrun sets for each worker (and onedist's launchers too)
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 _PORT_BASE, _PORT_SPAN = 20000, 20000  # ports derived from a job id fall in 20000..39999
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Optional
 
-from ._net import LOOPBACK, free_port
+from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
 from .environments import detect, launched_externally
 from .errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value
 
@@ -70,6 +70,22 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def torchrun_env(
+    local_rank: int, nproc_per_node: int, node_rank: int, nnodes: int, master_addr: str, master_port: int
+) -> dict[str, str]:
+    """The variables torchrun gives a worker (TORCHRUN_VARS), for local rank ``local_rank``."""
+    return {
+        "RANK": str(node_rank * nproc_per_node + local_rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(nnodes * nproc_per_node),
+        "LOCAL_WORLD_SIZE": str(nproc_per_node),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
 def worker_threads_env(nproc_per_node: int) -> dict[str, str]:
     """OMP_NUM_THREADS=1 for the workers when several share a node and the user set nothing.
 
@@ -100,6 +116,8 @@ def _worker_main(
     """Entry point of every worker: initialise, run ``fn``, report, finalise."""
     _die_with_parent(cfg["parent_pid"])
     os.environ.update(cfg["env"])
+    if cfg["store_socket"] is not None:
+        os.environ[STORE_FD_ENV] = str(cfg["store_socket"].detach())
     if cfg["forked"]:
         import torch
 
@@ -483,21 +501,23 @@ def spawn(
 
     world_size = nnodes * nproc_per_node
     threads = worker_threads_env(nproc_per_node)
-    port = master_port if master_port is not None else free_port(LOOPBACK if master_addr == LOOPBACK else "")
+    # Rank 0's store listens on a socket bound here, before any worker starts: no other program can
+    # take the port in between, a port in use fails now with the fix, and one node listens on
+    # loopback only. Only the env:// rendezvous (the default) can use it.
+    host_store = node_rank == 0 and (init_method is None or init_method == "env://")
+    try:
+        port, store_sock = rendezvous_port(
+            master_addr, master_port, host_store=host_store, what="master_port"
+        )
+    except OSError as e:
+        raise OnedistRuntimeError(f"onedist.spawn: {e.strerror or e}") from e
     ctx = multiprocessing.get_context(start_method)
     workers: list[_Worker] = []
     try:
         for local_rank in range(nproc_per_node):
             rank = node_rank * nproc_per_node + local_rank
             env = {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(world_size),
-                "LOCAL_WORLD_SIZE": str(nproc_per_node),
-                "GROUP_RANK": str(node_rank),
-                "GROUP_WORLD_SIZE": str(nnodes),
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(port),
+                **torchrun_env(local_rank, nproc_per_node, node_rank, nnodes, master_addr, port),
                 **threads,
             }
             cfg = {
@@ -509,6 +529,7 @@ def spawn(
                 "world_size": None if init_method is None or init_method.startswith("env://") else world_size,
                 "parent_pid": os.getpid(),
                 "forked": start_method == "fork",
+                "store_socket": store_sock if local_rank == 0 else None,
             }
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(  # type: ignore[attr-defined]
@@ -520,11 +541,16 @@ def spawn(
             proc.start()
             writer.close()
             workers.append(_Worker(rank, local_rank, proc, reader))
+            if store_sock is not None:  # rank 0 has its copy; later workers must not inherit one
+                store_sock.close()
+                store_sock = None
         return _watch(workers)
     except BaseException:
         _stop(workers)
         raise
     finally:
+        if store_sock is not None:
+            store_sock.close()
         for w in workers:
             w.conn.close()
 
@@ -537,18 +563,36 @@ class Parallel:
     * Under an external launcher (torchrun, srun, ... set RANK and WORLD_SIZE) or with a process
       group already created: initialise (if needed) on ``__enter__``; ``run`` calls
       ``fn(local_rank, ...)`` here. Spawn arguments, if given, must agree with the launcher.
-    * Else with ``nproc_per_node``: ``run`` spawns the workers (:func:`spawn`).
+    * Else with ``nproc_per_node``: ``run`` spawns the workers (:func:`spawn`), or with
+      ``start_method="subprocess"`` this process becomes local rank 0 and the script re-runs
+      itself for local ranks 1..N-1 (below).
     * Else: a group of this one process.
+
+    ``start_method="subprocess"`` (PyTorch Lightning's way) is for functions that cannot be pickled:
+    closures, lambdas, functions defined under ``if __name__ == "__main__":``. The command that
+    started this process (``python [flags] script.py args`` or ``python -m pkg.mod args``) is run
+    again, in the same directory and environment, with torchrun's variables (RANK, LOCAL_RANK,
+    WORLD_SIZE, ...): there the same ``Parallel(...)`` only initialises and ``run`` calls
+    ``fn(local_rank, ...)``. Here, ``run`` initialises as rank 0, calls ``fn(0, ...)``, waits for
+    the others and returns ``fn``'s result. The whole script runs in every process, so code outside
+    ``run`` runs N times, and there can be one such run per process. The children share this
+    process's stdout / stderr (no rank prefix) and read nothing from stdin. A failing child stops
+    the run: the others are stopped and :class:`WorkerFailedError` is raised here with its traceback
+    first; if this process is stuck in a collective it cannot leave, the report is printed and the
+    process exits with status 1 within a few seconds. Not possible from ``python -c``, a REPL or a
+    notebook: use "spawn" or "fork" there.
 
     Args:
         backend: "gloo", "nccl", "mpi", "auto", or None for serial.
-        nproc_per_node: workers to spawn on this node.
+        nproc_per_node: workers to start on this node.
         nnodes: nodes (spawn mode).
         node_rank: this node's index (spawn mode).
         master_addr: node 0's address (spawn mode).
         master_port: rendezvous port (spawn mode; None picks a free one on one node).
         init_method: "env://", "tcp://..." or "file://...".
-        **spawn_kwargs: ``timeout`` and ``start_method`` (see :func:`spawn`).
+        **spawn_kwargs: ``timeout`` (see :func:`spawn`) and ``start_method``: "spawn" (default; fn
+            must be importable), "fork", "forkserver" (see :func:`spawn`) or "subprocess" (re-run
+            the script; any fn).
 
     Example:
         >>> import onedist as od
@@ -559,6 +603,15 @@ class Parallel:
         ...         parallel.run(training, {"lr": 0.1})
 
         The same script under ``torchrun --nproc-per-node 2 script.py`` only initialises.
+
+        A function that cannot be pickled, with the script re-run for rank 1:
+
+        >>> if __name__ == "__main__":                                  # doctest: +SKIP
+        ...     scale = 10
+        ...     def train(local_rank):
+        ...         return od.all_reduce(scale * (od.get_rank() + 1))
+        ...     with od.Parallel(backend="gloo", nproc_per_node=2, start_method="subprocess") as p:
+        ...         print(p.run(train))                                 # 30 (only rank 0 returns here)
     """
 
     _SPAWN_KWARGS = ("timeout", "start_method")
@@ -613,6 +666,11 @@ class Parallel:
         elif launched_externally(os.environ) or _context_active():
             self._check_against_launcher(given)
             self.mode = "external"
+        elif nproc_per_node is not None and spawn_kwargs.get("start_method") == "subprocess":
+            from ._reexec import command_line
+
+            command_line()  # fails now when there is no command to re-run (python -c, notebook)
+            self.mode = "subprocess"
         elif nproc_per_node is not None:
             self.mode = "spawn"
         else:
@@ -649,9 +707,19 @@ class Parallel:
 
     def __enter__(self) -> Parallel:
         if self.mode == "external" and not _context_active():
+            from ._reexec import child_init_args, record_error
             from .context import initialize
 
-            initialize(self.backend, timeout=self.spawn_kwargs.get("timeout"), init_method=self.init_method)  # type: ignore[arg-type]
+            try:
+                initialize(
+                    self.backend,  # type: ignore[arg-type]
+                    timeout=self.spawn_kwargs.get("timeout"),
+                    init_method=self.init_method,
+                    **child_init_args(self.init_method),
+                )
+            except BaseException as e:
+                record_error(e)  # a child of start_method="subprocess": tell the parent
+                raise
             self._initialized_here = True
         return self
 
@@ -659,14 +727,35 @@ class Parallel:
         """Run ``fn(local_rank, *args, **kwargs)`` in the mode this object chose.
 
         Returns:
-            ``fn``'s return value (in spawn mode: local rank 0's).
+            ``fn``'s return value (in spawn and subprocess modes: local rank 0's).
         """
         if self.mode == "serial":
             return fn(0, *args, **kwargs)
         if self.mode == "external":
+            from ._reexec import record_error
             from .context import get_local_rank
 
-            return fn(get_local_rank(), *args, **kwargs)
+            try:
+                return fn(get_local_rank(), *args, **kwargs)
+            except BaseException as e:
+                record_error(e)  # a child of start_method="subprocess": tell the parent
+                raise
+        if self.mode == "subprocess":
+            from ._reexec import run_subprocess
+
+            return run_subprocess(
+                self.backend,
+                fn,
+                args,
+                kwargs,
+                nproc_per_node=self.nproc_per_node,
+                nnodes=self.nnodes or 1,
+                node_rank=self.node_rank or 0,
+                master_addr=self.master_addr or LOOPBACK,
+                master_port=self.master_port,
+                init_method=self.init_method,
+                timeout=self.spawn_kwargs.get("timeout"),
+            )
         results = spawn(
             self.backend,  # type: ignore[arg-type]
             fn,

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import IO, Any, Optional
 
-from ._net import LOOPBACK, free_port
+from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
 from .environments import detect
 from .launch import GRACE_S, TERM_S, _Failure, failure_report, worker_threads_env
 
@@ -193,7 +193,14 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
             "--master-port is needed with --nnodes > 1 (every node must use the same one); "
             "pass --master-addr=<node 0's address> --master-port=<free port on node 0> on every node"
         )
-    port = args.master_port or free_port(LOOPBACK if args.master_addr == LOOPBACK else "")
+    # node 0 binds it here and hands it to rank 0's store: no window for another program to take
+    # the port, a port in use fails before any worker starts, and one node listens on loopback only
+    try:
+        port, store_sock = rendezvous_port(
+            args.master_addr, args.master_port, host_store=args.node_rank == 0, what="--master-port"
+        )
+    except OSError as e:
+        raise _UsageError(e.strerror or str(e)) from e
     world = nproc * args.nnodes
     run_id = uuid.uuid4().hex[:12]
     tmpdir = tempfile.mkdtemp(prefix="onedist-run-")
@@ -234,15 +241,23 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
                 "LOCAL_RANK": str(local_rank),
                 "ONEDIST_ERROR_FILE": error_file,
             }
+            pass_fds: tuple[int, ...] = ()
+            if rank == 0 and store_sock is not None:
+                env[STORE_FD_ENV] = str(store_sock.fileno())
+                pass_fds = (store_sock.fileno(),)
             popen = subprocess.Popen(
                 cmd,
                 env=env,
+                pass_fds=pass_fds,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only: it forwards once
                 preexec_fn=_die_with_launcher,
             )
             procs.append(_Proc(rank, local_rank, popen, error_file))
+            if store_sock is not None and rank == 0:
+                store_sock.close()
+                store_sock = None
         for p in procs:
             visible = show is None or p.rank in show
             prefix = b"" if args.no_prefix else f"[rank{p.rank}]: ".encode()
@@ -253,6 +268,8 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
                 p.threads.append(t)
         return _wait(procs, received)
     finally:
+        if store_sock is not None:
+            store_sock.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if any(p.popen.poll() is None for p in procs):

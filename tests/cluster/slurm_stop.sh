@@ -1,7 +1,11 @@
 #!/bin/bash
-# Stop the daemons of slurm_1node.sh by their PID files (SIGTERM, then SIGKILL after 10 s).
+# Stop daemons by their PID files (SIGTERM, then SIGKILL after 10 s), never by name.
+#   slurm_stop.sh DIR [PIDFILE ...]   (PID files relative to DIR; default: slurm_1node.sh's)
 D=$1
-for f in "$D/slurmd.pid" "$D/slurmctld.pid" "$D/munge/munged.pid"; do
+shift
+[ $# -gt 0 ] || set -- slurmd.pid slurmctld.pid munge/munged.pid
+for name in "$@"; do
+  f="$D/$name"
   [ -f "$f" ] || continue
   p=$(cat "$f")
   kill -0 "$p" 2>/dev/null || continue

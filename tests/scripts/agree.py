@@ -13,8 +13,9 @@ import time
 import onedist as od
 
 
-def main(local_rank: int, out_dir: str) -> None:
-    info = {
+def describe(local_rank: int) -> dict:
+    """What this rank sees (one all_reduce and one all_gather included)."""
+    return {
         "rank": od.get_rank(),
         "world_size": od.get_world_size(),
         "local_rank": od.get_local_rank(),
@@ -28,6 +29,10 @@ def main(local_rank: int, out_dir: str) -> None:
         "ranks": od.all_gather(od.get_rank()).tolist(),
         "pid": os.getpid(),
     }
+
+
+def main(local_rank: int, out_dir: str) -> None:
+    info = describe(local_rank)
     with open(os.path.join(out_dir, f"{info['rank']}.json"), "w") as f:
         json.dump(info, f)
     print(f"rank {info['rank']} of {info['world_size']} done", flush=True)

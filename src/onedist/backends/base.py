@@ -141,6 +141,37 @@ class Backend(ABC):
     def local_group(self) -> Any:
         """The group of the ranks on this node."""
 
+    # ------------------------------------------------------------------ training objects
+    def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
+        """Adapt a model already on :meth:`device` to this backend (auto_model's backend part).
+
+        The default, for one process: ``DataParallel`` when this process drives several GPUs.
+        ``options`` are auto_model's DDP keyword arguments: checked, then unused with one process
+        (so the script that passes them runs unchanged serially).
+        """
+        from .ddp import check_options
+
+        check_options(options)
+        device = self.device()
+        if device.type == "cuda" and torch.cuda.device_count() > 1:
+            return torch.nn.DataParallel(model)
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
+        """Adapt an optimizer to this backend (auto_optim's backend part). Default: unchanged."""
+        if kwargs:
+            from ..errors import bad_value
+
+            name = sorted(kwargs)[0]
+            raise bad_value(
+                "auto_optim", name, kwargs[name], f"no keyword arguments with backend {self.backend!r}"
+            )
+        return optimizer
+
+    def wrap_dataloader(self, loader: Any) -> Any:
+        """Adapt a DataLoader to this backend (XLA: a device loader). Default: unchanged."""
+        return loader
+
     # ------------------------------------------------------------------ primitives
     @abstractmethod
     def comm_device(self, device: torch.device, op: str) -> torch.device:

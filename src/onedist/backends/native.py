@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .._net import LOOPBACK, free_port
+from .._net import LOOPBACK, STORE_FD_ENV, free_port, is_loopback, listen_socket, loopback_ifname
 from ..environments import ClusterEnv, PartialLayout, detect, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, OnedistValueError, bad_value
 from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
@@ -47,6 +47,8 @@ _GLOO_REDUCE_DTYPES = {
 
 # ops whose CUDA tensors gloo accepts (torch.distributed capability table); others go through CPU
 _GLOO_CUDA_OPS = frozenset({"all_reduce", "broadcast"})
+
+_TCPStore: Any = getattr(dist, "TCPStore", None)  # torch.distributed re-exports it without __all__
 
 _NODE_KEY = "onedist/node/{}"
 _NODE_WAIT_WARN_S = 10.0
@@ -143,16 +145,31 @@ class NativeBackend(Backend):
                 f"HINT: initialize({backend!r}, init_method={init_method!r}, rank=<0..N-1>, world_size=N)"
             )
         try:
-            dist.init_process_group(
-                backend,
-                init_method=init_method,
-                timeout=timeout,
-                rank=-1 if rank is None else rank,
-                world_size=-1 if world_size is None else world_size,
-                **kwargs,
-            )
+            store = None
+            if init_method == "env://" and "store" not in kwargs and backend != "mpi":
+                store, rank, world_size = _env_store(backend, timeout, rank, world_size, env_set)
+            if store is not None:
+                assert rank is not None and world_size is not None
+                dist.init_process_group(
+                    backend, store=store, timeout=timeout, rank=rank, world_size=world_size, **kwargs
+                )
+            else:
+                dist.init_process_group(
+                    backend,
+                    init_method=init_method,
+                    timeout=timeout,
+                    rank=-1 if rank is None else rank,
+                    world_size=-1 if world_size is None else world_size,
+                    **kwargs,
+                )
         except BaseException:
             _restore_env(env_set)
+            leftover = os.environ.pop(STORE_FD_ENV, None)
+            if leftover is not None:
+                try:
+                    os.close(int(leftover))
+                except (OSError, ValueError):
+                    pass
             raise
         return cls(owned=True, env_set=env_set)
 
@@ -283,6 +300,28 @@ class NativeBackend(Backend):
         return self._device
 
     # ------------------------------------------------------------------ groups
+    def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
+        if self.world_size == 1:
+            if sync_bn:
+                logger.info(
+                    "onedist.auto_model: sync_bn ignored with world size 1 (BatchNorm already sees the batch)"
+                )
+            return super().wrap_model(model, False, options)
+        from .ddp import wrap_ddp
+
+        return wrap_ddp(model, self.device(), sync_bn, options, self.local_group)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
+        optimizer = super().wrap_optimizer(optimizer, **kwargs)
+        from .ddp import averager_for
+
+        averager = averager_for(optimizer)
+        if averager is None:
+            return optimizer
+        from torch.distributed.optim import PostLocalSGDOptimizer
+
+        return PostLocalSGDOptimizer(optimizer, averager)
+
     def new_group(self, ranks: tuple[int, ...], **kwargs: Any) -> Any:
         key = (ranks, tuple(sorted(kwargs.items())))
         if key in self._groups:
@@ -475,7 +514,60 @@ def _prepare_env_rendezvous(
                     "HINT: export MASTER_ADDR=<host of rank 0> MASTER_PORT=<free port>, or use "
                     "init_method='tcp://host:port' / 'file:///shared/path'"
                 )
-            _set_env(name, default or str(free_port()), env_set)
+            if name == "MASTER_PORT" and str(env.get("RANK", rank)) == "0":
+                # a group of one: hold the port from now on (no window for another program)
+                sock = listen_socket(LOOPBACK, 0)
+                _set_env(name, str(sock.getsockname()[1]), env_set)
+                env[STORE_FD_ENV] = str(sock.detach())
+            else:
+                _set_env(name, default or str(free_port()), env_set)
+
+
+def _env_store(
+    backend: str,
+    timeout: Optional[timedelta],
+    rank: Optional[int],
+    world_size: Optional[int],
+    env_set: dict[str, Optional[str]],
+) -> tuple[Any, Optional[int], Optional[int]]:
+    """The rendezvous store of ``env://``, made here so that rank 0 controls where it listens.
+
+    torch's own ``env://`` store listens on every interface. Here rank 0 listens on MASTER_ADDR
+    itself when that is a loopback address (a one-host job opens no port to the network; gloo is
+    pinned to the loopback interface too, unless GLOO_SOCKET_IFNAME says otherwise), on every
+    interface otherwise, or on the socket a onedist launcher bound already and handed over in
+    ``ONEDIST_STORE_FD`` (no window in which another program can take the port). A port in use
+    is reported with the fix. Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) torch's
+    path is kept: the agent hosts the store. Returns ``(None, rank, world_size)`` in that case.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
+        return None, rank, world_size
+    rank = int(env["RANK"]) if rank is None else rank
+    world_size = int(env["WORLD_SIZE"]) if world_size is None else world_size
+    addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    loopback = is_loopback(addr)
+    if loopback and "gloo" in backend and "GLOO_SOCKET_IFNAME" not in env:
+        ifname = loopback_ifname()
+        if ifname is not None:
+            _set_env("GLOO_SOCKET_IFNAME", ifname, env_set)
+    fd_text = env.pop(STORE_FD_ENV, None)
+    store_timeout = timeout or dist.default_pg_timeout
+    if rank != 0:
+        store = _TCPStore(addr, port, world_size, False, timeout=store_timeout)
+    else:
+        if fd_text is not None:
+            fd = int(fd_text)
+        else:
+            try:
+                fd = listen_socket(addr if loopback else "", port).detach()
+            except OSError as e:
+                raise OnedistRuntimeError(f"onedist.initialize (rank 0): {e.strerror or e}") from e
+        store = _TCPStore(
+            addr, port, world_size, True, timeout=store_timeout, master_listen_fd=fd, use_libuv=True
+        )
+    # the same key prefix torch's env:// path adds, so groups made either way look alike
+    return dist.distributed_c10d.PrefixStore("default_pg", store), rank, world_size
 
 
 _MPI_ENVIRONMENTS = ("openmpi", "mvapich", "mpich")

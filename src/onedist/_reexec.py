@@ -1,0 +1,689 @@
+"""``Parallel(start_method="subprocess")``: this process becomes local rank 0, the script re-runs itself.
+
+For functions that cannot be pickled (closures, lambdas, functions defined under
+``if __name__ == "__main__":``, objects holding locks), as PyTorch Lightning's subprocess script
+launcher does:
+
+1. The command that started this process is rebuilt: ``python script.py args`` becomes
+   ``[sys.executable, <flags>, /abs/script.py, *args]``, ``python -m pkg.mod args`` becomes
+   ``[sys.executable, <flags>, "-m", "pkg.mod", *args]`` (``<flags>``: the interpreter options that
+   matter, from ``sys.flags``). The working directory and the environment are kept.
+2. It is started once for each local rank 1..N-1 with torchrun's variables (RANK, LOCAL_RANK,
+   WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+   ``ONEDIST_REEXEC=1`` and ``ONEDIST_ERROR_FILE``. Reaching the same ``Parallel(...)``, a child
+   finds a launcher's variables, only initialises, and runs ``fn(local_rank)``; if ``fn`` raises it
+   writes the exception to ``ONEDIST_ERROR_FILE`` for the parent.
+3. This process sets the same variables for itself (rank 0) while the run lasts, initialises, runs
+   ``fn(0, ...)``, finalises, waits for the children, restores the variables and returns ``fn``'s
+   result.
+
+Failure handling (nothing may hang; every process is gone within a few seconds of a failure):
+
+* Children die with this process (Linux ``PR_SET_PDEATHSIG``) and run in their own session, so a
+  terminal's Ctrl-C reaches this process only, which stops them.
+* A watcher thread polls the children while this process is inside ``fn``. When one exits non-zero,
+  it waits :data:`~onedist.launch.GRACE_S` for near-simultaneous failures, stops the other children
+  (SIGTERM, SIGKILL after :data:`~onedist.launch.TERM_S`) and raises :class:`WorkerFailedError` in the
+  main thread through a SIGINT sent to it. The main thread may be blocked in a collective with the
+  GIL released, where no exception can be delivered: if it has not left ``fn`` within
+  :data:`MAIN_GRACE_S`, the watcher prints the failure report (failing rank first) to stderr and
+  ends the process with ``os._exit(1)``.
+* When ``fn`` raises here, the children's reports that arrive within a short grace are collected,
+  the children are stopped, and the exception is re-raised, unless it is only a consequence of a
+  child's failure ("Connection closed by peer", ...): then :class:`WorkerFailedError` with the
+  child's traceback first is raised instead.
+* SIGINT (with Python's default handler) and SIGTERM (with no handler) stop the children; the main
+  thread gets ``KeyboardInterrupt`` / ``SystemExit(143)``, or the process exits with ``128 + signal``
+  after :data:`MAIN_GRACE_S` if it cannot. A SIGINT / SIGTERM handler of your own is kept and the
+  signal is forwarded to the children.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from subprocess import _args_from_interpreter_flags  # type: ignore[attr-defined]
+from types import FrameType
+from typing import Any, Optional, cast
+
+from ._bootstrap import _write_error
+from ._net import STORE_FD_ENV, rendezvous_port
+from .environments import TORCHRUN_VARS
+from .errors import OnedistRuntimeError, WorkerFailedError, bad_value
+from .launch import (
+    GRACE_S,
+    TERM_S,
+    _check_spawn_args,
+    _Failure,
+    failure_report,
+    torchrun_env,
+    worker_threads_env,
+)
+
+__all__ = ["ERROR_FILE_ENV", "MAIN_GRACE_S", "MARKER_ENV", "child_init_args", "command_line", "record_error"]
+
+MARKER_ENV = "ONEDIST_REEXEC"  # set in the children: "a Parallel(start_method='subprocess') started me"
+ERROR_FILE_ENV = "ONEDIST_ERROR_FILE"  # where a child writes its exception (as `onedist run` workers do)
+MAIN_GRACE_S = 2.0  # after a failure, the main thread has this long to leave fn before os._exit
+_POLL_S = 0.02
+_started = False  # a run was started in this process (there can be one)
+_HOW_STARTED = {
+    "": "interactively (REPL or notebook)",
+    "-c": "with `python -c`",
+    "-": "from standard input (`python -`)",
+}
+
+
+# ============================================================================ command line
+def command_line() -> list[str]:
+    """The command that re-runs this process's ``__main__`` with the same arguments.
+
+    Raises:
+        OnedistValueError: this process was not started from a script or module (``python -c``,
+            REPL, notebook), so there is nothing to re-run.
+    """
+    main = sys.modules.get("__main__")
+    argv0 = sys.argv[0] if sys.argv else ""
+    main_file = getattr(main, "__file__", None)
+    if argv0 in _HOW_STARTED or not main_file:
+        how = _HOW_STARTED.get(argv0, "without a script file (notebook or embedded interpreter)")
+        raise bad_value(
+            "Parallel",
+            "start_method",
+            "subprocess",
+            "'spawn' or 'fork' in a process started " + how,
+            hint="start_method='subprocess' re-runs the command that started this process "
+            "(`python script.py ...` or `python -m module ...`) for local ranks 1..N-1; there is no such "
+            "command here. Use start_method='spawn' (fn defined at the top level of an importable "
+            "module) or start_method='fork' (no CUDA before it), or move the code to a script",
+        )
+    interpreter_flags: list[str] = _args_from_interpreter_flags()  # -O, -B, -X ..., -W ... (sys.flags)
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    if isinstance(name, str) and name != "__main__":  # python -m pkg.mod / python -m pkg
+        if name.endswith(".__main__"):
+            name = name[: -len(".__main__")]
+        return [sys.executable, *interpreter_flags, "-m", name, *sys.argv[1:]]
+    # python script.py: __main__.__file__ is absolute (Python >= 3.9), even after an os.chdir;
+    # python dir/ or app.zip (spec name "__main__"): re-run what was given
+    script = main_file if spec is None else os.path.abspath(argv0)
+    return [sys.executable, *interpreter_flags, script, *sys.argv[1:]]
+
+
+# ============================================================================ child side
+def is_child() -> bool:
+    """True in a process started by ``Parallel(start_method="subprocess")``."""
+    return os.environ.get(MARKER_ENV) == "1"
+
+
+def record_error(exc: BaseException) -> None:
+    """In a re-executed child, write ``exc`` to ``$ONEDIST_ERROR_FILE`` for the parent (else no-op).
+
+    The first error of the process is kept: it is the cause, what follows is a consequence.
+    """
+    if not is_child() or (isinstance(exc, SystemExit) and exc.code in (0, None)):
+        return
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or os.path.exists(path):
+        return
+    try:
+        _write_error(path, exc)
+    except OSError:
+        pass
+
+
+def child_init_args(init_method: Optional[str]) -> dict[str, int]:
+    """``rank`` / ``world_size`` for ``initialize`` in a child when ``init_method`` is tcp:// or file://."""
+    if not is_child() or init_method is None or init_method.startswith("env://"):
+        return {}
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
+# ============================================================================ parent side
+@dataclass
+class _Child:
+    rank: int
+    local_rank: int
+    popen: subprocess.Popen[bytes]
+    error_file: str
+    failure: Optional[_Failure] = None
+
+
+def _load_report(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _child_failure(c: _Child) -> Optional[_Failure]:
+    """The child's failure: it exited non-zero, or wrote an error report and is still ending."""
+    code = c.popen.poll()
+    report = _load_report(c.error_file)
+    if report is None and code in (None, 0):
+        return None
+    failure = _Failure(c.rank, c.local_rank, c.popen.pid, time.time(), exitcode=code)
+    if report is not None:
+        failure.exc_type = str(report.get("type"))
+        failure.message = str(report.get("message", ""))
+        failure.traceback = report.get("traceback")
+        failure.when = float(report.get("time", failure.when))
+    elif code == 1:
+        failure.extra.append(
+            "It raised outside fn (e.g. while importing the script or before reaching Parallel); its "
+            "own traceback is in the output above."
+        )
+    return failure
+
+
+def _failure_error(failures: list[_Failure]) -> WorkerFailedError:
+    primary, report = failure_report(failures)
+    return WorkerFailedError(report, primary.rank, primary.local_rank, primary.exitcode, primary.traceback)
+
+
+def _write_stderr(text: str) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass
+
+
+class _Launch:
+    """One run: the children, the watcher thread, and the signal plumbing of the main thread."""
+
+    def __init__(self, cmd: list[str], rank0: int, child_env: dict[int, dict[str, str]]) -> None:
+        self.cmd = cmd
+        self.rank0 = rank0
+        self.child_env = child_env
+        self.children: list[_Child] = []
+        self.lock = threading.RLock()  # RLock: the SIGINT handler may run while the main thread holds it
+        # "running": the main thread is in initialize / fn / finalize; "left": it came out;
+        # "failed" / "signalled": the watcher took over (a child failed / a signal arrived)
+        self.state = "running"
+        self.left_fn = threading.Event()
+        self.done = threading.Event()
+        self.error: Optional[WorkerFailedError] = None
+        self.delivered = False
+        self.interrupts_sent = 0
+        self.interrupts_seen = 0
+        self.signalled: Optional[int] = None
+        self.tmpdir = ""
+        self.watcher: Optional[threading.Thread] = None
+        self.in_main_thread = threading.current_thread() is threading.main_thread()
+        self.interruptible = False  # our SIGINT handler is installed: the watcher can interrupt
+        self.wake_r = self.wake_w = -1
+        self.prev_wakeup = -1
+        self.prev_int: Any = None
+        self.prev_term: Any = None
+        self.stop_signals: set[int] = set()
+        self.forward_signals: set[int] = set()
+
+    # ------------------------------------------------------------------ signals (main thread)
+    def install_signals(self) -> None:
+        self.prev_int = signal.getsignal(signal.SIGINT) if self.in_main_thread else None
+        if self.prev_int is None:  # not the main thread, or a handler set outside Python: no
+            return  # signal plumbing; the os._exit fallback remains
+        self.prev_term = signal.getsignal(signal.SIGTERM)
+        for signum, prev in ((signal.SIGINT, self.prev_int), (signal.SIGTERM, self.prev_term)):
+            if prev is signal.default_int_handler or prev == signal.SIG_DFL:
+                self.stop_signals.add(signum)  # the default would end the process: stop the run
+            elif callable(prev):
+                self.forward_signals.add(signum)  # the user's own handler: the children get it too
+        if signal.SIGTERM in self.stop_signals:
+            signal.signal(signal.SIGTERM, self.on_sigterm)
+        signal.signal(signal.SIGINT, self.on_sigint)  # also how the watcher interrupts this thread
+        self.interruptible = True
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+        # the watcher learns of a signal even while the main thread is stuck in native code
+        self.prev_wakeup = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+
+    def restore_signals(self) -> None:
+        if not self.interruptible:
+            return
+        signal.set_wakeup_fd(self.prev_wakeup)
+        signal.signal(signal.SIGINT, self.prev_int)
+        if signal.SIGTERM in self.stop_signals:
+            signal.signal(signal.SIGTERM, self.prev_term)
+        for fd in (self.wake_r, self.wake_w):
+            os.close(fd)
+        self.wake_r = self.wake_w = -1
+        self.interruptible = False
+
+    def on_sigint(self, signum: int, frame: Optional[FrameType]) -> None:
+        with self.lock:
+            ours = self.interrupts_sent > self.interrupts_seen
+            if ours:
+                self.interrupts_seen += 1
+            deliver = ours and self.state == "failed" and not self.delivered and not self.left_fn.is_set()
+            if deliver:
+                self.delivered = True
+        if deliver and self.error is not None:
+            raise self.error
+        if ours:  # our interrupt, after the main thread came out by itself: nothing to do
+            return
+        if callable(self.prev_int):
+            self.prev_int(signum, frame)
+        elif self.prev_int != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    def on_sigterm(self, signum: int, frame: Optional[FrameType]) -> None:
+        raise SystemExit(128 + signum)
+
+    # ------------------------------------------------------------------ children
+    def start_children(self) -> None:
+        libc: Any = None
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)  # loaded here, not between fork and exec
+            except OSError:
+                libc = None
+        parent = os.getpid()
+        ignore_sigint = self.prev_int == signal.SIG_IGN
+
+        def die_with_parent() -> None:  # runs in the child between fork and exec
+            if libc is not None:
+                try:
+                    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+                except Exception:
+                    pass
+            if ignore_sigint:  # SIGINT was ignored before onedist's handler: so it stays in the child
+                try:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                except Exception:
+                    pass
+            if os.getppid() != parent:
+                os._exit(1)
+
+        for local_rank, extra in self.child_env.items():
+            rank = int(extra["RANK"])
+            error_file = os.path.join(self.tmpdir, f"{rank}.json")
+            env = {**os.environ, **extra, MARKER_ENV: "1", ERROR_FILE_ENV: error_file}
+            popen = subprocess.Popen(
+                self.cmd,
+                env=env,
+                cwd=os.getcwd(),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # Ctrl-C reaches this process only; it stops the children
+                preexec_fn=die_with_parent,
+            )
+            self.children.append(_Child(rank, local_rank, popen, error_file))
+
+    def running(self) -> list[_Child]:
+        return [c for c in self.children if c.popen.poll() is None]
+
+    def signal_children(self, sig: int) -> None:
+        for c in self.running():
+            try:
+                c.popen.send_signal(sig)
+            except (ProcessLookupError, OSError):
+                pass
+
+    def stop(self) -> None:
+        """SIGTERM the children, SIGKILL whoever is left after TERM_S."""
+        if not self.running():
+            return
+        self.signal_children(signal.SIGTERM)
+        deadline = time.monotonic() + TERM_S
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        self.signal_children(signal.SIGKILL)
+        for c in self.children:
+            try:
+                c.popen.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def poll_failures(self) -> Optional[float]:
+        """Record the children's failures; the monotonic time of the first one seen, if any."""
+        first: Optional[float] = None
+        for c in self.children:
+            if c.failure is None:
+                c.failure = _child_failure(c)
+            if c.failure is not None and first is None:
+                first = time.monotonic()
+        return first
+
+    def failures(self, mark_stopped: bool) -> list[_Failure]:
+        out: list[_Failure] = []
+        for c in self.children:
+            if c.failure is None:
+                c.failure = _child_failure(c)
+            if c.failure is None and mark_stopped and c.popen.poll() is None:
+                c.failure = _Failure(c.rank, c.local_rank, c.popen.pid, time.time(), stopped=True)
+            if c.failure is not None:
+                out.append(c.failure)
+        return out
+
+    # ------------------------------------------------------------------ watcher thread
+    def read_signals(self, timeout: float) -> list[int]:
+        if self.wake_r < 0:
+            time.sleep(timeout)
+            return []
+        try:
+            ready, _, _ = select.select([self.wake_r], [], [], timeout)
+        except (OSError, ValueError):  # closed by the main thread at the very end
+            return []
+        if not ready:
+            return []
+        try:
+            data = os.read(self.wake_r, 512)
+        except (BlockingIOError, OSError):
+            return []
+        if self.prev_wakeup >= 0:  # e.g. an asyncio loop's: pass the signal on
+            try:
+                os.write(self.prev_wakeup, data)
+            except OSError:
+                pass
+        return list(data)
+
+    def watch(self) -> None:
+        first: Optional[float] = None
+        while not self.done.is_set():
+            for signum in self.read_signals(_POLL_S):
+                if signum in self.stop_signals:
+                    self.on_stop_signal(signum)
+                    return
+                if signum in self.forward_signals:
+                    self.signal_children(signum)
+            with self.lock:
+                if self.state != "running":
+                    return
+            seen = self.poll_failures()
+            if first is None:
+                first = seen
+            if first is not None and time.monotonic() >= first + GRACE_S:
+                self.on_child_failure()
+                return
+
+    def on_child_failure(self) -> None:
+        with self.lock:
+            if self.state != "running":
+                return
+            self.state = "failed"
+            self.error = _failure_error(self.failures(mark_stopped=True))
+            interrupt = self.interruptible
+            if interrupt:
+                self.interrupts_sent += 1
+        deadline = time.monotonic() + MAIN_GRACE_S
+        if interrupt and threading.main_thread().ident is not None:
+            # a real signal (not _thread.interrupt_main): it also interrupts a blocking sleep / select
+            signal.pthread_kill(cast(int, threading.main_thread().ident), signal.SIGINT)
+        self.finish(deadline, str(self.error) + "\n", 1)
+
+    def on_stop_signal(self, signum: int) -> None:
+        with self.lock:
+            if self.state != "running":
+                return
+            self.state = "signalled"
+            self.signalled = signum
+        deadline = time.monotonic() + MAIN_GRACE_S
+        name = signal.Signals(signum).name
+        self.finish(deadline, f"onedist: stopped by signal {name}\n", 128 + signum)
+
+    def finish(self, deadline: float, message: str, code: int) -> None:
+        """Stop the children; if the main thread is still in fn at ``deadline``, exit the process."""
+        self.signal_children(signal.SIGTERM)
+        kill_at = time.monotonic() + TERM_S
+        while True:
+            alive = bool(self.running())
+            now = time.monotonic()
+            if not self.left_fn.is_set() and now >= deadline:
+                self.die(message, code)
+            if alive and now >= kill_at:
+                self.signal_children(signal.SIGKILL)
+            if not alive and self.left_fn.is_set():
+                return
+            time.sleep(_POLL_S)
+
+    def die(self, message: str, code: int) -> None:
+        self.signal_children(signal.SIGKILL)
+        for c in self.children:
+            try:
+                c.popen.wait(1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        _write_stderr(
+            message
+            + f"onedist: the main process (rank {self.rank0}) did not leave fn within {MAIN_GRACE_S:g} s "
+            "(blocked in a collective or other native call, or it caught the error); exiting\n"
+        )
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        os._exit(code)
+
+    # ------------------------------------------------------------------ main thread
+    def leave_fn(self) -> str:
+        """Mark that the main thread left fn; the state it found ("running" unless the watcher acted)."""
+        with self.lock:
+            found = self.state
+            if found == "running":
+                self.state = "left"
+            self.left_fn.set()
+        return found
+
+    def join_watcher(self) -> None:
+        if self.watcher is not None:
+            self.watcher.join(TERM_S + MAIN_GRACE_S + 1.0)
+
+    def main_failed(self, exc: BaseException) -> BaseException:
+        """The exception to raise after ``exc`` came out of initialize / fn / finalize here."""
+        when = time.time()
+        found = self.leave_fn()
+        if found == "failed" and self.error is not None:
+            self.join_watcher()  # it stops the children
+            return self.error
+        if found == "signalled" or isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+            self.join_watcher()
+            self.stop()
+            return exc
+        mine = _Failure(
+            self.rank0,
+            0,
+            os.getpid(),
+            when,
+            exc_type=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+        # collect the children's failures that arrive within the grace period; when this error is
+        # only a consequence of another rank's ("connection closed by peer"), wait longer for it
+        start = time.monotonic()
+        deadline = start + (MAIN_GRACE_S if mine.secondary else GRACE_S)
+        while self.running() and time.monotonic() < deadline:
+            seen = self.poll_failures()
+            if seen is not None:
+                deadline = min(deadline, seen + GRACE_S)
+            time.sleep(_POLL_S)
+        failures = self.failures(mark_stopped=True)
+        self.stop()
+        primary, _ = failure_report([mine, *failures])
+        if primary is mine:
+            return exc
+        return _failure_error([mine, *failures])
+
+    def wait_children(self) -> None:
+        """After fn returned here: wait for the children; raise if one fails."""
+        first: Optional[float] = None
+        while True:
+            seen = self.poll_failures()
+            if first is None:
+                first = seen
+            alive = self.running()
+            if first is not None and (not alive or time.monotonic() >= first + GRACE_S):
+                failures = self.failures(mark_stopped=True)
+                self.stop()
+                raise _failure_error(failures)
+            if not alive:
+                return
+            time.sleep(_POLL_S)
+
+
+def run_subprocess(
+    backend: Any,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    nproc_per_node: Any,
+    nnodes: Any,
+    node_rank: Any,
+    master_addr: Any,
+    master_port: Any,
+    init_method: Any,
+    timeout: Any,
+) -> Any:
+    """Run ``fn(local_rank, *args, **kwargs)`` here as local rank 0 and in re-executed children.
+
+    See the module docstring. Returns ``fn``'s return value here.
+    """
+    if is_child():
+        raise OnedistRuntimeError(
+            "onedist.Parallel: this process was started by Parallel(start_method='subprocess') but does "
+            "not see the variables it was given (RANK, WORLD_SIZE, ...), so it would start processes "
+            "again\nHINT: do not remove RANK / WORLD_SIZE / LOCAL_RANK from os.environ before Parallel"
+        )
+    global _started
+    if _started:
+        raise OnedistRuntimeError(
+            "onedist.Parallel: start_method='subprocess' can run only once per process: its children "
+            "re-run the whole script, so they would meet the first run again, not this one\n"
+            "HINT: put everything in one run(fn), or use start_method='spawn' / 'fork' for the others"
+        )
+    cmd = command_line()
+    _check_spawn_args(
+        backend,
+        fn,
+        args,
+        kwargs,
+        nproc_per_node,
+        nnodes,
+        node_rank,
+        master_addr,
+        master_port,
+        init_method,
+        "spawn",  # the start method was checked by Parallel; the other arguments as spawn does
+    )
+    from .backends import class_for_backend
+    from .context import _resolve_backend_name, _timeout, finalize, initialize
+
+    name = _resolve_backend_name(backend)
+    if class_for_backend(name) is None:
+        initialize(name)  # raises the standard "not available" error, listing what is
+    td = _timeout("Parallel", timeout)
+    world_size = nnodes * nproc_per_node
+    threads = worker_threads_env(nproc_per_node)
+    rank0 = node_rank * nproc_per_node
+    env_rank = init_method is None or init_method.startswith("env://")
+    # this process is rank 0: it binds the store's socket now and serves on it (no port race;
+    # loopback only on one node), as spawn and `onedist run` do
+    try:
+        port, sock = rendezvous_port(
+            master_addr, master_port, host_store=rank0 == 0 and env_rank, what="master_port"
+        )
+    except OSError as e:
+        raise OnedistRuntimeError(f"onedist.Parallel: {e.strerror or e}") from e
+    store_fd: Optional[int] = sock.detach() if sock is not None else None
+
+    def env_for(local_rank: int) -> dict[str, str]:
+        return torchrun_env(local_rank, nproc_per_node, node_rank, nnodes, master_addr, port)
+
+    launch = _Launch(cmd, rank0, {lr: {**env_for(lr), **threads} for lr in range(1, nproc_per_node)})
+    _started = True
+    saved = {k: os.environ.get(k) for k in TORCHRUN_VARS}
+    previous_threads: Optional[int] = None
+    initialized = False
+    try:
+        os.environ.update(env_for(0))
+        if threads:
+            import torch
+
+            previous_threads = torch.get_num_threads()
+            torch.set_num_threads(int(threads["OMP_NUM_THREADS"]))
+        launch.tmpdir = tempfile.mkdtemp(prefix="onedist-reexec-")
+        launch.install_signals()
+        launch.start_children()
+        launch.watcher = threading.Thread(target=launch.watch, name="onedist-reexec-watcher", daemon=True)
+        launch.watcher.start()
+        try:
+            if store_fd is not None:
+                os.environ[STORE_FD_ENV] = str(store_fd)  # initialize takes it over (and closes it)
+                store_fd = None
+            initialize(
+                name,
+                timeout=td,
+                init_method=init_method,
+                rank=None if env_rank else rank0,
+                world_size=None if env_rank else world_size,
+            )
+            initialized = True
+            try:
+                result = fn(0, *args, **kwargs)
+            except SystemExit as e:
+                if e.code not in (0, None):
+                    raise
+                result = None
+            initialized = False
+            finalize()
+        except BaseException as e:
+            err = launch.main_failed(e)
+            if err is e:
+                raise
+            raise err from None
+        found = launch.leave_fn()
+        if found == "failed" and launch.error is not None:
+            launch.join_watcher()
+            raise launch.error
+        if found == "signalled" and launch.signalled is not None:  # fn returned as the signal came
+            launch.join_watcher()
+            if launch.signalled == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + launch.signalled)
+        launch.wait_children()
+        return result
+    finally:
+        leftover = os.environ.pop(STORE_FD_ENV, None) if store_fd is None else str(store_fd)
+        if leftover is not None:
+            try:
+                os.close(int(leftover))
+            except (OSError, ValueError):
+                pass
+        launch.done.set()
+        launch.join_watcher()
+        launch.stop()
+        if initialized:
+            try:
+                finalize()
+            except Exception:
+                pass
+        launch.restore_signals()
+        if previous_threads is not None:
+            import torch
+
+            torch.set_num_threads(previous_threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if launch.tmpdir:
+            shutil.rmtree(launch.tmpdir, ignore_errors=True)

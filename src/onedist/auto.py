@@ -1,0 +1,257 @@
+"""Adapt a model, an optimizer and a dataset to whatever distributed configuration is active.
+
+Three calls, one training loop for serial, gloo, nccl, Horovod and XLA runs::
+
+    model = od.auto_model(model)            # device, then DDP / DataParallel / backend's own wrapping
+    optimizer = od.auto_optim(optimizer)    # backend's distributed optimizer where it needs one
+    loader = od.auto_dataloader(dataset, batch_size=256, shuffle=True)  # global batch size
+
+What each backend does lives in the backend (``Backend.wrap_model`` / ``wrap_optimizer`` /
+``wrap_dataloader``); this module only checks arguments and splits the data.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DistributedSampler as _TorchDistributedSampler
+
+from .errors import bad_type, bad_value
+from .samplers import DistributedEvalSampler, DistributedProxySampler, DistributedSampler
+
+__all__ = ["auto_dataloader", "auto_model", "auto_optim", "unwrap"]
+
+logger = logging.getLogger("onedist")
+
+_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+
+
+def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> torch.nn.Module:
+    """Put ``model`` on :func:`onedist.device` and wrap it for the active backend.
+
+    * world size > 1 with torch.distributed: ``DistributedDataParallel`` (``device_ids`` set from
+      the local rank on CUDA, none on CPU), after ``SyncBatchNorm`` conversion if ``sync_bn``;
+    * one process that drives several GPUs: ``DataParallel``;
+    * otherwise the model itself, on the device.
+
+    Args:
+        model: the model.
+        sync_bn: convert BatchNorm layers to ``SyncBatchNorm`` (batch statistics over all ranks).
+        **kwargs: ``DistributedDataParallel`` keyword arguments, passed through
+            (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
+            ``bucket_cap_mb``, ``broadcast_buffers``, ...; checked, and unused with one process), and:
+
+            * ``comm_hook``: ``"fp16"`` / ``"bf16"`` (compress gradients), ``"powersgd"`` /
+              ``"batched_powersgd"``, ``"post_localsgd"``, or a hook function;
+            * ``comm_hook_kwargs``: arguments of the hook's state (``PowerSGDState``:
+              ``matrix_approximation_rank``, ``start_powerSGD_iter``, ...;
+              ``PostLocalSGDState``: ``start_localSGD_iter``, ``subgroup`` (default: this node));
+            * ``comm_hook_state``: the state for a hook function;
+            * ``comm_wrapper``: ``"fp16"`` / ``"bf16"``, compress around the hook (e.g. PowerSGD);
+            * ``model_averaging_period``: with ``"post_localsgd"``, average the model over all
+              ranks every that many steps (:func:`auto_optim` wraps the optimizer for it).
+
+    Returns:
+        The wrapped model (:func:`unwrap` gives the inner module back).
+
+    Example:
+        >>> import torch, onedist as od
+        >>> model = od.auto_model(torch.nn.Linear(4, 2))          # serial: the model, on the device
+        >>> isinstance(model, torch.nn.Linear)
+        True
+        >>> # under 4 gloo processes, a DDP whose gradients travel as fp16:
+        >>> # od.auto_model(net, sync_bn=True, comm_hook="fp16", find_unused_parameters=True)
+    """
+    from .context import current, device
+
+    if not isinstance(model, torch.nn.Module):
+        raise bad_type("auto_model", "model", model, "a torch.nn.Module")
+    if isinstance(model, _WRAPPERS):
+        raise bad_type(
+            "auto_model",
+            "model",
+            model,
+            "an unwrapped torch.nn.Module",
+            hint="pass the model itself; auto_model wraps it (onedist.unwrap(model) gives it back)",
+        )
+    if not isinstance(sync_bn, bool):
+        raise bad_type("auto_model", "sync_bn", sync_bn, "a bool")
+    model.to(device())
+    return current().wrap_model(model, sync_bn, kwargs)
+
+
+def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
+    """Adapt ``optimizer`` to the active backend.
+
+    torch.distributed: unchanged, except after ``auto_model(..., comm_hook="post_localsgd")``,
+    where it is wrapped in ``PostLocalSGDOptimizer`` so the model is averaged every
+    ``model_averaging_period`` steps. Horovod: ``DistributedOptimizer`` (kwargs passed to it) with
+    its state broadcast from rank 0. XLA: ``step()`` goes through ``optimizer_step``.
+    ``state_dict()`` / ``load_state_dict()`` round-trip in every case.
+
+    Example:
+        >>> import torch, onedist as od
+        >>> model = od.auto_model(torch.nn.Linear(4, 2))
+        >>> opt = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> isinstance(opt, torch.optim.Optimizer)
+        True
+    """
+    from .context import current
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise bad_type("auto_optim", "optimizer", optimizer, "a torch.optim.Optimizer")
+    return current().wrap_optimizer(optimizer, **kwargs)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP / DataParallel / ``torch.compile`` wrappers (``model`` if none).
+
+    Example:
+        >>> import torch, onedist as od
+        >>> inner = torch.nn.Linear(2, 2)
+        >>> od.unwrap(torch.nn.DataParallel(inner)) is inner
+        True
+    """
+    seen = 0
+    while seen < 16:
+        if isinstance(model, _WRAPPERS):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+        seen += 1
+    return model
+
+
+def auto_dataloader(dataset: Any, *, evaluation: bool = False, **kwargs: Any) -> Any:
+    """A ``DataLoader`` that gives this rank its share of ``dataset``; ``batch_size`` is global.
+
+    With world size N > 1:
+
+    * ``batch_size`` is split: each rank loads ``batch_size // N`` (a warning says the effective
+      global batch when N does not divide it; fewer than N is an error);
+    * ``num_workers`` is per node, split over the node's processes (rounded up);
+    * no ``sampler``: a :class:`onedist.DistributedSampler` with your ``shuffle`` (default False,
+      as DataLoader's), which reshuffles every epoch by itself (``set_epoch`` optional);
+    * your own ``sampler``: wrapped in :class:`onedist.DistributedProxySampler` (one shared draw,
+      each rank its share); an already distributed sampler is kept as is;
+    * ``evaluation=True``: :class:`onedist.DistributedEvalSampler`, no padding, every sample once;
+      gather the results with :func:`onedist.all_gather_eval`;
+    * an ``IterableDataset`` gets no sampler (a warning says how to shard it); a ``batch_sampler``
+      is kept as given (a warning says it is not split).
+
+    On CUDA ``pin_memory`` defaults to True. With one process the loader is a plain ``DataLoader``
+    with your arguments (and ``evaluation`` changes nothing). The backend may wrap the loader
+    (XLA: a device loader).
+
+    Example:
+        >>> import torch, onedist as od
+        >>> data = torch.utils.data.TensorDataset(torch.arange(10.0))
+        >>> loader = od.auto_dataloader(data, batch_size=4, shuffle=True)
+        >>> sum(len(b[0]) for b in loader)
+        10
+    """
+    from .context import current, device, get_nproc_per_node, get_rank, get_world_size
+
+    if not isinstance(dataset, (Dataset, IterableDataset)) and not hasattr(dataset, "__getitem__"):
+        raise bad_type(
+            "auto_dataloader", "dataset", dataset, "a torch Dataset (or anything with __getitem__)"
+        )
+    if not isinstance(evaluation, bool):
+        raise bad_type("auto_dataloader", "evaluation", evaluation, "a bool")
+    world = get_world_size()
+    rank = get_rank()
+    iterable = isinstance(dataset, IterableDataset)
+    if world > 1:
+        _split_batch(kwargs, world)
+        if "num_workers" in kwargs:
+            nw = kwargs["num_workers"]
+            if not isinstance(nw, int) or isinstance(nw, bool) or nw < 0:
+                raise bad_value("auto_dataloader", "num_workers", nw, "an int >= 0")
+            kwargs["num_workers"] = math.ceil(nw / get_nproc_per_node())
+        if "batch_sampler" in kwargs and kwargs["batch_sampler"] is not None:
+            warnings.warn(
+                "onedist.auto_dataloader: a batch_sampler is used as given, not split over the "
+                f"{world} ranks; every rank loads what it yields. Pass a sampler instead to have it split.",
+                stacklevel=2,
+            )
+        elif iterable:
+            warnings.warn(
+                f"onedist.auto_dataloader: {type(dataset).__name__} is an IterableDataset, so no sampler can "
+                f"split it; every rank reads all of it unless it shards itself, e.g. keep items i with "
+                "i % (onedist.get_world_size() * num_workers) == onedist.get_rank() * num_workers + "
+                "torch.utils.data.get_worker_info().id",
+                stacklevel=2,
+            )
+        else:
+            kwargs["sampler"] = _distributed_sampler(dataset, kwargs, world, rank, evaluation)
+    if device().type == "cuda" and "pin_memory" not in kwargs:
+        kwargs["pin_memory"] = True
+    try:
+        loader = DataLoader(dataset, **kwargs)
+    except TypeError as e:
+        raise bad_value(
+            "auto_dataloader", "kwargs", sorted(kwargs), f"DataLoader's keyword arguments ({e})"
+        ) from e
+    return current().wrap_dataloader(loader)
+
+
+def _split_batch(kwargs: dict[str, Any], world: int) -> None:
+    if "batch_size" not in kwargs or kwargs["batch_size"] is None:
+        return
+    bs = kwargs["batch_size"]
+    if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
+        raise bad_value("auto_dataloader", "batch_size", bs, "an int >= 1 (the global batch size)")
+    if bs < world:
+        raise bad_value(
+            "auto_dataloader",
+            "batch_size",
+            bs,
+            f"an int >= the world size {world} (batch_size is global: each rank loads batch_size // {world})",
+        )
+    if bs % world:
+        warnings.warn(
+            f"onedist.auto_dataloader: batch_size={bs} is global and not divisible by the world size "
+            f"{world}: each rank loads {bs // world}, so the global batch is {bs // world * world}. "
+            f"Use a multiple of {world} (e.g. {bs // world * world} or {(bs // world + 1) * world}) "
+            "to keep it exact.",
+            stacklevel=3,
+        )
+    kwargs["batch_size"] = bs // world
+
+
+def _distributed_sampler(
+    dataset: Any, kwargs: dict[str, Any], world: int, rank: int, evaluation: bool
+) -> Sampler[Any]:
+    sampler: Optional[Sampler[Any]] = kwargs.get("sampler")
+    shuffle = kwargs.pop("shuffle", None)
+    if evaluation:
+        if sampler is not None or shuffle:
+            given = "sampler" if sampler is not None else "shuffle"
+            raise bad_value(
+                "auto_dataloader",
+                given,
+                sampler if sampler is not None else shuffle,
+                "not given with evaluation=True (every sample once, in dataset order)",
+            )
+        return DistributedEvalSampler(dataset, num_replicas=world, rank=rank)
+    if sampler is not None:
+        if shuffle:
+            raise bad_value(
+                "auto_dataloader",
+                "shuffle",
+                shuffle,
+                "False or not given when a sampler is given (DataLoader's rule)",
+            )
+        if isinstance(sampler, (_TorchDistributedSampler, DistributedEvalSampler, DistributedProxySampler)):
+            return sampler
+        return DistributedProxySampler(sampler, num_replicas=world, rank=rank)
+    if shuffle is not None and not isinstance(shuffle, bool):
+        raise bad_type("auto_dataloader", "shuffle", shuffle, "a bool")
+    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=bool(shuffle))

@@ -1,0 +1,321 @@
+"""Checkpoints that work the same in every world: one rank writes atomically, every rank loads.
+
+* :func:`save_checkpoint` turns models (wrapped or not), optimizers, LR schedulers, GradScalers
+  (anything with ``state_dict()``) into state dicts, writes them from one rank to a temporary file
+  that replaces the target only when complete, and returns on every rank once the file is there.
+* :func:`load_checkpoint` loads on every rank onto :func:`onedist.device` and can load the state
+  dicts back into live objects: a checkpoint of a DDP model loads into a plain one and back.
+
+A failure on one rank (no space left, a missing file) raises on every rank instead of leaving the
+others waiting in the next collective.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from .errors import OnedistError, RemoteRankError, bad_type, bad_value
+
+__all__ = ["CheckpointNotFoundError", "load_checkpoint", "save_checkpoint"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# prefixes that wrappers add to every key of a module's state dict (DDP / DataParallel, torch.compile)
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+class CheckpointNotFoundError(OnedistError, FileNotFoundError):
+    """:func:`load_checkpoint` found no file at the path (raised on every rank that lacks it)."""
+
+
+# ============================================================================ save
+def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
+    """Write ``obj`` to ``path`` from one rank, atomically; every rank returns once it is written.
+
+    Each value of ``obj`` (a dict, searched through nested dicts/lists/tuples; or a single
+    object) that has a ``state_dict()`` is replaced by it: a model, DDP/DataParallel-wrapped or
+    not, saves the state of the module inside (:func:`onedist.unwrap`), so its keys carry no
+    ``module.`` prefix; optimizers, LR schedulers, GradScalers save theirs. Other values (epoch,
+    config, tensors) are saved as they are.
+
+    Only ``rank`` writes: ``torch.save`` to a temporary file in the same directory (created if
+    missing), ``fsync``, then ``os.replace`` onto ``path``, so a crash never leaves a truncated
+    checkpoint behind. One small collective then tells every rank the outcome: all return after
+    the file exists, or all raise if the write failed (the writer its own error, the others
+    :class:`~onedist.RemoteRankError`). Every rank must call it.
+
+    Args:
+        obj: what to save, usually a dict such as ``{"model": model, "optimizer": opt, "epoch": 3}``.
+        path: the file to write.
+        rank: the global rank that writes (the others need not build the state dicts).
+
+    Example:
+        >>> import torch, onedist as od
+        >>> model = od.auto_model(torch.nn.Linear(4, 2))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> od.save_checkpoint({"model": model, "optimizer": opt, "epoch": 3}, "/tmp/ckpt/last.pt")
+        >>> od.load_checkpoint("/tmp/ckpt/last.pt")["epoch"]
+        3
+    """
+    from .collectives import broadcast
+    from .context import current
+
+    b = current()
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        raise bad_type("save_checkpoint", "rank", rank, "an int (the global rank that writes)")
+    if not 0 <= rank < b.world_size:
+        raise bad_value("save_checkpoint", "rank", rank, f"a global rank in 0..{b.world_size - 1}")
+    target = _check_path("save_checkpoint", path)
+    if b.world_size == 1:
+        _write(_state_of(obj), target)
+        return
+    error: Optional[BaseException] = None
+    status: Optional[str] = None
+    if b.rank == rank:
+        try:
+            _write(_state_of(obj), target)
+        except Exception as e:
+            error, status = e, f"{type(e).__name__}: {e}"
+    # every rank waits here until the writer is done: returning means the file exists
+    status = broadcast(status, src=rank)
+    if error is not None:
+        raise error
+    if status is not None:
+        raise RemoteRankError(
+            f"onedist.save_checkpoint: rank {rank} could not write the checkpoint {str(target)!r}. "
+            f"Its error: {status}",
+            rank=rank,
+        )
+
+
+def _check_path(func: str, path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise bad_type(func, "path", path, "a file path (str or os.PathLike)")
+    return Path(os.fspath(path))
+
+
+def _state_of(value: Any) -> Any:
+    """``value`` with every object that has a ``state_dict()`` replaced by it (containers searched)."""
+    from .auto import unwrap
+
+    if isinstance(value, torch.nn.Module):
+        return unwrap(value).state_dict()
+    if _has_method(value, "state_dict"):
+        return value.state_dict()
+    if isinstance(value, Mapping):
+        return {k: _state_of(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_state_of(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_state_of(v) for v in value)
+    return value
+
+
+def _has_method(value: Any, name: str) -> bool:
+    return not isinstance(value, type) and callable(getattr(value, name, None))
+
+
+def _write(state: Any, target: Path) -> None:
+    directory = target.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        with open(tmp, "xb") as f:  # honours the umask, unlike mkstemp's 0600
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable (best effort: not every platform/filesystem allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ============================================================================ load
+def load_checkpoint(
+    path: PathLike,
+    to: Any = None,
+    *,
+    map_location: Any = None,
+    weights_only: bool = True,
+) -> Any:
+    """Load a checkpoint on every rank; optionally load its state dicts into live objects.
+
+    Every rank reads the file (onto :func:`onedist.device` unless ``map_location`` says
+    otherwise), then one small collective tells every rank whether all ranks succeeded, so a rank
+    that cannot read it makes every rank raise rather than hang in the next collective. Every
+    rank must call it.
+
+    With ``to``, each of its values that has ``load_state_dict`` gets the checkpoint's entry of
+    the same key (nested dicts/lists/tuples are followed): a model is loaded into
+    :func:`onedist.unwrap` of it, so wrapped and unwrapped models load each other's checkpoints;
+    a ``module.`` (or ``_orig_mod.``) prefix on every saved key, as other tools write, is removed
+    when the model's own keys lack it. ``to`` may also be a single object (a model) for a
+    checkpoint saved from a single object.
+
+    Args:
+        path: the checkpoint file.
+        to: None, or live objects to load into, e.g. ``{"model": model, "optimizer": opt}``; the
+            checkpoint may hold more keys (an epoch, a config), not fewer.
+        map_location: passed to ``torch.load``; default :func:`onedist.device`.
+        weights_only: passed to ``torch.load``: True (the default) loads tensors, numbers,
+            strings, containers; False also loads arbitrary pickled objects (trusted files only).
+
+    Returns:
+        The loaded checkpoint (the state dicts, not the live objects).
+
+    Raises:
+        CheckpointNotFoundError: on every rank without the file (a ``FileNotFoundError``), naming
+            the path; the other ranks raise :class:`~onedist.RemoteRankError`.
+
+    Example:
+        >>> import torch, onedist as od
+        >>> model = od.auto_model(torch.nn.Linear(4, 2))          # DDP-wrapped when distributed
+        >>> od.save_checkpoint({"model": model, "epoch": 3}, "/tmp/ckpt/last.pt")
+        >>> fresh = torch.nn.Linear(4, 2)                           # resuming: a plain model
+        >>> ckpt = od.load_checkpoint("/tmp/ckpt/last.pt", {"model": fresh})
+        >>> ckpt["epoch"] + 1, torch.equal(fresh.weight, od.unwrap(model).weight)
+        (4, True)
+    """
+    from .collectives import all_gather_object
+    from .context import current, device
+
+    b = current()
+    target = _check_path("load_checkpoint", path)
+    if not isinstance(weights_only, bool):
+        raise bad_type("load_checkpoint", "weights_only", weights_only, "a bool")
+    error: Optional[BaseException] = None
+    state: Any = None
+    try:
+        if not target.is_file():
+            what = "a directory" if target.is_dir() else "no file"
+            raise CheckpointNotFoundError(
+                f"onedist.load_checkpoint: there is {what} at {str(target)!r} (rank {b.rank})\n"
+                "HINT: check the path; save_checkpoint returns on every rank only after the file exists, "
+                "and every rank must see the same filesystem"
+            )
+        location = device() if map_location is None else map_location
+        state = torch.load(target, map_location=location, weights_only=weights_only)
+        if to is not None:
+            _load_into(to, state, "to")
+    except Exception as e:
+        error = e
+    if b.world_size > 1:
+        statuses = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        if error is None:
+            for r, status in enumerate(statuses):
+                if status is not None:
+                    raise RemoteRankError(
+                        f"onedist.load_checkpoint: rank {r} could not load {str(target)!r}. "
+                        f"Its error: {status}",
+                        rank=r,
+                    )
+    if error is not None:
+        raise error
+    return state
+
+
+def _load_into(live: Any, saved: Any, where: str) -> None:
+    from .auto import unwrap
+
+    if isinstance(live, torch.nn.Module):
+        module = unwrap(live)
+        if not isinstance(saved, Mapping):
+            raise bad_type(
+                "load_checkpoint", f"the checkpoint's entry for {where}", saved, "a model state dict"
+            )
+        module.load_state_dict(_strip_prefixes(saved, module))
+        return
+    if _has_method(live, "load_state_dict"):
+        live.load_state_dict(saved)
+        return
+    if isinstance(live, Mapping):
+        if not isinstance(saved, Mapping):
+            raise bad_type("load_checkpoint", f"the checkpoint's entry for {where}", saved, "a dict")
+        missing = [k for k in live if k not in saved]
+        if missing:
+            raise bad_value(
+                "load_checkpoint",
+                where,
+                f"keys {list(live)}",
+                f"keys of the checkpoint ({sorted(map(str, saved))}); missing: {missing}",
+            )
+        for k, v in live.items():
+            _load_into(v, saved[k], f"{where}[{k!r}]")
+        return
+    if isinstance(live, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(live):
+            raise bad_value(
+                "load_checkpoint",
+                where,
+                f"a {type(live).__name__} of {len(live)}",
+                f"the checkpoint's entry: {type(saved).__name__}"
+                + (f" of {len(saved)}" if isinstance(saved, (list, tuple)) else ""),
+            )
+        for i, (v, s) in enumerate(zip(live, saved)):
+            _load_into(v, s, f"{where}[{i}]")
+        return
+    raise bad_type(
+        "load_checkpoint",
+        where,
+        live,
+        "objects with load_state_dict (models, optimizers, schedulers, scalers) or containers of them",
+        hint="plain values (an epoch, a config) are in the returned checkpoint: ckpt = load_checkpoint(path)",
+    )
+
+
+def _strip_prefixes(saved: Mapping[str, Any], module: torch.nn.Module) -> Mapping[str, Any]:
+    """Drop wrapper prefixes that every saved key has and the module's own keys lack."""
+    own = list(module.state_dict().keys())
+    keys = list(saved.keys())
+    stripped: list[str] = []
+    while keys:
+        prefix = next(
+            (
+                p
+                for p in _WRAPPER_PREFIXES
+                if all(isinstance(k, str) and k.startswith(p) for k in keys)
+                and not (own and all(k.startswith(p) for k in own))
+            ),
+            None,
+        )
+        if prefix is None:
+            break
+        keys = [k[len(prefix) :] for k in keys]
+        stripped.append(prefix)
+    if not stripped:
+        return saved
+    out: OrderedDict[str, Any] = OrderedDict(zip(keys, saved.values()))
+    metadata = getattr(saved, "_metadata", None)
+    if metadata is not None:  # per-module versions, read by some modules' _load_from_state_dict
+        renamed: OrderedDict[str, Any] = OrderedDict()
+        for key, value in metadata.items():
+            for p in stripped:
+                key = "" if key == p[:-1] else key[len(p) :] if key.startswith(p) else key
+            renamed.setdefault(key, value)
+        out._metadata = renamed  # type: ignore[attr-defined]
+    return out

@@ -1,0 +1,39 @@
+"""all_gather_eval and the checkpoints, on real gloo process groups of 1-4 ranks and serially."""
+
+from __future__ import annotations
+
+import pytest
+
+import checks_eval
+
+
+@pytest.mark.parametrize("kind", ["eval", "padded", "auto_shuffle", "user_shuffle", "proxy"])
+def test_eval_exact_in_dataset_order(world, kind):
+    accuracies = world(checks_eval.check_eval_exact, kind)
+    assert accuracies == [checks_eval.serial_accuracy()] * world.world_size
+
+
+def test_eval_indices(world):
+    out = world(checks_eval.check_eval_indices)
+    assert out == [list(range(0, 800, 20))] * world.world_size
+
+
+def test_eval_without_loader(world):
+    world(checks_eval.check_eval_serial_passthrough_and_errors)
+
+
+def test_eval_mismatch_raises_on_every_rank(world):
+    assert world(checks_eval.check_eval_mismatch_raises_everywhere) == ["ok"] * world.world_size
+
+
+def test_checkpoint_roundtrip_one_writer(world, tmp_path):
+    writes = world(checks_eval.check_checkpoint_roundtrip, str(tmp_path))
+    assert writes == [1] + [0] * (world.world_size - 1)
+
+
+def test_checkpoint_prefixes_and_single_object(world, tmp_path):
+    world(checks_eval.check_checkpoint_prefix_and_single_object, str(tmp_path))
+
+
+def test_checkpoint_errors_raise_on_every_rank(world, tmp_path):
+    assert world(checks_eval.check_checkpoint_errors_everywhere, str(tmp_path)) == ["ok"] * world.world_size

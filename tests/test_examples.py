@@ -1,0 +1,29 @@
+"""The examples run for real: the digits CNN trains to >= 0.95 test accuracy serially and on 2 processes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_run import _env
+
+DIGITS = str(Path(__file__).parent.parent / "examples" / "digits.py")
+
+pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in the test extra)")
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("args, world", [(["--backend", "none"], 1), (["--nproc-per-node", "2"], 2)])
+def test_digits_trains_to_95_percent(args, world):
+    proc = subprocess.run(
+        [sys.executable, DIGITS, *args], capture_output=True, text=True, timeout=300, env=_env()
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    final = re.search(r"final test accuracy (\d\.\d+) over (\d+) process", proc.stdout)
+    assert final, proc.stdout[-2000:]
+    assert float(final.group(1)) >= 0.95 and int(final.group(2)) == world
+    assert len(re.findall(r"^epoch +\d+ +train loss", proc.stdout, re.M)) == 10  # rank 0 prints, once
