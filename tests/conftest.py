@@ -8,6 +8,11 @@ import pytest
 
 from distpool import DistPool
 
+# Test this checkout, whatever `pip install -e` points at (another clone, a CI copy): in this process
+# (pyproject's pythonpath) and in every process the tests start (PYTHONPATH is inherited).
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC, os.environ.get("PYTHONPATH")) if p)
+
 WORLDS = ["serial", 1, 2, 3, 4]
 
 _pools: dict[int, DistPool] = {}

@@ -30,7 +30,7 @@ pytestmark = [
 ]
 
 _ID = os.getpid() % 10000
-_SUBNET = 100 + os.getpid() % 100  # 10.<subnet>.0.0/16, private to these namespaces
+_SUBNET = 100 + os.getpid() % 50  # 10.<subnet>.0.0/16 (and 10.<subnet + 50>...), private to these namespaces
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def slurm2():
     script = str(CLUSTER / "slurm_2node_netns.sh")
     try:
         subprocess.run(
-            ["bash", script, "up", prefix, str(_SUBNET + 100), str(state)],
+            ["bash", script, "up", prefix, str(_SUBNET + 50), str(state)],
             check=True,
             capture_output=True,
             timeout=120,

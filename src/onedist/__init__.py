@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
+    from ._guard import is_debug as is_debug
+    from ._guard import set_debug as set_debug
     from .auto import auto_dataloader as auto_dataloader
     from .auto import auto_model as auto_model
     from .auto import auto_optim as auto_optim
@@ -192,6 +194,8 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
     has_xla_support: bool
 
 __all__ = [
+    "set_debug",
+    "is_debug",
     "CheckpointNotFoundError",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
@@ -264,6 +268,8 @@ __all__ = [
 # public name -> submodule that defines it. `import onedist` imports none of them (nor torch):
 # the launcher (`onedist run`) starts workers without paying for torch in its own process.
 _LAZY = {
+    "set_debug": "_guard",
+    "is_debug": "_guard",
     "CheckpointNotFoundError": "checkpoint",
     "SyncBatchNorm": "syncbn",
     "convert_sync_batchnorm": "syncbn",

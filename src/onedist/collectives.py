@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import _wire as W
+from ._guard import guarded
 from .backends import Backend, Work
 from .context import _state, current
 from .errors import (
@@ -174,6 +175,7 @@ def _done(value: Any, async_op: bool) -> Any:
 
 
 # ============================================================================ reductions
+@guarded("all_reduce", 2, op=(1, "SUM"))
 def all_reduce(
     tensor: Any,
     op: Any = "SUM",
@@ -237,6 +239,7 @@ def all_reduce(
     return _reduce(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
 
 
+@guarded("reduce", 3, dst=(1, 0), op=(2, "SUM"))
 def reduce(
     tensor: Any,
     dst: int = 0,
@@ -824,6 +827,7 @@ def _members(func: str, b: Backend, group: GroupLike) -> tuple[Any, int, tuple[i
     return group, me, (b.group_ranks(group) if me >= 0 else ())
 
 
+@guarded("all_gather", 1)
 def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False) -> Any:
     """Gather a value from every rank.
 
@@ -855,6 +859,7 @@ def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False) 
     return _all_gather("all_gather", tensor, group, async_op, merge=True)
 
 
+@guarded("all_gather_object", 1)
 def all_gather_object(obj: Any, group: GroupLike = None, *, async_op: bool = False) -> list[Any]:
     """Gather any picklable value from every rank as a list, one entry per rank (no merging).
 
@@ -1030,6 +1035,7 @@ def _merge_values(local: Any, values: list[Any], path: str) -> Any:
     return list(values)
 
 
+@guarded("broadcast", 3, src=(1, 0))
 def broadcast(
     tensor: Any,
     src: int = 0,
@@ -1123,6 +1129,7 @@ def broadcast(
     return AsyncResult(works, finish) if async_op else finish()
 
 
+@guarded("gather", 2, dst=(1, 0))
 def gather(data: Any, dst: int = 0, group: GroupLike = None) -> list[Any]:
     """Collect every rank's value on global rank ``dst`` (detectron2's ``comm.gather``).
 
@@ -1184,6 +1191,7 @@ def _to_one(
     return out
 
 
+@guarded("scatter", 2, src=(1, 0))
 def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None) -> Any:
     """Send item ``i`` of a list on global rank ``src`` to the group's ``i``-th rank.
 
@@ -1290,6 +1298,7 @@ def _short(value: Any) -> Any:
 
 
 # ============================================================================ sync and groups
+@guarded("barrier", 0)
 def barrier(group: GroupLike = None, *, async_op: bool = False) -> Any:
     """Wait until every rank of the group arrives (NCCL: on this rank's GPU).
 

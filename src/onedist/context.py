@@ -198,6 +198,10 @@ def initialize(
     _state.backend = cls.create_from_backend(
         name, timeout=td, init_method=init_method, rank=rank, world_size=world_size, **kwargs
     )
+    if _state.backend.world_size > 1:
+        from . import _guard
+
+        _guard.install()  # an uncaught exception here is reported to the other ranks
 
 
 def finalize() -> None:

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from functools import wraps
 from typing import Any, Optional, TypeVar
 
+from ._guard import _guard
 from .collectives import GroupLike, all_gather_object, all_reduce, barrier, broadcast
 from .context import current
 from .errors import RemoteRankError, bad_type, bad_value
@@ -47,7 +48,11 @@ def one_rank_only(rank: int = 0, with_barrier: bool = False) -> Callable[[F], F]
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             result = None
             if current().rank == rank:
-                result = func(*args, **kwargs)
+                _guard.one_rank_depth += 1  # debug mode flags collectives in here
+                try:
+                    result = func(*args, **kwargs)
+                finally:
+                    _guard.one_rank_depth -= 1
             if with_barrier:
                 barrier()
             return result

@@ -143,6 +143,9 @@ def _worker_main(
             result = None
         finalize()
     except BaseException as e:
+        from ._guard import publish_failure
+
+        publish_failure(e)  # the other ranks' collectives raise with this error, not "connection closed"
         _report(conn, ("error", time.time(), type(e).__name__, str(e), traceback.format_exc()))
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -294,8 +297,9 @@ def failure_report(failures: list[_Failure]) -> tuple[_Failure, str]:
         for f in sorted(others, key=lambda f: f.rank):
             if f.stopped:
                 lines.append(f"  rank {f.rank}: stopped by onedist after rank {primary.rank} failed")
-            elif f.secondary:
-                lines.append(f"  rank {f.rank}: {f.what()} (a consequence of rank {primary.rank}'s failure)")
+            elif f.secondary:  # its message may quote the primary's whole traceback: the first line will do
+                first = f.what().splitlines()[0] if f.what() else ""
+                lines.append(f"  rank {f.rank}: {first} (a consequence of rank {primary.rank}'s failure)")
             else:
                 lines.append(f"  rank {f.rank}: {f.what()}")
     return primary, "\n".join(lines)
@@ -780,6 +784,11 @@ class Parallel:
         if self._initialized_here:
             from .context import finalize
 
+            if exc is not None:
+                from ._guard import let_failed_rank_exit_first, report_and_release
+
+                report_and_release(exc, tb)  # before the group goes: this rank's error is printed first
+                let_failed_rank_exit_first(exc)
             finalize()
             self._initialized_here = False
 

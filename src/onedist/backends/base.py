@@ -168,6 +168,10 @@ class Backend(ABC):
             )
         return optimizer
 
+    def side_store(self) -> Any:
+        """A key-value store every rank reaches outside the collectives (failure reports), or None."""
+        return None
+
     def wrap_dataloader(self, loader: Any) -> Any:
         """Adapt a DataLoader to this backend (XLA: a device loader). Default: unchanged."""
         return loader

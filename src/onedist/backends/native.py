@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._net import LOOPBACK, STORE_FD_ENV, free_port, is_loopback, listen_socket, loopback_ifname
 from ..environments import ClusterEnv, PartialLayout, detect, gpu_index, layout_from_environ
-from ..errors import OnedistRuntimeError, OnedistValueError, bad_value
+from ..errors import OnedistRuntimeError, OnedistTimeoutError, OnedistValueError, bad_value
 from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
 
 __all__ = ["NativeBackend"]
@@ -300,6 +300,9 @@ class NativeBackend(Backend):
         return self._device
 
     # ------------------------------------------------------------------ groups
+    def side_store(self) -> Any:
+        return _default_store()
+
     def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
         if self.world_size == 1:
             if sync_bn:
@@ -554,7 +557,16 @@ def _env_store(
     fd_text = env.pop(STORE_FD_ENV, None)
     store_timeout = timeout or dist.default_pg_timeout
     if rank != 0:
-        store = _TCPStore(addr, port, world_size, False, timeout=store_timeout)
+        try:
+            store = _TCPStore(addr, port, world_size, False, timeout=store_timeout)
+        except (RuntimeError, OSError) as e:
+            raise OnedistTimeoutError(
+                f"onedist.initialize (rank {rank} of {world_size}): the rendezvous host, rank 0 at "
+                f"{addr}:{port} (MASTER_ADDR:MASTER_PORT), did not answer within "
+                f"{store_timeout.total_seconds():.0f} s ({e}).\nHINT: check that rank 0 started, that every "
+                "rank was given the same MASTER_ADDR and MASTER_PORT, and that this host reaches it "
+                "(`onedist info` tests the route)"
+            ) from e
     else:
         if fd_text is not None:
             fd = int(fd_text)
@@ -564,10 +576,63 @@ def _env_store(
             except OSError as e:
                 raise OnedistRuntimeError(f"onedist.initialize (rank 0): {e.strerror or e}") from e
         store = _TCPStore(
-            addr, port, world_size, True, timeout=store_timeout, master_listen_fd=fd, use_libuv=True
+            addr,
+            port,
+            world_size,
+            True,
+            timeout=store_timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=True,
         )
+    _join(store, rank, world_size, store_timeout)
     # the same key prefix torch's env:// path adds, so groups made either way look alike
     return dist.distributed_c10d.PrefixStore("default_pg", store), rank, world_size
+
+
+_JOIN_KEY = "onedist/joined/{}"
+_JOIN_LOG_S = 30.0
+
+
+def _join(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Wait until every rank reached the store; say which ranks are missing while waiting, and at the end.
+
+    torch's own wait says "1/4 clients joined" after the full timeout; this names the ranks, logs
+    them every 30 s, and raises :class:`OnedistTimeoutError` with them.
+    """
+    store.set(_JOIN_KEY.format(rank), "1")
+    keys = [_JOIN_KEY.format(r) for r in range(world_size)]
+    start = time.monotonic()
+    limit = timeout.total_seconds()
+    while True:
+        left = limit - (time.monotonic() - start)
+        try:
+            store.wait(keys, timedelta(seconds=max(0.001, min(_JOIN_LOG_S, left))))
+            return
+        except Exception as e:
+            try:
+                missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            except Exception:
+                raise OnedistRuntimeError(
+                    f"onedist.initialize (rank {rank} of {world_size}): the rendezvous host (rank 0) went "
+                    f"away while this rank waited for the others to join ({e}).\nHINT: look at rank 0's "
+                    "output: it failed or timed out first"
+                ) from e
+            if not missing:
+                return
+            waited = time.monotonic() - start
+            if waited >= limit:
+                raise OnedistTimeoutError(
+                    f"onedist.initialize (rank {rank} of {world_size}): ranks {missing} did not join the "
+                    f"rendezvous within {limit:.0f} s.\nHINT: check that they were started (a launcher that "
+                    "failed on some node), and that WORLD_SIZE is the number of processes actually started"
+                ) from None
+            logger.warning(
+                "onedist.initialize: rank %d has waited %.0f s for ranks %s to join the rendezvous",
+                rank,
+                waited,
+                missing,
+            )
 
 
 _MPI_ENVIRONMENTS = ("openmpi", "mvapich", "mpich")

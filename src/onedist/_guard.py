@@ -1,0 +1,563 @@
+"""The collective guard: failures that name ranks, and debug mode.
+
+Every public collective runs through :func:`guarded`. On the default path it costs one function
+call and a ``try`` (no communication, no frame inspection). When the communication library raises:
+
+* a peer died ("Connection closed by peer", a reset): if that rank published its error in the
+  rendezvous store before dying (the excepthook that :func:`install` sets, ``spawn``'s workers and
+  ``Parallel.__exit__`` do), every peer raises :class:`RemoteRankError` with that rank's error and
+  traceback instead of the library's message;
+* a timeout: the rank publishes what it was waiting in (collective, group, call site), waits up to
+  3 s for the other ranks of the group to do the same (they time out too when they wait in another
+  collective), and raises :class:`OnedistTimeoutError` naming the collective, the group, the ranks
+  that never arrived and what each other rank was doing.
+
+Debug mode (``ONEDIST_DEBUG=1`` or :func:`onedist.set_debug`): before each collective the ranks of
+the group exchange a fingerprint (operation, reduction op, root, value structure with dtypes,
+shapes and devices, call site) in one small all_gather; when they differ, every rank raises
+:class:`CollectiveMismatchError` listing each rank's call and its ``file:line``. A collective called
+inside :func:`onedist.one_rank_only` or under ``if is_main_process():`` / ``if get_rank() == 0:``
+raises at once, naming the line. Debug mode costs one extra small collective per call.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import linecache
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from types import FrameType, TracebackType
+from typing import Any, Optional, TypeVar
+
+from .errors import (
+    CollectiveMismatchError,
+    OnedistError,
+    OnedistRuntimeError,
+    OnedistTimeoutError,
+    RemoteRankError,
+)
+
+__all__ = [
+    "guarded",
+    "install",
+    "is_debug",
+    "publish_failure",
+    "report_and_release",
+    "set_debug",
+    "uninstall",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_FAILED_KEY = "onedist/failed/{}"
+_STUCK_KEY = "onedist/stuck/{}"
+_ACK_KEY = "onedist/stuck-read/{}"
+_REPORT_WAIT_S = 3.0  # how long a timed-out rank waits for the others' reports (and rank 0 for receipts)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class _Guard:
+    __slots__ = ("debug", "installed", "one_rank_depth", "previous_hook")
+
+    def __init__(self) -> None:
+        self.debug = os.environ.get("ONEDIST_DEBUG", "").lower() in ("1", "true", "yes", "on")
+        self.one_rank_depth = 0  # > 0 while inside a one_rank_only function
+        self.installed = False
+        self.previous_hook: Any = None
+
+
+_guard = _Guard()
+
+
+def set_debug(enabled: bool = True) -> None:
+    """Turn debug mode on or off in this process (every rank must do the same).
+
+    In debug mode the ranks check, before each collective, that they all call the same operation on
+    compatible values, and raise :class:`~onedist.CollectiveMismatchError` on every rank (listing
+    each rank's call and ``file:line``) instead of hanging. ``ONEDIST_DEBUG=1`` turns it on at start.
+
+    Example:
+        >>> import onedist as od
+        >>> od.set_debug(True); od.all_reduce(1); od.set_debug(False)
+        1
+    """
+    if not isinstance(enabled, bool):
+        from .errors import bad_type
+
+        raise bad_type("set_debug", "enabled", enabled, "a bool")
+    _guard.debug = enabled
+
+
+def is_debug() -> bool:
+    """Whether debug mode is on in this process."""
+    return _guard.debug
+
+
+# ---------------------------------------------------------------------------- call sites
+def _user_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+        frame = frame.f_back
+    return frame
+
+
+def _site(frame: Optional[FrameType]) -> str:
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+# ---------------------------------------------------------------------------- the store side channel
+def _store() -> Any:
+    try:
+        from .context import _state
+
+        return _state.backend.side_store()
+    except Exception:
+        return None
+
+
+def _world() -> tuple[int, int]:
+    from .context import _state
+
+    return _state.backend.rank, _state.backend.world_size
+
+
+def publish_failure(exc: BaseException, tb: Optional[TracebackType] = None) -> None:
+    """Tell the other ranks, through the rendezvous store, that this rank failed with ``exc``.
+
+    Their collectives then raise :class:`RemoteRankError` with this error instead of "Connection
+    closed by peer". Best effort, never raises; does nothing with one process or without a store.
+    """
+    if isinstance(exc, (RemoteRankError, KeyboardInterrupt)) or (
+        isinstance(exc, SystemExit) and exc.code in (0, None)
+    ):
+        return
+    try:
+        rank, world = _world()
+        store = _store() if world > 1 else None
+        if store is None:
+            return
+        text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+        report = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": text[-8000:],
+            "time": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+        store.set(_FAILED_KEY.format(rank), json.dumps(report))
+        _torchelastic_error_file(exc, text)
+    except Exception:
+        pass
+
+
+def _torchelastic_error_file(exc: BaseException, text: str) -> None:
+    """Under torchrun, write the error file its agent reads (what torchelastic's ``@record`` writes),
+    so its "Root Cause" names this rank instead of whichever rank exited first."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+        }
+    }
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def let_failed_rank_exit_first(exc: BaseException) -> None:
+    """On a peer of a failed rank (``exc`` is the RemoteRankError naming it): wait, up to 2 s, until
+    that rank's process is gone, so launchers that blame the first process to exit (mpirun, srun,
+    torchrun without error files) name the rank that failed, not this one."""
+    if not isinstance(exc, RemoteRankError):
+        return
+    report = getattr(exc, "report", None) or {}
+    pid, host = report.get("pid"), report.get("host")
+    deadline = time.monotonic() + 2.0
+    if isinstance(pid, int) and host == socket.gethostname():
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                return
+            time.sleep(0.02)
+    else:
+        time.sleep(0.5)
+
+
+def report_and_release(exc: BaseException, tb: Optional[TracebackType]) -> None:
+    """A rank is leaving its distributed context because of ``exc`` (``Parallel.__exit__``).
+
+    Publish the error, then print its traceback now, before the group is destroyed: destroying it
+    releases the peers, whose errors would otherwise be printed before this rank's own. The
+    excepthook then prints a one-line reminder instead of the same traceback again.
+    """
+    try:
+        _, world = _world()
+    except Exception:
+        return
+    if world <= 1 or isinstance(exc, (KeyboardInterrupt, RemoteRankError)):
+        return
+    if isinstance(exc, SystemExit):
+        return
+    publish_failure(exc, tb)
+    try:
+        sys.stderr.write("".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__)))
+        sys.stderr.flush()
+        exc._onedist_printed = True  # type: ignore[attr-defined]
+    except Exception:
+        pass
+
+
+def _failed_reports(ranks: Any, exclude: int) -> dict[int, dict[str, Any]]:
+    store = _store()
+    if store is None:
+        return {}
+    found: dict[int, dict[str, Any]] = {}
+    for r in ranks:
+        if r == exclude:
+            continue
+        key = _FAILED_KEY.format(r)
+        try:
+            if store.check([key]):
+                found[r] = json.loads(store.get(key))
+        except Exception:
+            return found
+    return found
+
+
+def _excepthook(tp: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+    if getattr(value, "_onedist_printed", False):
+        sys.stderr.write(
+            f"{tp.__name__}: {value} (traceback printed above, before the other ranks were released)\n"
+        )
+        return
+    publish_failure(value, tb)
+    hook = _guard.previous_hook or sys.__excepthook__
+    hook(tp, value, tb)
+
+
+def install() -> None:
+    """Publish uncaught exceptions of this process to the other ranks (called by initialize)."""
+    if not _guard.installed:
+        _guard.previous_hook = sys.excepthook
+        sys.excepthook = _excepthook
+        _guard.installed = True
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (for tests; finalize keeps the hook: an exception that made a rank
+    leave its context is printed by it after finalize)."""
+    if _guard.installed:
+        if sys.excepthook is _excepthook:
+            sys.excepthook = _guard.previous_hook or sys.__excepthook__
+        _guard.installed = False
+        _guard.previous_hook = None
+
+
+# ---------------------------------------------------------------------------- failure translation
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e)
+    return "Timed out" in text or "timed out" in text or "Timeout" in type(e).__name__
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    from .context import _state
+
+    b = _state.backend
+    if group is None:
+        return tuple(range(b.world_size))
+    if isinstance(group, (list, tuple, range)):
+        return tuple(int(r) for r in group)
+    try:
+        return b.group_ranks(group)
+    except Exception:
+        return tuple(range(b.world_size))
+
+
+def _explain(name: str, e: BaseException, group: Any, started: float) -> BaseException:
+    try:
+        rank, world = _world()
+    except Exception:
+        return e
+    if world <= 1:
+        return e
+    ranks = _group_ranks(group)
+    site = _site(_user_frame(sys._getframe(1)))
+    failed = _failed_reports(ranks, rank)
+    if failed:
+        r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
+        err = RemoteRankError(
+            f"onedist.{name} (rank {rank}, at {site}): rank {r} failed, so this collective cannot complete:\n"
+            f"{report['traceback'].rstrip()}",
+            r,
+        )
+        err.report = report  # type: ignore[attr-defined]
+        return err
+    if _is_timeout(e):
+        return _timeout_error(name, e, ranks, rank, site, started)
+    text = str(e)
+    if any(s in text for s in _PEER_GONE):
+        # a consequence, not a cause: marked as such, so this rank does not publish it as its own
+        # failure (launchers and error files would blame it) and reports treat it as secondary
+        return RemoteRankError(
+            f"onedist.{name} (rank {rank}, at {site}): another rank of group {list(ranks)} closed its "
+            "connection without reporting an error (it exited or was killed).\n"
+            f"(backend: {text.strip()[:300]})",
+            -1,
+        )
+    return e
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")
+
+
+def _timeout_error(
+    name: str, e: BaseException, ranks: tuple[int, ...], rank: int, site: str, started: float
+) -> BaseException:
+    waited = time.monotonic() - started
+    now = time.time()
+    mine = {"rank": rank, "call": name, "site": site, "group": list(ranks), "time": now}
+    store = _store()
+    reports: dict[int, dict[str, Any]] = {}
+    if store is not None:
+        try:
+            store.set(_STUCK_KEY.format(rank), json.dumps(mine))
+            others = [r for r in ranks if r != rank]
+            deadline = time.monotonic() + _REPORT_WAIT_S
+            while others and time.monotonic() < deadline:
+                for r in list(others):
+                    key = _STUCK_KEY.format(r)
+                    if store.check([key]):
+                        report = json.loads(store.get(key))
+                        if report.get("time", 0.0) >= now - waited - 10.0:
+                            reports[r] = report
+                            others.remove(r)
+                if others:
+                    time.sleep(0.05)
+            store.set(_ACK_KEY.format(rank), str(now))
+            if rank == 0 and reports:
+                # rank 0 usually hosts the store: stay until the others have read what they need
+                acks = [_ACK_KEY.format(r) for r in reports]
+                store.wait(acks, timedelta(seconds=_REPORT_WAIT_S))
+        except Exception:
+            pass
+    missing = [r for r in ranks if r != rank and r not in reports]
+    lines = [
+        f"onedist.{name} on rank {rank} (group {list(ranks)}, at {site}) timed out after {waited:.1f} s.",
+    ]
+    if missing:
+        lines.append(
+            f"Ranks that never arrived: {missing} (no report from them: busy outside onedist's collectives, "
+            "hung, or gone)."
+        )
+    for r in sorted(reports):
+        rep = reports[r]
+        lines.append(
+            f"rank {r} was waiting in onedist.{rep['call']} at {rep['site']} (group {rep['group']})."
+        )
+    different = sorted({rep["call"] for rep in reports.values()} - {name})
+    if different:
+        lines.append(
+            f"HINT: the ranks called different collectives ({name} vs {', '.join(different)}): every rank "
+            "of a group must call the same collectives in the same order; ONEDIST_DEBUG=1 checks each call."
+        )
+    else:
+        lines.append(
+            "HINT: every rank of the group must call this collective; raise the timeout "
+            "(initialize(timeout=...)) if one rank legitimately works longer."
+        )
+    lines.append(f"(backend: {str(e).strip()[:300]})")
+    return OnedistTimeoutError("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------- debug mode
+def _signature(value: Any, depth: int = 0) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return ["T", str(value.dtype), list(value.shape), value.device.type]
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    if depth > 6:
+        return type(value).__name__
+    if isinstance(value, dict):
+        return {str(k): _signature(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [_signature(v, depth + 1) for v in value[:64]]]
+    return type(value).__name__
+
+
+def _relax_first_dim(sig: Any) -> Any:
+    """all_gather / gather accept different first dimensions: compare the rest only."""
+    if isinstance(sig, list) and sig and sig[0] == "T":
+        return ["T", sig[1], ["*", *sig[2][1:]] if sig[2] else [], sig[3]]
+    if isinstance(sig, dict):
+        return {k: _relax_first_dim(v) for k, v in sig.items()}
+    if isinstance(sig, list) and len(sig) == 2 and isinstance(sig[1], list):
+        return [sig[0], [_relax_first_dim(v) for v in sig[1]]]
+    return sig
+
+
+_STRUCTURE_FREE = frozenset({"all_gather_object", "gather", "broadcast", "scatter", "barrier"})
+
+
+def _fingerprint(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], site: str, spec: dict[str, Any]
+) -> dict[str, Any]:
+    value = args[0] if args else kwargs.get("tensor", kwargs.get("data", kwargs.get("obj")))
+    fp: dict[str, Any] = {"call": name, "site": site}
+    for key, (position, default) in spec.items():
+        given = kwargs.get(key, args[position] if len(args) > position else default)
+        fp[key] = str(getattr(given, "name", given)).upper() if key == "op" else str(given)
+    if name not in _STRUCTURE_FREE:
+        sig = _signature(value)
+        fp["value"] = _relax_first_dim(sig) if name == "all_gather" else sig
+    return fp
+
+
+def _inside_rank_only_block(frame: Optional[FrameType]) -> Optional[str]:
+    """'if is_main_process():' / 'if get_rank() == 0:' around the calling line, if any."""
+    if frame is None:
+        return None
+    return _rank_only_test(frame.f_code.co_filename, frame.f_lineno)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_only_test(filename: str, line: int) -> Optional[str]:
+    tree = _parsed(filename)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and node.body:
+            start, end = (
+                node.body[0].lineno,
+                max(getattr(n, "end_lineno", n.lineno) or n.lineno for n in node.body),
+            )
+            if start <= line <= end:
+                test = ast.unparse(node.test)
+                if "is_main_process()" in test or "get_rank() ==" in test or "get_local_rank() ==" in test:
+                    return test
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(filename: str) -> Optional[ast.AST]:
+    source = "".join(linecache.getlines(filename))
+    if not source:
+        return None
+    try:
+        return ast.parse(source)
+    except SyntaxError:
+        return None
+
+
+def _exchange(fp: dict[str, Any], group: Any, size: int) -> Optional[list[dict[str, Any]]]:
+    """None when every group rank's fingerprint (without the call site) equals this one, else all of them.
+
+    One all_gather of a 16-byte digest per call; the full fingerprints travel only on a mismatch
+    (then every rank sees the mismatch, so every rank takes the second round).
+    """
+    import hashlib
+
+    import torch
+
+    from .collectives import _all_gather, _members
+    from .context import current
+
+    comparable = json.dumps({k: v for k, v in fp.items() if k != "site"}, sort_keys=True).encode()
+    digest = torch.frombuffer(
+        bytearray(hashlib.blake2b(comparable, digest_size=16).digest()), dtype=torch.uint8
+    )
+    b = current()
+    handle, _, _ = _members("debug check", b, group)
+    device = b.comm_device(torch.device("cpu"), "all_gather_into")
+    out = torch.empty(size * 16, dtype=torch.uint8, device=device)
+    b.all_gather_into_(out, digest.to(device), b.object_group(handle), False)
+    if bool((out.cpu().view(size, 16) == digest).all()):
+        return None
+    return [
+        json.loads(f) for f in _all_gather("debug check", json.dumps(fp, sort_keys=True), group, False, False)
+    ]
+
+
+def _debug_check(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], group: Any, spec: dict[str, Any]
+) -> None:
+    frame = _user_frame(sys._getframe(2))
+    site = _site(frame)
+    if _guard.one_rank_depth > 0:
+        raise OnedistRuntimeError(
+            f"onedist.{name} at {site} is called inside a one_rank_only function: the other ranks do not run "
+            "it, so they never join this collective (deadlock).\nHINT: move the collective out of the "
+            "one_rank_only function, or call it on every rank"
+        )
+    block = _inside_rank_only_block(frame)
+    if block is not None:
+        raise OnedistRuntimeError(
+            f"onedist.{name} at {site} is inside `if {block}:`, which only some ranks enter: the others "
+            "never join this collective (deadlock).\nHINT: call the collective on every rank, before the `if`"
+        )
+    ranks = _group_ranks(group)
+    mine = _fingerprint(name, args, kwargs, site, spec)
+    decoded = _exchange(mine, group, len(ranks))
+    if decoded is not None:
+        lines = [f"onedist debug mode: the ranks of group {list(ranks)} called different collectives:"]
+        for r, fp in zip(ranks, decoded):
+            extra = ", ".join(f"{k}={fp[k]}" for k in ("op", "src", "dst") if k in fp)
+            value = f", value {json.dumps(fp['value'])[:200]}" if "value" in fp else ""
+            lines.append(f"  rank {r}: {fp['call']}({extra}{value}) at {fp['site']}")
+        lines.append(
+            "HINT: every rank of a group must call the same collectives, in the same order, on values of "
+            "the same type, dtype and shape (all_gather: any first dimension)"
+        )
+        raise CollectiveMismatchError("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------- the decorator
+def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F], F]:
+    """Decorate a public collective.
+
+    ``group_arg``: position of its ``group`` parameter; ``spec``: the arguments debug mode compares,
+    as ``name=(position, default)`` (e.g. ``op=(1, "SUM")``).
+    """
+
+    def decorator(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.monotonic()
+            if _guard.debug:
+                group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
+                _debug_check(name, args, kwargs, group, spec)
+            try:
+                return fn(*args, **kwargs)
+            except OnedistError:
+                raise
+            except RuntimeError as e:
+                group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
+                err = _explain(name, e, group, started)
+                if err is e:
+                    raise
+                raise err from e
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorator

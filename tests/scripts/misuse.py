@@ -1,0 +1,69 @@
+"""Misuse scenarios on 2 ranks; each rank writes the error it got to OUT_DIR/<rank>.json.
+
+python misuse.py OUT_DIR SCENARIO [TIMEOUT_S]      (ONEDIST_DEBUG=1 for debug mode)
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import onedist as od
+
+
+def scenario(name: str) -> None:
+    rank = od.get_rank()
+    od.barrier()  # everyone is up
+    if name == "reduce_vs_barrier":
+        if rank == 0:
+            od.all_reduce(torch.ones(3))
+        else:
+            od.barrier()
+    elif name == "shapes":
+        od.all_reduce(torch.ones(2 + rank))
+    elif name == "dtypes":
+        od.all_reduce(torch.ones(3, dtype=torch.float32 if rank == 0 else torch.float64))
+    elif name == "only_rank0":
+        if rank == 0:
+            od.all_reduce(torch.ones(3))
+        od.barrier()
+    elif name == "one_rank_only":
+
+        @od.one_rank_only()
+        def save() -> None:
+            od.all_reduce(1)
+
+        save()
+    elif name == "crash":
+        if rank == 1:
+            raise ValueError("rank 1 failed on purpose")
+        od.barrier()
+    elif name == "ok":
+        assert od.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+        assert od.all_gather(torch.ones(rank + 1)).shape == (3,)
+    else:
+        raise SystemExit(f"unknown scenario {name}")
+
+
+def main(local_rank: int, out_dir: str, name: str) -> None:
+    start = time.time()
+    try:
+        scenario(name)
+        result = {"error": None}
+    except Exception as e:
+        result = {"error": type(e).__name__, "message": str(e)}
+        if name == "crash" and od.get_rank() == 1:
+            raise
+    result["elapsed"] = time.time() - start
+    with open(os.path.join(out_dir, f"{od.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # the group is broken after a failed collective: do not wait in finalize
+
+
+if __name__ == "__main__":
+    out, name = sys.argv[1], sys.argv[2]
+    timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 30.0
+    od.spawn("gloo", main, args=(out, name), nproc_per_node=2, timeout=timeout)

@@ -1,0 +1,121 @@
+"""Misuse turns into named errors on every rank: debug-mode call checks, timeouts naming ranks,
+a crashed rank's error on its peers (tests/scripts/misuse.py, 2 real gloo processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_run import _env
+
+MISUSE = str(Path(__file__).parent / "scripts" / "misuse.py")
+
+pytestmark = pytest.mark.launcher
+
+
+def _run(tmp_path: Path, scenario: str, debug: bool, timeout_s: float = 30.0) -> list[dict]:
+    env = _env(ONEDIST_DEBUG="1" if debug else "0")
+    proc = subprocess.run(
+        [sys.executable, MISUSE, str(tmp_path), scenario, str(timeout_s)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    results = []
+    for r in range(2):
+        f = tmp_path / f"{r}.json"
+        results.append(json.loads(f.read_text()) if f.exists() else {"missing": proc.stdout + proc.stderr})
+    return results
+
+
+@pytest.mark.parametrize(
+    "scenario, expected",
+    [
+        (
+            "reduce_vs_barrier",
+            ["rank 0: all_reduce(op=SUM", "rank 1: barrier()", "misuse.py:21", "misuse.py:23"],
+        ),
+        ("shapes", ["[2]", "[3]", "misuse.py:25"]),
+        ("dtypes", ["torch.float32", "torch.float64"]),
+        ("only_rank0", ["rank 0: all_reduce", "rank 1: barrier()", "misuse.py:30", "misuse.py:31"]),
+    ],
+)
+def test_debug_mode_names_the_mismatch_on_every_rank(scenario, expected, tmp_path):
+    results = _run(tmp_path, scenario, debug=True)
+    for r in results:
+        assert r.get("error") == "CollectiveMismatchError", results
+        assert r["elapsed"] < 5.0
+        assert all(e in r["message"] for e in expected), (expected, r["message"])
+    assert results[0]["message"] == results[1]["message"]  # every rank sees every rank's call
+
+
+def test_debug_mode_flags_a_collective_inside_one_rank_only(tmp_path):
+    results = _run(tmp_path, "one_rank_only", debug=True)
+    assert results[0]["error"] == "OnedistRuntimeError"
+    assert (
+        "inside a one_rank_only function" in results[0]["message"] and "misuse.py:36" in results[0]["message"]
+    )
+
+
+def test_debug_mode_lets_correct_programs_through(tmp_path):
+    assert [r["error"] for r in _run(tmp_path, "ok", debug=True)] == [None, None]
+
+
+@pytest.mark.parametrize("scenario", ["reduce_vs_barrier", "only_rank0"])
+def test_without_debug_the_timeout_names_the_ranks_and_their_calls(scenario, tmp_path):
+    results = _run(tmp_path, scenario, debug=False, timeout_s=3.0)
+    for rank, r in enumerate(results):
+        assert r.get("error") == "OnedistTimeoutError", results
+        assert r["elapsed"] < 3.0 + 7.0  # the timeout, plus at most the report exchange (3 s + receipts)
+        other = 1 - rank
+        assert f"on rank {rank} (group [0, 1]" in r["message"]
+        assert f"rank {other} was waiting in onedist." in r["message"], r["message"]
+        assert "called different collectives" in r["message"]
+
+
+def test_a_crashed_rank_s_error_reaches_its_peers(tmp_path):
+    results = _run(tmp_path, "crash", debug=False)
+    r = results[0]
+    assert r["error"] == "RemoteRankError", r
+    assert "rank 1 failed" in r["message"] and "ValueError: rank 1 failed on purpose" in r["message"]
+    assert r["elapsed"] < 5.0
+
+
+_JOIN = """
+import os, sys, time, onedist as od
+os.environ.update(RANK=sys.argv[1], WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+import torch  # imported before the clock starts
+t = time.monotonic()
+try:
+    od.initialize("gloo", timeout=3)
+except Exception as e:
+    print(type(e).__name__, "|", str(e).splitlines()[0], "|", round(time.monotonic() - t, 1))
+"""
+
+
+def test_init_names_the_ranks_that_never_joined():
+    """WORLD_SIZE=3, only ranks 0 and 1 start: rank 0 names rank 2 at the timeout; rank 1 says rank 0 went."""
+    from onedist._net import free_port
+
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _JOIN, str(r), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    out = [p.communicate(timeout=60)[0].strip() for p in procs]
+    kind, message, elapsed = (s.strip() for s in out[0].split("|"))
+    assert kind == "OnedistTimeoutError" and "ranks [2] did not join the rendezvous within 3 s" in message, (
+        out
+    )
+    assert float(elapsed) < 3 + 2
+    assert out[1].startswith(("OnedistRuntimeError", "OnedistTimeoutError")) and "rank 1 of 3" in out[1], out
