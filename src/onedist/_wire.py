@@ -169,6 +169,8 @@ def _wire_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if t.device.type == "meta":
         raise PackError("tensors on the 'meta' device have no data to send")
     t = t.detach()
+    if t.is_conj() or t.is_neg():  # lazy conjugate/negative views: materialise (bytes must be plain)
+        t = t.resolve_conj().resolve_neg()
     if t.device != device:
         t = t.to(device)
     return t.contiguous()
@@ -181,13 +183,14 @@ def pack(obj: Any, device: torch.device) -> Packed:
         return Packed(K_TENSOR, _tensor_meta(t), [t], [t.numel() * t.element_size()])
     if obj is None:
         return Packed(K_NONE, b"", [], [])
-    if isinstance(obj, bool):
+    kind = type(obj)  # exact types only: an IntEnum or a str subclass keeps its class (pickled)
+    if kind is bool:
         return Packed(K_BOOL, struct.pack("<q", int(obj)), [], [])
-    if isinstance(obj, int) and _INT64_MIN <= obj <= _INT64_MAX:
+    if kind is int and _INT64_MIN <= obj <= _INT64_MAX:
         return Packed(K_INT, struct.pack("<q", obj), [], [])
-    if isinstance(obj, float):
+    if kind is float:
         return Packed(K_FLOAT, struct.pack("<d", obj), [], [])
-    if isinstance(obj, str):
+    if kind is str:
         return Packed(K_STR, obj.encode("utf-8", "surrogatepass"), [], [])
     tensors: list[torch.Tensor] = []
     buf = io.BytesIO()

@@ -32,6 +32,7 @@ import torch
 from . import _wire as W
 from ._guard import guarded
 from .backends import Backend, Work
+from .backends.base import NATIVE_REDUCE_DTYPES
 from .context import _state, current
 from .errors import (
     CollectiveMismatchError,
@@ -316,9 +317,10 @@ def _reduce_tensor(
     if op in _CHECKED_OPS or dtype.is_complex:
         _check_op_dtype(func, op, dtype)
     dev = b.comm_device(device, "all_reduce")
-    wire = b.reduce_dtype(dtype)
-    same = dev == device and wire == dtype
     mean_int = op == "MEAN" and not (dtype.is_floating_point or dtype.is_complex)
+    # the mean of integers/bools: sum in int64 (no wrap-around, no bool saturation), divide in float64
+    wire = torch.int64 if mean_int else b.reduce_dtype(dtype)
+    same = dev == device and wire == dtype
     if inplace and mean_int:
         raise OnedistTypeError(
             f"onedist.{func}: op='MEAN' with inplace=True needs a floating-point tensor, got {dtype} "
@@ -339,7 +341,7 @@ def _reduce_tensor(
             return x
         out = buf
         if op == "MEAN":
-            out = out / size if mean_int else out.div_(size)
+            out = (out.double() / size).to(torch.get_default_dtype()) if mean_int else out.div_(size)
         if inplace:
             if out is not x:
                 x.copy_(out)
@@ -361,15 +363,17 @@ def _sorted_keys(m: Mapping[Any, Any]) -> list[Any]:
     """The keys in sorted order (insertion order if they cannot be sorted), cached per key set:
     metric dicts come back with the same keys on every step."""
     keys = tuple(m)
+    keys = (*keys, *map(type, keys))  # True == 1 == 1.0: the types keep such key sets apart
     try:
         order = _KEY_ORDERS.get(keys)
     except TypeError:  # unhashable key tuple
         order = None
     if order is None:
+        names = keys[: len(keys) // 2]
         try:
-            order = sorted(keys)
+            order = sorted(names)
         except TypeError:
-            order = list(keys)
+            order = list(names)
         if len(_KEY_ORDERS) >= 256:
             _KEY_ORDERS.clear()
         try:
@@ -525,14 +529,14 @@ def _buckets(func: str, leaves: list[Any], op: str) -> list[_Bucket]:
     return list(buckets.values())
 
 
-def _fill(func: str, b: Backend, bucket: _Bucket, leaves: list[Any]) -> torch.Tensor:
+def _fill(func: str, b: Backend, bucket: _Bucket, leaves: list[Any], op: str = "SUM") -> torch.Tensor:
     """The bucket's reduction buffer: a new contiguous 1-D tensor on the communication device."""
     parts: list[torch.Tensor] = []
     if bucket.py_ids:
         values = [leaves[i] for i in bucket.py_ids]
         try:
             parts.append(torch.tensor(values, dtype=bucket.dtype))
-        except (OverflowError, RuntimeError) as e:
+        except (OverflowError, RuntimeError, ValueError) as e:
             raise bad_value(func, "tensor", values, "numbers that fit in int64 / float64") from e
     tensors = bucket.tensors
     if tensors:
@@ -546,7 +550,8 @@ def _fill(func: str, b: Backend, bucket: _Bucket, leaves: list[Any]) -> torch.Te
             parts.extend(t.reshape(-1) for t in tensors)
     buf = parts[0] if len(parts) == 1 and (bucket.stacked or not tensors) else torch.cat(parts)
     dev = b.comm_device(bucket.device, "all_reduce")
-    wire = b.reduce_dtype(bucket.dtype)
+    integral = not (bucket.dtype.is_floating_point or bucket.dtype.is_complex)
+    wire = torch.int64 if op == "MEAN" and integral else b.reduce_dtype(bucket.dtype)
     if buf.device != dev or buf.dtype != wire:
         buf = buf.to(device=dev, dtype=wire)
     return buf
@@ -577,7 +582,7 @@ def _reduce_tree(
     works: list[Optional[Work]] = []
     with torch.no_grad():  # results are not differentiable, as in torch.distributed
         for bucket in buckets:
-            bucket.buf = _fill(func, b, bucket, leaves)
+            bucket.buf = _fill(func, b, bucket, leaves, op)
             works.append(_issue(b, bucket.buf, op, g, dst, async_op))
     is_dst = dst is None or dst == b.rank
 
@@ -603,7 +608,12 @@ def _unfill(
     integral = not (bucket.dtype.is_floating_point or bucket.dtype.is_complex)
     mean_int = op == "MEAN" and integral
     if op == "MEAN":
-        out = out / size if mean_int else out.div_(size)
+        if mean_int:  # Python numbers stay float64; tensors get torch's default float dtype
+            out = out.double() / size
+            if bucket.tensors and not bucket.py_ids:
+                out = out.to(torch.get_default_dtype())
+        else:
+            out = out.div_(size)
     if out.device != bucket.device or (out.dtype != bucket.dtype and not mean_int):
         out = out.to(device=bucket.device, dtype=out.dtype if mean_int else bucket.dtype)
     offset = len(bucket.py_ids)
@@ -652,11 +662,16 @@ def _pack_or_error(
     """Pack ``value`` into ``slot``; on failure write an error slot and return the message."""
     try:
         packed = W.pack(value, ch.tdev)
-    except W.PackError as e:
-        msg = f"onedist.{func}: {e}"
+        return packed, W.fill_slot(slot, packed, ch.merged), ""
+    except Exception as e:  # anything: the other ranks must get an error slot, never a hang
+        msg = (
+            f"onedist.{func}: {e}"
+            if isinstance(e, W.PackError)
+            else f"onedist.{func}: {type(e).__name__}: {e}"
+        )
+        slot.zero_()
         W.error_slot(slot, msg)
         return None, W.INLINE_META, msg
-    return packed, W.fill_slot(slot, packed, ch.merged), ""
 
 
 def _slot_message(slot: torch.Tensor, h: W.Header) -> str:
@@ -1007,7 +1022,7 @@ def _merge_values(local: Any, values: list[Any], path: str) -> Any:
             dtype = torch.float64
         try:
             return torch.tensor(values, dtype=dtype)
-        except (OverflowError, RuntimeError):
+        except (OverflowError, RuntimeError, ValueError):
             return list(values)
     if isinstance(first, Mapping) and not isinstance(first, str):
         if not all(isinstance(v, Mapping) and set(v) == set(first) for v in values):
@@ -1079,10 +1094,15 @@ def broadcast(
     if isinstance(tensor, torch.Tensor) and not safe_mode:
         dev = b.comm_device(tensor.device, "broadcast")
         if is_src:
-            buf = tensor if (tensor.device == dev and tensor.is_contiguous()) else tensor.to(dev).contiguous()
+            src_t = tensor.resolve_conj().resolve_neg() if tensor.is_conj() or tensor.is_neg() else tensor
+            buf = src_t if (src_t.device == dev and src_t.is_contiguous()) else src_t.to(dev).contiguous()
         else:
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=dev)
-        work = b.broadcast_(buf, src, g, async_op)
+        wire = buf
+        if buf.dtype not in NATIVE_REDUCE_DTYPES and buf.numel():
+            # a copy needs no arithmetic: dtypes the library lacks (int16, uint32, float8...) go as bytes
+            wire = buf.reshape(-1).view(torch.uint8)
+        work = b.broadcast_(wire, src, g, async_op)
 
         def finish_tensor() -> Any:
             if is_src:

@@ -394,7 +394,16 @@ class NativeBackend(Backend):
     def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if self._nccl:
             return dtype
-        return _GLOO_REDUCE_DTYPES.get(dtype, dtype)
+        wire = _GLOO_REDUCE_DTYPES.get(dtype, dtype)
+        if wire not in NATIVE_REDUCE_DTYPES and not wire.is_complex:
+            from ..errors import OnedistTypeError
+
+            raise OnedistTypeError(
+                f"onedist: gloo cannot reduce tensors of dtype {dtype} (it reduces "
+                f"{', '.join(sorted(str(d) for d in NATIVE_REDUCE_DTYPES))}, and onedist widens int16, "
+                "uint16 and uint32)\nHINT: convert first, e.g. t.to(torch.int64) or t.float()"
+            )
+        return wire
 
     def all_reduce_(self, t: torch.Tensor, op: str, group: Any, async_op: bool) -> Optional[Work]:
         return dist.all_reduce(t, op=_REDUCE_OPS[op], group=group, async_op=async_op)  # type: ignore[no-any-return]
