@@ -473,8 +473,9 @@ def _parsed(filename: str) -> Optional[ast.AST]:
 def _exchange(fp: dict[str, Any], group: Any, size: int) -> Optional[list[dict[str, Any]]]:
     """None when every group rank's fingerprint (without the call site) equals this one, else all of them.
 
-    One all_gather of a 16-byte digest per call; the full fingerprints travel only on a mismatch
-    (then every rank sees the mismatch, so every rank takes the second round).
+    One all_reduce (MAX) of ``[d, -d]`` for a 124-bit digest ``d`` per call: every rank equal iff the
+    maximum of ``d`` equals minus the maximum of ``-d`` (the minimum). The full fingerprints travel
+    only on a mismatch (every rank sees it, so every rank takes the second round).
     """
     import hashlib
 
@@ -484,19 +485,19 @@ def _exchange(fp: dict[str, Any], group: Any, size: int) -> Optional[list[dict[s
     from .context import current
 
     comparable = json.dumps({k: v for k, v in fp.items() if k != "site"}, sort_keys=True).encode()
-    digest = torch.frombuffer(
-        bytearray(hashlib.blake2b(comparable, digest_size=16).digest()), dtype=torch.uint8
-    )
+    raw = hashlib.blake2b(comparable, digest_size=16).digest()
+    mask = (1 << 62) - 1
+    d = [int.from_bytes(raw[:8], "little") & mask, int.from_bytes(raw[8:], "little") & mask]
     b = current()
     handle, _, _ = _members("debug check", b, group)
-    device = b.comm_device(torch.device("cpu"), "all_gather_into")
-    out = torch.empty(size * 16, dtype=torch.uint8, device=device)
-    b.all_gather_into_(out, digest.to(device), b.object_group(handle), False)
-    if bool((out.cpu().view(size, 16) == digest).all()):
+    device = b.comm_device(torch.device("cpu"), "all_reduce")
+    t = torch.tensor([d[0], d[1], -d[0], -d[1]], dtype=torch.int64, device=device)
+    b.all_reduce_(t, "MAX", b.object_group(handle), False)
+    top = t.tolist()
+    if top[0] == d[0] and top[1] == d[1] and -top[2] == d[0] and -top[3] == d[1]:
         return None
-    return [
-        json.loads(f) for f in _all_gather("debug check", json.dumps(fp, sort_keys=True), group, False, False)
-    ]
+    every = _all_gather("debug check", json.dumps(fp, sort_keys=True), group, False, False)
+    return [json.loads(f) for f in every]
 
 
 def _debug_check(
