@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,29 @@ def test_init_names_the_ranks_that_never_joined():
     )
     assert float(elapsed) < 3 + 2
     assert out[1].startswith(("OnedistRuntimeError", "OnedistTimeoutError")) and "rank 1 of 3" in out[1], out
+
+
+BUSY = str(Path(__file__).parent / "scripts" / "busy.py")
+
+
+@pytest.mark.parametrize("how", ["python", "sleep"])
+def test_a_busy_rank_stops_soon_after_another_rank_fails(how):
+    """No launcher kills the job (as plain srun does not): rank 0 computes outside collectives when
+    rank 1 fails; onedist's failure watch ends rank 0 (RemoteRankError in Python code, or exit 1
+    when blocked in C) within 5 s, with rank 1's error."""
+    from onedist._net import free_port
+
+    env = _env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, BUSY, how], env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    procs[1].wait(timeout=60)
+    failed_at = time.monotonic()
+    err0 = procs[0].communicate(timeout=60)[1]
+    assert procs[1].returncode == 1
+    assert time.monotonic() - failed_at < 5.0
+    assert procs[0].returncode != 0
+    assert "rank 1 failed" in err0 and "ValueError: rank 1 failed on purpose" in err0, err0[-2000:]

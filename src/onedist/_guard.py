@@ -57,6 +57,9 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 _FAILED_KEY = "onedist/failed/{}"
+_FAILED_COUNT = "onedist/failed-count"
+_WATCH_S = 1.0  # how often each rank asks the store whether another rank failed
+_WATCH_GRACE_S = 3.0  # how long a rank blocked outside Python gets before it is ended
 _STUCK_KEY = "onedist/stuck/{}"
 _ACK_KEY = "onedist/stuck-read/{}"
 _REPORT_WAIT_S = 3.0  # how long a timed-out rank waits for the others' reports (and rank 0 for receipts)
@@ -64,13 +67,24 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class _Guard:
-    __slots__ = ("debug", "installed", "one_rank_depth", "previous_hook")
+    __slots__ = (
+        "debug",
+        "installed",
+        "one_rank_depth",
+        "previous_hook",
+        "published",
+        "watch_stop",
+        "watcher",
+    )
 
     def __init__(self) -> None:
         self.debug = os.environ.get("ONEDIST_DEBUG", "").lower() in ("1", "true", "yes", "on")
         self.one_rank_depth = 0  # > 0 while inside a one_rank_only function
         self.installed = False
         self.previous_hook: Any = None
+        self.published = False  # this rank reported its own failure
+        self.watcher: Any = None
+        self.watch_stop: Any = None
 
 
 _guard = _Guard()
@@ -154,6 +168,8 @@ def publish_failure(exc: BaseException, tb: Optional[TracebackType] = None) -> N
             "host": socket.gethostname(),
         }
         store.set(_FAILED_KEY.format(rank), json.dumps(report))
+        _guard.published = True
+        store.add(_FAILED_COUNT, 1)
         _torchelastic_error_file(exc, text)
     except Exception:
         pass
@@ -247,6 +263,91 @@ def _excepthook(tp: type[BaseException], value: BaseException, tb: Optional[Trac
     publish_failure(value, tb)
     hook = _guard.previous_hook or sys.__excepthook__
     hook(tp, value, tb)
+
+
+def _watch(stop: Any, store: Any, rank: int, world: int, main_ident: int) -> None:
+    """Background thread of every rank: end this rank soon after another rank failed.
+
+    A rank that waits in a collective learns of a peer's death from the communication library; a
+    rank that computes (or sleeps) outside collectives would run on until its next one, or forever
+    under launchers that do not kill the job (plain ``srun``). Once a second, one ``add(key, 0)``
+    round trip asks the store how many ranks failed; when one did, this rank gets that rank's
+    error as a :class:`RemoteRankError` raised in its main thread, and if it is blocked outside
+    Python for longer than 3 s, the error is printed and the process ends (exit status 1).
+    """
+    import ctypes
+
+    handled = 0
+    while not stop.wait(_WATCH_S):
+        try:
+            count = int(store.add(_FAILED_COUNT, 0))
+            if count <= handled or _guard.published:
+                continue
+            handled = count
+            failed = _failed_reports(range(world), rank)
+        except Exception:
+            return  # the store is gone: the job is ending anyway
+        if not failed:
+            continue
+        r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
+        message = (
+            f"onedist: rank {r} failed, so rank {rank} stops too:\n{report.get('traceback', '').rstrip()}"
+        )
+
+        remote = _remote_error_class(message, r)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main_ident), ctypes.py_object(remote))
+        if stop.wait(_WATCH_GRACE_S):
+            return
+        try:
+            sys.stderr.write(message + f"\n(rank {rank} was blocked outside Python; ending it)\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+
+
+def _remote_error_class(message: str, rank: int) -> type[RemoteRankError]:
+    """A RemoteRankError subclass whose no-argument constructor gives ``message`` (an exception
+    raised in another thread through PyThreadState_SetAsyncExc is built without arguments)."""
+
+    class _Remote(RemoteRankError):
+        def __init__(self) -> None:
+            super().__init__(message, rank)
+
+    _Remote.__name__ = _Remote.__qualname__ = "RemoteRankError"
+    return _Remote
+
+
+def start_watch() -> None:
+    """Start the failure watcher of this rank (called by initialize; ONEDIST_WATCH=0 turns it off)."""
+    import threading
+
+    if _guard.watcher is not None or os.environ.get("ONEDIST_WATCH", "1").lower() in ("0", "false", "off"):
+        return
+    try:
+        rank, world = _world()
+        store = _store() if world > 1 else None
+    except Exception:
+        return
+    if store is None:
+        return
+    _guard.published = False
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=_watch,
+        args=(stop, store, rank, world, threading.main_thread().ident),
+        name="onedist-failure-watch",
+        daemon=True,
+    )
+    thread.start()
+    _guard.watcher, _guard.watch_stop = thread, stop
+
+
+def stop_watch() -> None:
+    """Stop the failure watcher (called by finalize)."""
+    if _guard.watcher is not None:
+        _guard.watch_stop.set()
+        _guard.watcher.join(timeout=_WATCH_S + 1)
+        _guard.watcher = _guard.watch_stop = None
 
 
 def install() -> None:

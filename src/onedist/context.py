@@ -202,6 +202,7 @@ def initialize(
         from . import _guard
 
         _guard.install()  # an uncaught exception here is reported to the other ranks
+        _guard.start_watch()  # and a failure of another rank ends this one, even outside collectives
 
 
 def finalize() -> None:
@@ -220,6 +221,9 @@ def finalize() -> None:
     _state.backend = SerialBackend()
     Backend.local_rank_hint = None  # a hint describes one context
     if not isinstance(b, SerialBackend):
+        from . import _guard
+
+        _guard.stop_watch()
         b.finalize()
 
 
