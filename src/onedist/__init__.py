@@ -45,6 +45,9 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
         all_gather_object as all_gather_object,
     )
     from .collectives import (
+        all_gather_tensors_with_shapes as all_gather_tensors_with_shapes,
+    )
+    from .collectives import (
         all_reduce as all_reduce,
     )
     from .collectives import (
@@ -217,6 +220,7 @@ __all__ = [
     "all_gather",
     "all_gather_eval",
     "all_gather_object",
+    "all_gather_tensors_with_shapes",
     "all_reduce",
     "auto_dataloader",
     "auto_model",
@@ -287,6 +291,7 @@ _LAZY = {
     "AsyncResult": "collectives",
     "all_gather": "collectives",
     "all_gather_object": "collectives",
+    "all_gather_tensors_with_shapes": "collectives",
     "all_reduce": "collectives",
     "barrier": "collectives",
     "broadcast": "collectives",

@@ -23,7 +23,7 @@ import copy
 import numbers
 import pickle
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from itertools import islice
+from itertools import islice, pairwise
 from operator import attrgetter
 from typing import Any, Optional, Union
 
@@ -46,6 +46,7 @@ __all__ = [
     "AsyncResult",
     "all_gather",
     "all_gather_object",
+    "all_gather_tensors_with_shapes",
     "all_reduce",
     "barrier",
     "broadcast",
@@ -895,6 +896,51 @@ def all_gather_object(obj: Any, group: GroupLike = None, *, async_op: bool = Fal
         [{'rank': 0}]
     """
     return _all_gather("all_gather_object", obj, group, async_op, merge=False)  # type: ignore[no-any-return]
+
+
+def all_gather_tensors_with_shapes(
+    tensor: torch.Tensor, shapes: Sequence[Sequence[int]], group: GroupLike = None
+) -> list[torch.Tensor]:
+    """Gather tensors whose shapes differ per rank, given every rank's shape (ignite's helper).
+
+    One :func:`all_gather` of the flattened tensors (no padding), split and reshaped with ``shapes``.
+
+    Args:
+        tensor: this rank's tensor; its shape must be ``shapes[i]``, ``i`` this rank's index in
+            the group.
+        shapes: the shape of each participating rank's tensor, in group rank order.
+        group: None (every rank), a list of global ranks, or a group handle.
+
+    Returns:
+        One tensor per participating rank, in rank order. Ranks outside ``group`` get ``[tensor]``.
+
+    Example:
+        >>> import torch, onedist as od
+        >>> rank, ws = od.get_rank(), od.get_world_size()
+        >>> shapes = [[r + 1, 2] for r in range(ws)]              # rank r sends r + 1 rows
+        >>> parts = od.all_gather_tensors_with_shapes(torch.ones(rank + 1, 2), shapes)
+        >>> [tuple(p.shape) for p in parts]
+        [(1, 2)]
+    """
+    func = "all_gather_tensors_with_shapes"
+    if not isinstance(tensor, torch.Tensor):
+        raise bad_type(func, "tensor", tensor, "a torch.Tensor")
+    _, me, _ = _members(func, current(), group)
+    if me < 0:
+        return [tensor]
+    # the real shapes travel with the data (same collective), so a wrong ``shapes`` on any rank
+    # is reported on every rank after it instead of leaving the others waiting
+    dims = torch.tensor(tensor.shape, dtype=torch.int64)
+    flat, all_dims, ndims = all_gather((tensor.reshape(-1), dims, tensor.dim()), group)
+    offsets = [0, *torch.cumsum(ndims, 0).tolist()]
+    actual = [tuple(all_dims[a:b].tolist()) for a, b in pairwise(offsets)]
+    wanted = [tuple(int(d) for d in s) for s in shapes]
+    if wanted != actual:
+        raise CollectiveMismatchError(
+            f"onedist.{func}: shapes={wanted} is not what the ranks sent: {actual} (in group rank order)"
+        )
+    sizes = [torch.Size(s).numel() for s in actual]
+    return [part.view(s) for part, s in zip(flat.split(sizes), actual)]
 
 
 def _all_gather(func: str, value: Any, group: GroupLike, async_op: bool, merge: bool) -> Any:

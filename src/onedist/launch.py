@@ -727,20 +727,32 @@ class Parallel:
             self._initialized_here = True
         return self
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn(local_rank, *args, **kwargs)`` in the mode this object chose.
+    def run(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(local_rank, *args, **kwargs)`` in the mode this object chose.
+
+        Args:
+            func: the function (named ``func`` as in ignite, so ``parallel.run(func=...)`` works);
+                it cannot take a keyword argument named ``func`` through ``kwargs``.
+            *args: positional arguments after ``local_rank``.
+            **kwargs: keyword arguments.
 
         Returns:
-            ``fn``'s return value (in spawn and subprocess modes: local rank 0's).
+            ``func``'s return value (in spawn and subprocess modes: local rank 0's).
+
+        Example:
+            >>> import onedist as od
+            >>> with od.Parallel(backend=None) as parallel:
+            ...     parallel.run(lambda local_rank, x: x + local_rank, 1)
+            1
         """
         if self.mode == "serial":
-            return fn(0, *args, **kwargs)
+            return func(0, *args, **kwargs)
         if self.mode == "external":
             from ._reexec import record_error
             from .context import get_local_rank
 
             try:
-                return fn(get_local_rank(), *args, **kwargs)
+                return func(get_local_rank(), *args, **kwargs)
             except BaseException as e:
                 record_error(e)  # a child of start_method="subprocess": tell the parent
                 raise
@@ -749,7 +761,7 @@ class Parallel:
 
             return run_subprocess(
                 self.backend,
-                fn,
+                func,
                 args,
                 kwargs,
                 nproc_per_node=self.nproc_per_node,
@@ -762,7 +774,7 @@ class Parallel:
             )
         results = spawn(
             self.backend,  # type: ignore[arg-type]
-            fn,
+            func,
             args=args,
             kwargs_dict=kwargs,
             nproc_per_node=self.nproc_per_node,  # type: ignore[arg-type]
