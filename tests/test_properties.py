@@ -9,10 +9,9 @@ all_gather_object, broadcast, gather, scatter, all_reduce and reduce exactly as 
 Serially, hypothesis drives the functions directly with many examples. Distributed, hypothesis
 draws a *spec* in the test process (see checks_props) and sends it to the pool; each rank builds
 its own value from it and checks the result against the expectation it computes locally.
-The distributed properties run in pools of their own, which make their subgroups up front in an
-order that cannot deadlock: lazily made overlapping list groups do
-(test_soak.test_bug_overlapping_list_groups_deadlock), and a shared pool's group history is not
-known.
+The distributed properties run in pools of their own, which make their subgroups up front (lazily
+made overlapping list groups used to deadlock: test_soak.test_bug_overlapping_list_groups_deadlock,
+fixed), so a shared pool's unknown group history cannot matter.
 
 Tests named test_bug_* reproduce bugs found this way (now fixed: they guard against regressions).
 """

@@ -341,7 +341,10 @@ class NativeBackend(Backend):
                 # only members take part in creating it, so a group used by its members only
                 # (e.g. a collective inside `if rank in ranks`) does not deadlock
                 kwargs = {**kwargs, "use_local_synchronization": True}
-            group = dist.new_group(list(ranks), **kwargs)
+            if kwargs.get("use_local_synchronization"):
+                group = _new_local_group(ranks, kwargs)
+            else:
+                group = dist.new_group(list(ranks), **kwargs)
         self._groups[key] = group
         return group
 
@@ -458,6 +461,41 @@ class NativeBackend(Backend):
 _CPU = torch.device("cpu")
 # torch >= 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _new_local_group(ranks: tuple[int, ...], kwargs: dict[str, Any]) -> Any:
+    """``dist.new_group(ranks, use_local_synchronization=True)`` with a name every member agrees on.
+
+    torch names such a group sha1(ranks + the number of groups *this process* has), so members that
+    made different groups before ([0,1] on ranks 0-1, then [0,2]: rank 0 has seen 2 groups, rank 2
+    one) pick different names, rendezvous under different store keys and wait forever. The name here
+    depends only on the ranks and options (what every member passes), and on how many groups with
+    exactly these ranks and options this process made before (the same on every member).
+    """
+    c10d: Any = dist.distributed_c10d
+    original = getattr(c10d, "_process_group_name", None)
+    if original is None:  # a torch without the hook: its own naming
+        return dist.new_group(list(ranks), **kwargs)
+    prefix = _group_prefix(ranks, kwargs)
+    same = sum(1 for name in c10d._world.pg_names.values() if str(name).startswith(prefix))
+    name = f"{prefix}{same}"
+
+    def fixed_name(ranks_: Any, use_hashed_name: bool) -> Any:
+        return name if use_hashed_name else original(ranks_, use_hashed_name)
+
+    c10d._process_group_name = fixed_name
+    try:
+        return dist.new_group(list(ranks), **kwargs)
+    finally:
+        c10d._process_group_name = original
+
+
+def _group_prefix(ranks: tuple[int, ...], kwargs: dict[str, Any]) -> str:
+    import hashlib
+
+    options = repr(sorted((k, repr(v)) for k, v in kwargs.items()))
+    digest = hashlib.sha1(f"{ranks}|{options}".encode(), usedforsecurity=False).hexdigest()[:16]
+    return f"onedist-{digest}-"
 
 
 def _set_env(name: str, value: str, env_set: dict[str, Optional[str]]) -> None:
