@@ -93,19 +93,12 @@ def test_onedist_run_port_in_use_is_a_usage_error(nnodes, tmp_path):
 
 
 def _other_interface() -> tuple[str, str] | None:
-    """A non-loopback interface with an IPv4 address, and that address."""
-    import fcntl
-    import struct
+    """A non-loopback interface with an IPv4 address, and that address (onedist info's listing)."""
+    from onedist._diagnose import list_interfaces
 
-    for _, name in socket.if_nameindex():
-        if name.startswith("lo"):
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-            except OSError:
-                continue
-        return name, socket.inet_ntoa(raw[20:24])
+    for name, addresses in (list_interfaces() or {}).items():
+        if not name.startswith("lo") and addresses:
+            return name, addresses[0]
     return None
 
 

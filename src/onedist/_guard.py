@@ -571,7 +571,7 @@ def _parsed(filename: str) -> Optional[ast.AST]:
         return None
 
 
-def _exchange(fp: dict[str, Any], group: Any, size: int) -> Optional[list[dict[str, Any]]]:
+def _exchange(fp: dict[str, Any], b: Any, handle: Any, group: Any) -> Optional[list[dict[str, Any]]]:
     """None when every group rank's fingerprint (without the call site) equals this one, else all of them.
 
     One all_reduce (MAX) of ``[d, -d]`` for a 124-bit digest ``d`` per call: every rank equal iff the
@@ -582,15 +582,12 @@ def _exchange(fp: dict[str, Any], group: Any, size: int) -> Optional[list[dict[s
 
     import torch
 
-    from .collectives import _all_gather, _members
-    from .context import current
+    from .collectives import _all_gather
 
     comparable = json.dumps({k: v for k, v in fp.items() if k != "site"}, sort_keys=True).encode()
     raw = hashlib.blake2b(comparable, digest_size=16).digest()
     mask = (1 << 62) - 1
     d = [int.from_bytes(raw[:8], "little") & mask, int.from_bytes(raw[8:], "little") & mask]
-    b = current()
-    handle, _, _ = _members("debug check", b, group)
     device = b.comm_device(torch.device("cpu"), "all_reduce")
     t = torch.tensor([d[0], d[1], -d[0], -d[1]], dtype=torch.int64, device=device)
     b.all_reduce_(t, "MAX", b.object_group(handle), False)
@@ -618,9 +615,15 @@ def _debug_check(
             f"onedist.{name} at {site} is inside `if {block}:`, which only some ranks enter: the others "
             "never join this collective (deadlock).\nHINT: call the collective on every rank, before the `if`"
         )
-    ranks = _group_ranks(group)
+    from .collectives import _members
+    from .context import current
+
+    b = current()
+    handle, me, ranks = _members(name, b, group)
+    if me < 0:  # not a member: the collective does not communicate here, nothing to compare
+        return
     mine = _fingerprint(name, args, kwargs, site, spec)
-    decoded = _exchange(mine, group, len(ranks))
+    decoded = _exchange(mine, b, handle, group)
     if decoded is not None:
         lines = [f"onedist debug mode: the ranks of group {list(ranks)} called different collectives:"]
         for r, fp in zip(ranks, decoded):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
+from collections.abc import MutableMapping
 from typing import Optional
 
 __all__ = [
     "LOOPBACK",
     "STORE_FD_ENV",
+    "discard_store_fd",
     "free_port",
     "is_loopback",
     "listen_socket",
@@ -101,6 +104,17 @@ def rendezvous_port(
     if master_port is not None:
         return master_port, None
     return free_port(LOOPBACK if is_loopback(master_addr) else ""), None
+
+
+def discard_store_fd(environ: MutableMapping[str, str]) -> None:
+    """Close the socket a launcher handed over in ``ONEDIST_STORE_FD`` if nobody took it (a failed
+    initialize), so the port is not held until the process exits."""
+    text = environ.pop(STORE_FD_ENV, None)
+    if text is not None:
+        try:
+            os.close(int(text))
+        except (OSError, ValueError):
+            pass
 
 
 def loopback_ifname() -> Optional[str]:

@@ -59,7 +59,7 @@ from types import FrameType
 from typing import Any, Optional, cast
 
 from ._bootstrap import _write_error
-from ._net import STORE_FD_ENV, rendezvous_port
+from ._net import STORE_FD_ENV, discard_store_fd, rendezvous_port
 from .environments import TORCHRUN_VARS
 from .errors import OnedistRuntimeError, WorkerFailedError, bad_value
 from .launch import (
@@ -661,12 +661,9 @@ def run_subprocess(
         launch.wait_children()
         return result
     finally:
-        leftover = os.environ.pop(STORE_FD_ENV, None) if store_fd is None else str(store_fd)
-        if leftover is not None:
-            try:
-                os.close(int(leftover))
-            except (OSError, ValueError):
-                pass
+        if store_fd is not None:  # never handed to initialize
+            os.environ[STORE_FD_ENV] = str(store_fd)
+        discard_store_fd(os.environ)
         launch.done.set()
         launch.join_watcher()
         launch.stop()

@@ -32,7 +32,7 @@ from typing import IO, Any, Optional
 
 from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
 from .environments import detect
-from .launch import GRACE_S, TERM_S, _Failure, failure_report, worker_threads_env
+from .launch import GRACE_S, TERM_S, _Failure, failure_report, torchrun_env, worker_threads_env
 
 __all__ = ["build_parser", "main"]
 
@@ -201,18 +201,11 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
         )
     except OSError as e:
         raise _UsageError(e.strerror or str(e)) from e
-    world = nproc * args.nnodes
     run_id = uuid.uuid4().hex[:12]
     tmpdir = tempfile.mkdtemp(prefix="onedist-run-")
     base_env = dict(os.environ)
     base_env.update(
         {
-            "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "GROUP_RANK": str(args.node_rank),
-            "GROUP_WORLD_SIZE": str(args.nnodes),
-            "MASTER_ADDR": args.master_addr,
-            "MASTER_PORT": str(port),
             "TORCHELASTIC_RUN_ID": f"onedist-{run_id}",
             "PYTHONUNBUFFERED": "1",
             **worker_threads_env(nproc),
@@ -237,8 +230,7 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
             error_file = os.path.join(tmpdir, f"error-{rank}.json")
             env = {
                 **base_env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local_rank),
+                **torchrun_env(local_rank, nproc, args.node_rank, args.nnodes, args.master_addr, port),
                 "ONEDIST_ERROR_FILE": error_file,
             }
             pass_fds: tuple[int, ...] = ()

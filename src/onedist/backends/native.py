@@ -18,7 +18,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .._net import LOOPBACK, STORE_FD_ENV, free_port, is_loopback, listen_socket, loopback_ifname
+from .._net import (
+    LOOPBACK,
+    STORE_FD_ENV,
+    discard_store_fd,
+    free_port,
+    is_loopback,
+    listen_socket,
+    loopback_ifname,
+    rendezvous_port,
+)
 from ..environments import ClusterEnv, PartialLayout, detect, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, OnedistTimeoutError, OnedistValueError, bad_value
 from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
@@ -164,12 +173,7 @@ class NativeBackend(Backend):
                 )
         except BaseException:
             _restore_env(env_set)
-            leftover = os.environ.pop(STORE_FD_ENV, None)
-            if leftover is not None:
-                try:
-                    os.close(int(leftover))
-                except (OSError, ValueError):
-                    pass
+            discard_store_fd(os.environ)
             raise
         return cls(owned=True, env_set=env_set)
 
@@ -619,7 +623,9 @@ def _env_store(
             fd = int(fd_text)
         else:
             try:
-                fd = listen_socket(addr if loopback else "", port).detach()
+                _, sock = rendezvous_port(addr, port, host_store=True, what="MASTER_PORT")
+                assert sock is not None  # host_store=True always binds
+                fd = sock.detach()
             except OSError as e:
                 raise OnedistRuntimeError(f"onedist.initialize (rank 0): {e.strerror or e}") from e
         store = _TCPStore(
