@@ -242,6 +242,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (smoke run)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    # a CPU benchmark: on a GPU machine, keep every variant (and onedist's device()) on CPU
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     results = od.spawn("gloo", run, args=(args,), nproc_per_node=args.world_size)[0]
     print(
         f"onedist {od.__version__}, torch {torch.__version__}, gloo, world size {args.world_size}, "

@@ -3,6 +3,7 @@ accelerate when installed), the same MLP and data, in the same worker processes.
 
     python benchmarks/bench_training.py                    # world size 2, gloo, CPU
     python benchmarks/bench_training.py --world-size 4 --steps 100 --json out.json
+    python benchmarks/bench_training.py --backend nccl --world-size 1 --amp   # one GPU
 
 Variants (each: a DDP model, SGD, a loader giving each rank global_batch / world samples per step)
   raw DDP     DistributedDataParallel + DistributedSampler + DataLoader, by hand
@@ -49,9 +50,14 @@ def _mlp(features: int, hidden: int) -> torch.nn.Module:
     )
 
 
-def _stepper(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any) -> Callable[[int], None]:
-    """A function that trains ``steps`` steps, continuing through the loader's epochs."""
+def _stepper(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any, amp: bool = False
+) -> Callable[[int], None]:
+    """A function that trains ``steps`` steps, continuing through the loader's epochs (moving each
+    batch to the model's device; with ``amp``, float16 autocast and a gradient scaler on CUDA)."""
     state: dict[str, Iterator[Any]] = {"it": iter(loader)}
+    dev = next(model.parameters()).device
+    scaler = torch.amp.GradScaler("cuda", enabled=amp)
 
     def run(steps: int) -> None:
         for _ in range(steps):
@@ -60,9 +66,15 @@ def _stepper(model: torch.nn.Module, opt: torch.optim.Optimizer, loader: Any) ->
             except StopIteration:
                 state["it"] = iter(loader)
                 x, y = next(state["it"])
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+            with torch.autocast(dev.type, dtype=torch.float16, enabled=amp):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     return run
 
@@ -72,16 +84,23 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     world = od.get_world_size()
     data = _data(args.samples, args.features)
     variants: dict[str, Callable[[int], None]] = {}
+    cuda = args.backend == "nccl"
+    amp = args.amp
 
-    model = torch.nn.parallel.DistributedDataParallel(_mlp(args.features, args.hidden))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        net = _mlp(args.features, args.hidden).cuda(local_rank)
+        model = torch.nn.parallel.DistributedDataParallel(net, device_ids=[local_rank])
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(_mlp(args.features, args.hidden))
     sampler = DistributedSampler(data, shuffle=True)
-    loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler)
-    variants["raw DDP"] = _stepper(model, torch.optim.SGD(model.parameters(), lr=0.01), loader)
+    loader = DataLoader(data, batch_size=args.batch_size // world, sampler=sampler, pin_memory=cuda)
+    variants["raw DDP"] = _stepper(model, torch.optim.SGD(model.parameters(), lr=0.01), loader, amp)
 
     model = od.auto_model(_mlp(args.features, args.hidden))
     opt = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.01))
     variants["onedist auto_*"] = _stepper(
-        model, opt, od.auto_dataloader(data, batch_size=args.batch_size, shuffle=True)
+        model, opt, od.auto_dataloader(data, batch_size=args.batch_size, shuffle=True), amp
     )
 
     try:
@@ -90,18 +109,18 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
         model = idist.auto_model(_mlp(args.features, args.hidden))
         opt = idist.auto_optim(torch.optim.SGD(model.parameters(), lr=0.01))
         loader = idist.auto_dataloader(data, batch_size=args.batch_size, shuffle=True)
-        variants["ignite auto_*"] = _stepper(model, opt, loader)
+        variants["ignite auto_*"] = _stepper(model, opt, loader, amp)
     except ImportError:
         pass
     try:
         from accelerate import Accelerator
 
-        accel = Accelerator(cpu=True)
+        accel = Accelerator(cpu=not cuda)
         model = _mlp(args.features, args.hidden)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         loader = DataLoader(data, batch_size=args.batch_size // world, shuffle=True)
         model, opt, loader = accel.prepare(model, opt, loader)
-        variants["accelerate prepare"] = _stepper(model, opt, loader)
+        variants["accelerate prepare"] = _stepper(model, opt, loader, amp)
     except ImportError:
         pass
 
@@ -127,6 +146,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: one GPU per rank")
+    parser.add_argument("--amp", action="store_true", help="float16 autocast + GradScaler (CUDA)")
     parser.add_argument("--samples", type=int, default=16384)
     parser.add_argument("--features", type=int, default=128)
     parser.add_argument("--hidden", type=int, default=256)
@@ -135,9 +156,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    results = od.spawn("gloo", run, args=(args,), nproc_per_node=args.world_size)[0]
+    if args.backend == "gloo":  # CPU: on a GPU machine, keep every variant (and od.device()) on CPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    results = od.spawn(args.backend, run, args=(args,), nproc_per_node=args.world_size)[0]
     print(
-        f"onedist {od.__version__}, torch {torch.__version__}, gloo, world size {args.world_size}, "
+        f"onedist {od.__version__}, torch {torch.__version__}, {args.backend}"
+        f"{' + AMP' if args.amp else ''}, world size {args.world_size}, "
         f"{os.cpu_count()} CPUs; MLP {args.features}-{args.hidden}-{args.hidden}-2, global batch "
         f"{args.batch_size}, {args.steps} steps x {args.reps} interleaved repetitions (medians)"
     )
@@ -146,7 +170,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"world_size": args.world_size, "torch": torch.__version__, "results": results}, f, indent=2
+                {
+                    "world_size": args.world_size,
+                    "backend": args.backend,
+                    "amp": args.amp,
+                    "torch": torch.__version__,
+                    "results": results,
+                },
+                f,
+                indent=2,
             )
 
 

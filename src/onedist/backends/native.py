@@ -287,7 +287,23 @@ class NativeBackend(Backend):
             uses_cuda = "nccl" in self.name or (self.name == "gloo" and torch.cuda.is_available())
             if uses_cuda and torch.cuda.is_available():
                 count = torch.cuda.device_count()
-                local_rank = self.layout().local_rank
+                layout = self.layout()
+                local_rank = layout.local_rank
+                if (
+                    self._nccl
+                    and count == 1
+                    and layout.nproc_per_node > 1
+                    and not os.environ.get("CUDA_VISIBLE_DEVICES")
+                ):
+                    # Every process of this node sees the same one GPU (no per-task binding):
+                    # NCCL would fail at the first collective with "Duplicate GPU detected".
+                    raise OnedistRuntimeError(
+                        f"onedist: {layout.nproc_per_node} processes on this node share its one GPU, "
+                        "and NCCL cannot put two ranks on one GPU.\n"
+                        "HINT: start one process per GPU (nproc_per_node <= GPUs), give each process "
+                        "its own GPU (CUDA_VISIBLE_DEVICES per task, srun --gpus-per-task=1), or use "
+                        "backend 'gloo'."
+                    )
                 index = gpu_index(local_rank, count, exclusive=self._nccl)
                 if index is None:
                     raise OnedistRuntimeError(
