@@ -64,10 +64,10 @@ def rw() -> tuple[int, int]:
 
 
 # ============================================================================ queries
-def check_queries() -> dict[str, Any]:
+def check_queries(backend: str = "gloo") -> dict[str, Any]:
     r, w = rw()
     serial = od.model_name() == "serial"
-    assert od.backend() == (None if serial else "gloo")
+    assert od.backend() == (None if serial else backend)
     assert od.model_name() in ("serial", "native-dist")
     assert od.device() == torch.device("cpu")
     assert od.get_local_rank() == r

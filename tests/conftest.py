@@ -15,13 +15,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC, os.environ.get("PYT
 
 WORLDS = ["serial", 1, 2, 3, 4]
 
-_pools: dict[int, DistPool] = {}
+_pools: dict[tuple[int, str], DistPool] = {}
 
 
-def _pool(world_size: int) -> DistPool:
-    pool = _pools.get(world_size)
+def _pool(world_size: int, backend: str = "gloo") -> DistPool:
+    pool = _pools.get((world_size, backend))
     if pool is None or pool.broken:
-        pool = _pools[world_size] = DistPool(world_size)
+        # shm: 64 KiB slots, so that small tensors already cross chunk boundaries
+        env = {"ONEDIST_SHM_CHUNK_MB": "0.0625"} if backend == "shm" else None
+        pool = _pools[world_size, backend] = DistPool(world_size, backend, env)
     return pool
 
 
@@ -35,17 +37,18 @@ def _close_pools():
 class Runner:
     """Runs a check on every rank of a world: in this process ("serial") or in a shared pool."""
 
-    def __init__(self, world: Any) -> None:
+    def __init__(self, world: Any, backend: str = "gloo") -> None:
         self.world = world
         self.world_size = 1 if world == "serial" else int(world)
+        self.backend = backend
 
     def __call__(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
         if self.world == "serial":
             return [fn(*args)]
-        return _pool(self.world_size).run(fn, *args, timeout=timeout)
+        return _pool(self.world_size, self.backend).run(fn, *args, timeout=timeout)
 
     def __repr__(self) -> str:
-        return f"Runner({self.world})"
+        return f"Runner({self.world}, {self.backend})"
 
 
 @pytest.fixture(params=WORLDS, ids=lambda w: "serial" if w == "serial" else f"ws{w}")

@@ -15,14 +15,14 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 from onedist._net import free_port
 
 _CTX = mp.get_context("fork")  # workers start in ~0.1 s instead of re-importing torch
 
 
-def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
+def _serve(rank: int, world_size: int, port: int, conn: Any, backend: str, env: dict[str, str]) -> None:
     import torch
 
     import onedist as od
@@ -31,8 +31,9 @@ def _serve(rank: int, world_size: int, port: int, conn: Any) -> None:
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"):
         os.environ.pop(name, None)
+    os.environ.update(env)
     od.initialize(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=120
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=120
     )
     while True:
         msg = conn.recv()
@@ -52,14 +53,17 @@ class CheckFailed(AssertionError):
 
 
 class DistPool:
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, backend: str = "gloo", env: Optional[dict[str, str]] = None) -> None:
         self.world_size = world_size
+        self.backend = backend
         port = free_port()
         self.conns = []
         self.procs = []
         for rank in range(world_size):
             parent, child = _CTX.Pipe()
-            p = _CTX.Process(target=_serve, args=(rank, world_size, port, child), daemon=True)
+            p = _CTX.Process(
+                target=_serve, args=(rank, world_size, port, child, backend, env or {}), daemon=True
+            )
             p.start()
             child.close()
             self.conns.append(parent)

@@ -142,6 +142,8 @@ def test_srun_uneven_three_plus_one():
     rank1 = detect({**SRUN_3_PLUS_1, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0"})
     assert rank1 is not None and (rank1.local_rank, rank1.nproc_per_node, rank1.node_rank) == (1, 3, 0)
     assert rank1.master_port == env.master_port  # every task derives the same port
+    step2 = detect({**SRUN_3_PLUS_1, "SLURM_STEP_ID": "2"})  # a second step running at once
+    assert step2.master_port == 20000 + (123456 + 2 * 7919) % 20000 != env.master_port
 
 
 def test_srun_respects_master_port_and_repetition_counts():

@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+import onedist as od
 from test_run import _env
 
 MISUSE = str(Path(__file__).parent / "scripts" / "misuse.py")
@@ -146,3 +148,21 @@ def test_a_busy_rank_stops_soon_after_another_rank_fails(how):
     assert time.monotonic() - failed_at < 5.0
     assert procs[0].returncode != 0
     assert "rank 1 failed" in err0 and "ValueError: rank 1 failed on purpose" in err0, err0[-2000:]
+
+
+def _raise_on_rank_1_in_debug_mode(local_rank: int) -> None:
+    if od.get_rank() == 1:
+        raise ValueError("bad batch on rank 1")
+    od.all_reduce(torch.tensor(1.0))  # rank 0: debug mode's digest exchange meets the dead peer
+
+
+def test_debug_mode_keeps_a_crashed_rank_s_error(monkeypatch):
+    """Debug mode's exchange runs inside the guard: rank 0 learns rank 1's error, not gloo's
+    "Connection closed by peer" (which it used to publish as its own failure)."""
+    monkeypatch.setenv("ONEDIST_DEBUG", "1")
+    with pytest.raises(od.WorkerFailedError) as info:
+        with od.Parallel(backend="gloo", nproc_per_node=2, timeout=30) as parallel:
+            parallel.run(_raise_on_rank_1_in_debug_mode)
+    text = str(info.value)
+    assert "worker rank 1" in text and "ValueError: bad batch on rank 1" in text, text
+    assert "rank 0: failed with RemoteRankError" in text and "Connection closed by peer" not in text, text

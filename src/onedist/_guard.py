@@ -649,10 +649,10 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             started = time.monotonic()
-            if _guard.debug:
-                group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
-                _debug_check(name, args, kwargs, group, spec)
             try:
+                if _guard.debug:  # its exchange is a collective too: a dead peer shows here first
+                    group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
+                    _debug_check(name, args, kwargs, group, spec)
                 return fn(*args, **kwargs)
             except OnedistError:
                 raise

@@ -853,13 +853,15 @@ def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False) 
         async_op: return an :class:`AsyncResult`; the size negotiation happens before it returns.
 
     Returns:
-        * tensor → the ranks' tensors concatenated on dim 0 (0-dim tensors are stacked). The first
-          dimension may differ per rank; the other dimensions and the dtype must match, else every
-          rank raises :class:`~onedist.CollectiveMismatchError` listing each rank's shape.
-        * number → a tensor of size ``world_size`` (float64 for floats, int64 for ints, bool for
-          bools), on CPU.
-        * string or other object → a list with one entry per rank.
-        * dict/list/tuple → the same structure, each leaf gathered as above.
+        By the type of ``tensor``:
+
+        - tensor: the ranks' tensors concatenated on dim 0 (0-dim tensors are stacked). The first
+            dimension may differ per rank; the other dimensions and the dtype must match, else
+            every rank raises :class:`~onedist.CollectiveMismatchError` listing each rank's shape.
+        - number: a tensor of size ``world_size`` (float64 for floats, int64 for ints, bool for
+            bools), on CPU.
+        - string or other object: a list with one entry per rank.
+        - dict/list/tuple: the same structure, each leaf gathered as above.
 
         Ranks outside ``group`` get their input back.
 

@@ -49,8 +49,11 @@ _KNOWN_BACKENDS = {
     "gloo": "a PyTorch build with distributed support (pip install torch)",
     "nccl": "a CUDA build of PyTorch and an NVIDIA GPU",
     "mpi": "a PyTorch built from source against MPI",
-    "horovod": "Horovod (see README: Horovod install)",
-    "xla-tpu": "torch_xla (pip install torch_xla)",
+    "shm": "Linux on x86-64 and a PyTorch build with gloo",
+    # not built yet: say so, rather than send the user to install something that will not help
+    "horovod": "a Horovod backend, which this version of onedist does not have yet (under horovodrun, "
+    "use backend='gloo': onedist reads horovodrun's environment)",
+    "xla-tpu": "an XLA backend, which this version of onedist does not have yet",
 }
 
 TimeoutLike = Union[timedelta, float, int, None]

@@ -135,8 +135,11 @@ def _int(environ: Mapping[str, str], *names: str) -> Optional[int]:
     return None
 
 
-def _port(environ: Mapping[str, str], job_id: Optional[str]) -> tuple[Optional[int], bool]:
-    """MASTER_PORT when set, else a port derived from the job id (same on every task of the job)."""
+def _port(
+    environ: Mapping[str, str], job_id: Optional[str], step_id: Optional[str] = None
+) -> tuple[Optional[int], bool]:
+    """MASTER_PORT when set, else a port derived from the job id and step id (the same on every
+    task of a step; two steps of one allocation running at once get different ports)."""
     given = _int(environ, "MASTER_PORT")
     if given is not None:
         return given, False
@@ -144,6 +147,8 @@ def _port(environ: Mapping[str, str], job_id: Optional[str]) -> tuple[Optional[i
         return None, False
     digits = re.sub(r"\D", "", job_id)
     key = int(digits) if digits else zlib.crc32(job_id.encode())
+    if step_id and step_id.isdigit():
+        key += int(step_id) * 7919  # step 0 keeps the job's port; a prime stride spreads the others
     return _PORT_BASE + key % _PORT_SPAN, True
 
 
@@ -351,7 +356,9 @@ class Slurm(Environment):
             or environ.get("SLURM_NODELIST")
         )
         master = environ.get("MASTER_ADDR") or (expand_nodelist(nodelist)[0] if nodelist else None)
-        port, derived = _port(environ, environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"))
+        port, derived = _port(
+            environ, environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"), environ.get("SLURM_STEP_ID")
+        )
         return ClusterEnv(
             cls.name,
             rank,

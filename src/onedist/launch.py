@@ -57,8 +57,9 @@ _PEER_LOST = (
 
 
 # ============================================================================ worker side
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this worker when the process that started it dies."""
+def _die_with_parent(parent_pid: Optional[int]) -> None:
+    """Ask Linux to SIGKILL this worker when the process that started it dies (``parent_pid``:
+    the launcher, when it is the direct parent; None under forkserver, whose server is)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -66,7 +67,7 @@ def _die_with_parent(parent_pid: int) -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if parent_pid is not None and os.getppid() != parent_pid:  # died before prctl took effect
         os._exit(1)
 
 
@@ -118,12 +119,14 @@ def _worker_main(
     os.environ.update(cfg["env"])
     if cfg["store_socket"] is not None:
         os.environ[STORE_FD_ENV] = str(cfg["store_socket"].detach())
-    if cfg["forked"]:
+    if cfg["forked"] or "OMP_NUM_THREADS" in cfg["env"]:
         import torch
 
         # A forked child inherits the parent's OpenMP thread pool in a broken state (libgomp):
         # its first parallel region would hang if the parent ever ran one. One thread avoids
-        # parallel regions; OMP_NUM_THREADS, when the user set it, is honoured.
+        # parallel regions; OMP_NUM_THREADS, when the user set it, is honoured. A spawned child
+        # imported torch (unpickling fn re-imports the script) before OMP_NUM_THREADS=1 reached
+        # its environment, so torch's pool must be resized here too.
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from .context import finalize, initialize
 
@@ -531,7 +534,7 @@ def spawn(
                 "timeout": td,
                 "rank": None if init_method is None or init_method.startswith("env://") else rank,
                 "world_size": None if init_method is None or init_method.startswith("env://") else world_size,
-                "parent_pid": os.getpid(),
+                "parent_pid": None if start_method == "forkserver" else os.getpid(),
                 "forked": start_method == "fork",
                 "store_socket": store_sock if local_rank == 0 else None,
             }
@@ -639,6 +642,10 @@ class Parallel:
                 spawn_kwargs[unknown[0]],
                 "keyword arguments " + ", ".join(self._SPAWN_KWARGS),
             )
+        method = spawn_kwargs.get("start_method", "spawn")
+        if method not in (*_START_METHODS, "subprocess"):
+            allowed = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
+            raise bad_value("Parallel", "start_method", method, [*allowed, "subprocess"])
         self.backend = backend
         self.nproc_per_node = nproc_per_node
         self.nnodes = nnodes

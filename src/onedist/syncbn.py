@@ -102,7 +102,11 @@ class SyncBatchNorm(_BatchNorm):
     BatchNorm. Every rank of the group must call it (it runs a collective).
 
     Args:
-        num_features, eps, momentum, affine, track_running_stats: as ``torch.nn.BatchNorm1d``.
+        num_features: the number of channels ``C``.
+        eps: added to the variance for stability, as in ``torch.nn.BatchNorm1d``.
+        momentum: the running statistics' update factor, as in ``torch.nn.BatchNorm1d``.
+        affine: learn a per-channel scale and shift.
+        track_running_stats: keep running mean and variance for eval mode.
         process_group: None (all ranks) or a list of ranks.
 
     Example:

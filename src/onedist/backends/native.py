@@ -115,6 +115,11 @@ class NativeBackend(Backend):
             names.append("nccl")
         if dist.is_mpi_available():
             names.append("mpi")
+        if dist.is_gloo_available():
+            from .shm import supported
+
+            if supported():
+                names.append("shm")
         return tuple(names)
 
     @classmethod
@@ -153,6 +158,10 @@ class NativeBackend(Backend):
                 f"missing: {', '.join(missing)}\n"
                 f"HINT: initialize({backend!r}, init_method={init_method!r}, rank=<0..N-1>, world_size=N)"
             )
+        if backend == "shm":
+            from .shm import register
+
+            register()
         try:
             store = None
             if init_method == "env://" and "store" not in kwargs and backend != "mpi":
@@ -617,7 +626,9 @@ def _env_store(
     world_size = int(env["WORLD_SIZE"]) if world_size is None else world_size
     addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     loopback = is_loopback(addr)
-    if loopback and "gloo" in backend and "GLOO_SOCKET_IFNAME" not in env:
+    # gloo, and the gloo groups beside shm and nccl (objects, CPU tensors), bind through gloo too
+    uses_gloo = "gloo" in backend or backend in ("shm", "nccl")
+    if loopback and uses_gloo and "GLOO_SOCKET_IFNAME" not in env:
         ifname = loopback_ifname()
         if ifname is not None:
             _set_env("GLOO_SOCKET_IFNAME", ifname, env_set)

@@ -1,0 +1,735 @@
+"""Shared-memory collectives for the ranks of one host: the ``shm`` torch.distributed backend.
+
+A process group written in Python (torch lets Python register a backend, and
+``DistributedDataParallel`` calls it like any other) that moves CPU tensors through one
+shared-memory segment per group instead of loopback TCP:
+
+* **all_reduce**: every rank copies its chunk into its own slot; after a barrier, rank ``r``
+  reduces slice ``r`` of the chunk over all slots, in rank order, into the result area; after a
+  second barrier every rank copies the result out. Each element is reduced by exactly one rank,
+  always in rank order, so every rank gets the same bits, run after run.
+* **all_gather / broadcast / reduce_scatter / reduce / barrier**: the same slots and barriers.
+
+The one rule that makes consecutive collectives safe without a barrier at the end of each: before
+its first barrier a rank writes only its own slot, and after its last barrier it reads only the
+result area, which nobody writes before the next collective's first barrier.
+* everything else (gather, scatter, all_to_all, send/recv, CUDA tensors) goes to a gloo group
+  made beside it on the same store, so the backend is complete.
+
+The segment is a ``memfd`` (never a file in ``/dev/shm``): rank 0 of the group creates it, the
+other ranks open it through ``/proc/<pid>/fd/<fd>`` (same user only, like the mode 0600 of a
+file), and rank 0 closes its descriptor once all have mapped it. The memory is the kernel's to
+free when the last rank unmaps it or dies, whatever the way it dies: nothing can leak.
+
+Ordering: barriers are per-rank generation counters (one writer each) in the segment, waited on
+with ``futex(2)`` after a short spin. x86-64 keeps stores in order (TSO), which the protocol needs
+between the data a rank writes and the counter it bumps after it: :func:`supported` is False on
+other architectures and ``backend="shm"`` is refused there.
+
+A group whose ranks are not all on one host, or whose ranks cannot open each other's memfd
+(different PID namespaces), runs every collective on its gloo group: ``shm`` is never wrong, at
+worst it is gloo.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import platform
+import queue
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch._C._distributed_c10d as _c10d
+import torch.distributed as dist
+
+logger = logging.getLogger("onedist")
+
+#: torch.distributed's name of the backend (``init_process_group("shm")``, ``dist.get_backend()``)
+NAME = "shm"
+#: bytes per rank's slot; a collective larger than this goes in chunks (``ONEDIST_SHM_CHUNK_MB``)
+DEFAULT_CHUNK = 4 << 20
+_LINE = 64  # one cache line per rank's counter: no false sharing between writers
+_HEADER = 4096
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_WAIT_SLICE_S = 0.05  # between liveness checks while blocked in futex_wait
+_MASK = 0xFFFFFFFF
+_HALF = 0x80000000
+#: collectives of at least this many bytes run on the group's thread (see ShmProcessGroup._run)
+_ASYNC_BYTES = 1 << 20
+
+
+def supported() -> bool:
+    """True where the shm backend can run: Linux on x86-64 (TSO ordering, memfd, futex)."""
+    return (
+        sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64") and hasattr(os, "memfd_create")
+    )
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc: Any = None
+
+
+def _futex() -> Any:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        _libc = libc
+    return _libc.syscall
+
+
+def _host_id() -> str:
+    """This host's identity: hostname and boot id (two containers on one kernel share memory)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+class ShmError(RuntimeError):
+    """A shm collective could not complete (a peer exited, or the timeout passed).
+
+    ``culprit``: the rank that exited, when that is the cause (marked in the segment for the
+    other peers, so that every rank names the rank that died, not the first to notice it).
+    """
+
+    def __init__(self, message: str, culprit: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
+
+
+_Work: Any = dist.distributed_c10d.Work
+
+
+class _ShmWork(_Work):  # type: ignore[misc]
+    """A Work over a future that the group's thread completes. torch's own future-backed Work
+    returns from ``wait()`` even when the future failed; this one raises the failure."""
+
+    def __init__(self, fut: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._fut.wait()  # raises the collective's error
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+
+def _work(fut: torch.futures.Future[Any]) -> Any:
+    return _ShmWork(fut)
+
+
+def _done(result: Any) -> Any:
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(result)
+    return _work(fut)
+
+
+_REDUCE: dict[Any, Callable[..., Any]] = {}
+
+
+def _reduce_fn(op: Any, dtype: Optional[torch.dtype] = None) -> Callable[..., Any]:
+    """The elementwise function of reduce op ``op`` (for bool tensors: SUM is or, PRODUCT is and)."""
+    fn = _reduce_op(op)
+    if dtype == torch.bool and fn in (torch.add, torch.mul):
+        return torch.logical_or if fn is torch.add else torch.logical_and
+    return fn
+
+
+def _reduce_into(fn: Callable[..., Any], dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
+    """``dst = sources[0] fn sources[1] fn ...``, in that order (the same bits on every rank)."""
+    if len(sources) == 1:
+        dst.copy_(sources[0])
+        return
+    fn(sources[0], sources[1], out=dst)
+    for src in sources[2:]:
+        fn(dst, src, out=dst)
+
+
+def _reduce_op(op: Any) -> Callable[..., Any]:
+    if not _REDUCE:
+        R = dist.ReduceOp
+        _REDUCE.update(
+            {
+                R.SUM: torch.add,
+                R.PRODUCT: torch.mul,
+                R.MIN: torch.minimum,
+                R.MAX: torch.maximum,
+                R.BAND: torch.bitwise_and,
+                R.BOR: torch.bitwise_or,
+                R.BXOR: torch.bitwise_xor,
+            }
+        )
+    try:
+        return _REDUCE[getattr(op, "op", op)]  # a ReduceOp (options) or its RedOpType
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"onedist shm: reduce op {getattr(op, 'op', op)} is not supported; SUM, PRODUCT, MIN, MAX, "
+            "BAND, BOR, BXOR are"
+        ) from None
+
+
+class _Segment:
+    """The mapped segment: per-rank counters, per-rank slots, one result area."""
+
+    def __init__(self, mm: mmap.mmap, size: int, chunk: int, me: int) -> None:
+        self.mm = mm
+        self.size = size
+        self.chunk = chunk
+        self.me = me
+        self.data = torch.frombuffer(mm, dtype=torch.uint8)  # shares the mapping
+        ctrl = _HEADER
+        self.counters = (ctypes.c_int32 * (size * _LINE // 4)).from_buffer(mm, ctrl)
+        self.base = ctypes.addressof(self.counters)
+        self.pids = (ctypes.c_int64 * size).from_buffer(mm, 64)
+        self.abort = ctypes.c_int32.from_buffer(mm, 16)  # 1 + the rank at fault, 0 while healthy
+        self.abort_exited = ctypes.c_int32.from_buffer(mm, 20)  # 1: that rank died, 0: it raised
+        data0 = ctrl + _round(size * _LINE)
+        self.slots = [self.data[data0 + i * chunk : data0 + (i + 1) * chunk] for i in range(size)]
+        self.out = self.data[data0 + size * chunk : data0 + (size + 1) * chunk]
+
+    @staticmethod
+    def nbytes(size: int, chunk: int) -> int:
+        return _HEADER + _round(size * _LINE) + (size + 1) * chunk
+
+
+def _round(n: int, to: int = 4096) -> int:
+    return (n + to - 1) // to * to
+
+
+def _poison_on_error(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A rank that fails inside a shm collective marks the segment, so that its peers, waiting in
+    the same collective, raise at once instead of at the timeout (the group is unusable after)."""
+
+    def wrapper(self: ShmProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        gen = self._gen
+        try:
+            return method(self, *args, **kwargs)
+        except (ValueError, TypeError):
+            if self._gen != gen:  # an argument error before any barrier is every rank's: no harm
+                self.abort()
+            raise
+        except ShmError as e:
+            self._mark(e.culprit)
+            raise
+        except BaseException:
+            self.abort()
+            raise
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+# torch's stubs type ProcessGroup's methods with overloads a Python override cannot match one by one
+_ProcessGroup: Any = dist.ProcessGroup
+
+
+class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
+    """The process group behind ``backend="shm"`` (see the module docstring)."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._timeout = timeout.total_seconds() if timeout else 1800.0
+        self._gloo: Any = dist.ProcessGroupGloo(
+            _c10d.PrefixStore("onedist-shm-gloo", store), rank, size, timeout
+        )
+        self._seg: Optional[_Segment] = None
+        self._gen = 0
+        self._others = [r for r in range(size) if r != rank]
+        self._spin = 2000 if size <= (os.cpu_count() or 1) else 20
+        self._lock = threading.Lock()  # guards _pending
+        self._exec = threading.Lock()  # held while a shm collective runs (one at a time)
+        self._pending = 0
+        self._queue: Optional[queue.SimpleQueue[Any]] = None
+        if size > 1:
+            self._seg = _attach(store, rank, size, _chunk_bytes())
+
+    # ------------------------------------------------------------------ identity
+    def getBackendName(self) -> str:
+        return NAME
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """False when this group runs everything on gloo (ranks on several hosts, ...)."""
+        return self._seg is not None
+
+    # ------------------------------------------------------------------ synchronisation
+    def _barrier(self, what: str) -> None:
+        seg = self._seg
+        assert seg is not None
+        if seg.abort.value:
+            raise self._aborted(what)
+        self._gen = g = (self._gen + 1) & _MASK
+        counters = seg.counters
+        stride = _LINE // 4
+        counters[self._rank * stride] = g - (1 << 32) if g >= _HALF else g
+        syscall = _futex()
+        syscall(
+            _SYS_FUTEX, ctypes.c_void_p(seg.base + self._rank * _LINE), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0
+        )
+        for j in self._others:
+            idx = j * stride
+            if (counters[idx] - g) & _MASK < _HALF:
+                continue
+            for _ in range(self._spin):
+                if (counters[idx] - g) & _MASK < _HALF:
+                    break
+            else:
+                self._block(j, g, what)
+
+    def _aborted(self, what: str) -> ShmError:
+        seg = self._seg
+        assert seg is not None
+        j = seg.abort.value - 1
+        if seg.abort_exited.value:
+            cause = f"rank {j} (pid {seg.pids[j]}) exited"
+        else:
+            cause = f"rank {j} failed inside a collective, so the group cannot be used any more"
+        return ShmError(
+            f"onedist shm: {what} on rank {self._rank}: {cause} (Connection closed by peer)", culprit=j
+        )
+
+    def _block(self, j: int, g: int, what: str) -> None:
+        seg = self._seg
+        assert seg is not None
+        counters, idx = seg.counters, j * (_LINE // 4)
+        addr = ctypes.c_void_p(seg.base + j * _LINE)
+        syscall = _futex()
+        ts = _Timespec(0, int(_WAIT_SLICE_S * 1e9))
+        deadline = time.monotonic() + self._timeout
+        while True:
+            seen = counters[idx]
+            if (seen - g) & _MASK < _HALF:
+                return
+            syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, seen, ctypes.byref(ts), None, 0)
+            if (counters[idx] - g) & _MASK < _HALF:
+                return
+            if seg.abort.value:
+                raise self._aborted(what)
+            pid = seg.pids[j]
+            if pid and not _alive(pid):
+                raise ShmError(
+                    f"onedist shm: {what} on rank {self._rank}: rank {j} (pid {pid}) exited "
+                    "(Connection closed by peer)",
+                    culprit=j,
+                )
+            if time.monotonic() > deadline:
+                raise ShmError(
+                    f"onedist shm: {what} on rank {self._rank} timed out after {self._timeout:.0f} s "
+                    f"waiting for rank {j}"
+                )
+
+    # ------------------------------------------------------------------ ordering
+    def _run(self, job: Callable[[], Any], inputs: list[torch.Tensor], result: Any) -> Any:
+        """Run a shm collective in call order: here and now when nothing is queued and it is
+        small, else on the group's thread (a Work that completes later), so that DDP's backward
+        goes on computing while large gradient buckets are reduced, as with gloo's threads."""
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        with self._lock:
+            inline = nbytes < _ASYNC_BYTES and self._pending == 0
+            if inline:
+                self._exec.acquire()  # the thread is idle (pending 0): this cannot wait long
+            else:
+                self._pending += 1
+        if inline:
+            try:
+                job()
+            finally:
+                self._exec.release()
+            return _done(result)
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(target=self._serve, name="onedist-shm", daemon=True).start()
+        self._queue.put((job, result, fut))
+        return _work(fut)
+
+    def _serve(self) -> None:
+        q = self._queue
+        assert q is not None
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            job, result, fut = item
+            error: Optional[BaseException] = None
+            with self._exec:
+                try:
+                    _poison_on_error(_call)(self, job)
+                except BaseException as e:
+                    error = e
+            with self._lock:
+                self._pending -= 1
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
+    # ------------------------------------------------------------------ collectives
+    @_poison_on_error
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if self._seg is None or not _all_cpu(tensors):
+            return self._gloo.allreduce(tensors, _opts(_c10d.AllreduceOptions, opts))
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _reduce_fn(op)  # an unsupported op raises here, on every rank, before anything moves
+        return self._run(
+            partial(_for_each, partial(self._all_reduce_one, op=op, root=None), tensors), tensors, tensors
+        )
+
+    @_poison_on_error
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if self._seg is None or not _all_cpu(tensors):
+            return self._gloo.allreduce_coalesced(tensors, opts or _c10d.AllreduceCoalescedOptions())
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _reduce_fn(op)
+        return self._run(
+            partial(_for_each, partial(self._all_reduce_one, op=op, root=None), tensors), tensors, tensors
+        )
+
+    @_poison_on_error
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        if self._seg is None or not _all_cpu(tensors):
+            return self._gloo.reduce(tensors, opts)
+        op, root = opts.reduceOp, opts.rootRank
+        _reduce_fn(op)
+        return self._run(
+            partial(_for_each, partial(self._all_reduce_one, op=op, root=root), tensors), tensors, tensors
+        )
+
+    def _all_reduce_one(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
+        fn = _reduce_fn(op, tensor.dtype)
+        seg = self._seg
+        assert seg is not None
+        flat, writeback = _flat(tensor)
+        n = flat.numel()
+        if n == 0:
+            return
+        esize = flat.element_size()
+        per = seg.chunk // esize
+        size, me = self._size, self._rank
+        slots = [s.view(flat.dtype)[:per] for s in seg.slots]
+        out = seg.out.view(flat.dtype)[:per]
+        copy_out = root is None or root == me
+        for lo in range(0, n, per):
+            c = min(per, n - lo)
+            part = flat[lo : lo + c]
+            a, b = c * me // size, c * (me + 1) // size
+            # the peers need every slice of this rank's input but slice [a, b), which this rank
+            # reduces itself, straight from its own tensor
+            if a > 0:
+                slots[me][:a].copy_(part[:a])
+            if b < c:
+                slots[me][b:c].copy_(part[b:c])
+            self._barrier("all_reduce")
+            if b > a:
+                _reduce_into(fn, out[a:b], [part[a:b] if k == me else slots[k][a:b] for k in range(size)])
+            self._barrier("all_reduce")
+            if copy_out:
+                part.copy_(out[:c])
+        if writeback and copy_out:
+            tensor.copy_(flat.view(tensor.shape))
+
+    @_poison_on_error
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if self._seg is None or not _all_cpu(tensors):
+            return self._gloo.broadcast(tensors, _opts(_c10d.BroadcastOptions, opts))
+        root = opts.rootRank if opts is not None else 0
+        return self._run(
+            partial(_for_each, partial(self._broadcast_one, root=root), tensors), tensors, tensors
+        )
+
+    def _broadcast_one(self, t: torch.Tensor, root: int) -> None:
+        seg = self._seg
+        assert seg is not None
+        flat, writeback = _flat(t)
+        raw = flat.view(torch.uint8)
+        n, cap = raw.numel(), seg.chunk
+        slot = seg.slots[root]
+        for lo in range(0, n, cap):
+            c = min(cap, n - lo)
+            if self._rank == root:
+                slot[:c].copy_(raw[lo : lo + c])
+            self._barrier("broadcast")
+            if self._rank != root:
+                raw[lo : lo + c].copy_(slot[:c])
+            self._barrier("broadcast")
+        if writeback and self._rank != root:
+            t.copy_(flat.view(t.shape))
+
+    @_poison_on_error
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        if self._seg is None or not _all_cpu([output, input]):
+            return self._gloo._allgather_base(output, input, opts or _c10d.AllgatherOptions())
+        n = input.numel()
+        parts = [output.view(-1)[i * n : (i + 1) * n] for i in range(self._size)]
+        return self._run(partial(self._gather_into, parts, input), [input], output)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self.all_gather_single(output, input, opts)
+
+    @_poison_on_error
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        if self._seg is None or not _all_cpu(inputs + [t for ts in outputs for t in ts]):
+            return self._gloo.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
+        return self._run(partial(_for_each, self._gather_into, outputs, inputs), inputs, outputs)
+
+    def _gather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
+        seg = self._seg
+        assert seg is not None
+        flat, _ = _flat(inp)
+        raw = flat.view(torch.uint8)
+        n, cap = raw.numel(), seg.chunk
+        targets = []
+        for o in outs:
+            of, wb = _flat(o)
+            targets.append((o, of, of.view(torch.uint8), wb))
+        for lo in range(0, n, cap):
+            c = min(cap, n - lo)
+            seg.slots[self._rank][:c].copy_(raw[lo : lo + c])
+            self._barrier("all_gather")
+            for j, (_, _, traw, _) in enumerate(targets):
+                traw[lo : lo + c].copy_(seg.slots[j][:c])
+            self._barrier("all_gather")
+        for o, of, _, wb in targets:
+            if wb:
+                o.copy_(of.view(o.shape))
+
+    @_poison_on_error
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        if self._seg is None or not _all_cpu([output, input]):
+            return self._gloo._reduce_scatter_base(output, input, opts or _c10d.ReduceScatterOptions())
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _reduce_fn(op)
+        rows = input.reshape(self._size, -1)
+        return self._run(partial(self._reduce_scatter, output, rows, op), [input], output)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        return self.reduce_scatter_single(output, input, opts)
+
+    @_poison_on_error
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        if self._seg is None or not _all_cpu(outputs + [t for ts in inputs for t in ts]):
+            return self._gloo.reduce_scatter(outputs, inputs, opts or _c10d.ReduceScatterOptions())
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _reduce_fn(op)
+        stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
+        return self._run(
+            partial(_for_each, partial(self._reduce_scatter, op=op), outputs, stacked),
+            stacked,
+            outputs,
+        )
+
+    def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, op: Any) -> None:
+        """``rows`` [size, n]: row r is this rank's contribution to rank r's output."""
+        fn = _reduce_fn(op, rows.dtype)
+        seg = self._seg
+        assert seg is not None
+        out_flat, writeback = _flat(output)
+        n = out_flat.numel()
+        size, me = self._size, self._rank
+        per = seg.chunk // rows.element_size() // size
+        slots = [s.view(rows.dtype)[: per * size].view(size, per) for s in seg.slots]
+        for lo in range(0, n, per):
+            c = min(per, n - lo)
+            slots[me][:, :c].copy_(rows[:, lo : lo + c])
+            self._barrier("reduce_scatter")
+            _reduce_into(fn, out_flat[lo : lo + c], [slots[k][me, :c] for k in range(size)])
+            self._barrier("reduce_scatter")
+        if writeback:
+            output.copy_(out_flat.view(output.shape))
+
+    @_poison_on_error
+    def barrier(self, opts: Any = None) -> Any:
+        if self._seg is None:
+            return self._gloo.barrier(opts or _c10d.BarrierOptions())
+        return self._run(partial(self._barrier, "barrier"), [], None)
+
+    # ------------------------------------------------------------------ the rest: gloo
+    def gather(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+        return self._gloo.gather(outputs, inputs, opts)
+
+    def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+        return self._gloo.scatter(outputs, inputs, opts)
+
+    def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._gloo.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions())
+
+    def all_to_all_single(
+        self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None
+    ) -> Any:
+        return self._gloo.alltoall_base(output, input, out_splits, in_splits, opts or _c10d.AllToAllOptions())
+
+    def alltoall_base(
+        self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None
+    ) -> Any:
+        return self.all_to_all_single(output, input, out_splits, in_splits, opts)
+
+    def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._gloo.allgather_coalesced(outputs, inputs, opts or _c10d.AllgatherOptions())
+
+    def send(self, tensors: Any, dst: int, tag: int) -> Any:
+        return self._gloo.send(tensors, dst, tag)
+
+    def recv(self, tensors: Any, src: int, tag: int) -> Any:
+        return self._gloo.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors: Any, tag: int) -> Any:
+        return self._gloo.recv_anysource(tensors, tag)
+
+    def abort(self) -> None:
+        """Mark the group failed by this rank: peers waiting in a collective raise at once."""
+        self._mark(None)
+
+    def _mark(self, exited: Optional[int]) -> None:
+        seg = self._seg
+        if seg is not None and not seg.abort.value:
+            if exited is not None:
+                seg.abort_exited.value = 1
+            seg.abort.value = (self._rank if exited is None else exited) + 1
+
+    def shutdown(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)
+
+
+def _for_each(fn: Callable[..., None], *columns: list[Any]) -> None:
+    for args in zip(*columns):
+        fn(*args)
+
+
+def _call(_group: Any, job: Callable[[], Any]) -> None:
+    job()
+
+
+def _opts(cls: Any, opts: Any) -> Any:
+    return opts if opts is not None else cls()
+
+
+def _all_cpu(tensors: list[torch.Tensor]) -> bool:
+    return all(t.device.type == "cpu" and not t.is_sparse for t in tensors)
+
+
+def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A flat view of ``t`` with stride 1, or a flat copy (then True: copy the result back)."""
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        flat = t.view(-1)
+        if flat.numel() <= 1 and flat.stride(0) != 1:  # "contiguous" x[i::2][:1]: stride 2
+            flat = flat.as_strided((flat.numel(),), (1,))
+        return flat, False
+    return t.contiguous().resolve_conj().resolve_neg().view(-1), True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _chunk_bytes() -> int:
+    raw = os.environ.get("ONEDIST_SHM_CHUNK_MB")
+    if not raw:
+        return DEFAULT_CHUNK
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not 0.0625 <= mb <= 1024:
+        from ..errors import bad_value
+
+        raise bad_value(
+            "ONEDIST_SHM_CHUNK_MB", "ONEDIST_SHM_CHUNK_MB", raw, "a number of MiB from 0.0625 to 1024"
+        )
+    return _round(int(mb * (1 << 20)), 4096)
+
+
+def _attach(store: Any, rank: int, size: int, chunk: int) -> Optional[_Segment]:
+    """Create (rank 0) or open the group's segment; None on every rank when any rank cannot."""
+    store.set(f"onedist-shm/host/{rank}", _host_id())
+    hosts = {store.get(f"onedist-shm/host/{r}").decode() for r in range(size)}
+    if len(hosts) > 1:
+        logger.info("onedist shm: the group spans %d hosts; its collectives run on gloo", len(hosts))
+        return None
+    nbytes = _Segment.nbytes(size, chunk)
+    fd = -1
+    mm: Optional[mmap.mmap] = None
+    error = ""
+    try:
+        if rank == 0:
+            fd = os.memfd_create("onedist-shm", os.MFD_CLOEXEC)
+            os.ftruncate(fd, nbytes)
+            store.set("onedist-shm/segment", f"{os.getpid()}:{fd}")
+        else:
+            pid, rfd = store.get("onedist-shm/segment").decode().split(":")
+            fd = os.open(f"/proc/{pid}/fd/{rfd}", os.O_RDWR)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        struct.pack_into("q", mm, 64 + 8 * rank, os.getpid())  # for the peers' liveness checks
+    except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        if fd >= 0 and rank != 0:
+            os.close(fd)
+    store.set(f"onedist-shm/ok/{rank}", error or "ok")
+    failures = {r: store.get(f"onedist-shm/ok/{r}").decode() for r in range(size)}
+    if rank == 0 and fd >= 0:
+        os.close(fd)  # every rank has mapped it (or given up): the mappings keep the memory
+    bad = {r: v for r, v in failures.items() if v != "ok"}
+    if bad or mm is None:
+        logger.warning("onedist shm: shared memory unavailable (%s); collectives run on gloo", bad)
+        if mm is not None:
+            mm.close()
+        return None
+    return _Segment(mm, size, chunk, rank)
+
+
+def create(store: Any, rank: int, size: int, timeout: timedelta) -> ShmProcessGroup:
+    """torch.distributed's constructor hook for ``backend="shm"``."""
+    return ShmProcessGroup(store, rank, size, timeout)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``"shm"`` with torch.distributed (once; called by ``initialize("shm")``)."""
+    global _registered
+    if _registered or NAME in dist.Backend.backend_list:
+        _registered = True
+        return
+    dist.Backend.register_backend(NAME, create, devices=["cpu"])
+    _registered = True

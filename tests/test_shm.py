@@ -1,0 +1,172 @@
+"""The ``shm`` backend (shared-memory collectives for the ranks of one host), on real processes.
+
+Correctness against gloo in the same processes (bit for bit for integers), the whole collective
+check module of test_collectives.py, DDP equivalence, and what happens when a rank is killed.
+Figures live in benchmarks/bench_shm.py, not here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import checks
+import checks_shm
+import onedist as od
+from conftest import Runner
+from onedist.backends.shm import supported
+
+pytestmark = pytest.mark.skipif(not supported(), reason="the shm backend needs Linux on x86-64")
+
+
+@pytest.fixture(params=[2, 3, 4], ids=lambda w: f"ws{w}")
+def shm(request: pytest.FixtureRequest) -> Runner:
+    return Runner(request.param, backend="shm")
+
+
+def test_available():
+    assert "shm" in od.available_backends()
+
+
+def test_all_reduce_equals_gloo_every_dtype_op_and_size(shm):
+    assert shm(checks_shm.check_all_reduce_equals_gloo, timeout=240)[0] > 200
+
+
+def test_non_contiguous_inputs(shm):
+    shm(checks_shm.check_non_contiguous_and_views)
+
+
+def test_all_gather_broadcast_reduce_scatter_equal_gloo(shm):
+    shm(checks_shm.check_copy_collectives_equal_gloo, timeout=120)
+
+
+def test_reduce_barrier_and_delegated_ops(shm):
+    shm(checks_shm.check_reduce_and_barrier_and_gloo_ops)
+
+
+def test_sub_groups(shm):
+    shm(checks_shm.check_sub_groups)
+
+
+def test_ddp_equals_ddp_on_gloo(shm):
+    assert max(shm(checks_shm.check_ddp_equals_gloo, timeout=120)) < 1e-5
+
+
+# The check module every backend must pass (the same functions test_collectives.py runs on gloo).
+CORE_CHECKS = [
+    checks.check_queries,
+    checks.check_all_reduce_ops_and_dtypes,
+    checks.check_all_reduce_layout_device_inplace_async,
+    checks.check_all_reduce_numbers_exact,
+    checks.check_all_reduce_nested_one_collective_per_dtype,
+    checks.check_reduce,
+    checks.check_all_gather_tensors,
+    checks.check_all_gather_values,
+    checks.check_all_gather_mismatch_raises_everywhere,
+    checks.check_broadcast,
+    checks.check_broadcast_source_error,
+    checks.check_gather,
+    checks.check_scatter,
+    checks.check_groups,
+    checks.check_p2p,
+    checks.check_all_gather_object,
+    checks.check_argument_errors,
+    checks.check_one_element_strided_tensors,
+]
+
+
+@pytest.mark.parametrize("check", CORE_CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_core_checks_on_shm(check, world_size):
+    Runner(world_size, backend="shm")(check, *(("shm",) if check is checks.check_queries else ()))
+
+
+def _kill_rank_1(local_rank: int, stamp: str) -> None:
+    big = torch.ones(8 << 20)  # 32 MB: several slots, the kill lands mid-collective
+    for i in range(1000):
+        if od.get_rank() == 1 and i == 3:
+            with open(stamp, "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        od.all_reduce(big, inplace=True)
+
+
+def _memfds() -> set[str]:
+    found = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    if "onedist-shm" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                        found.add(f"{pid}/{fd}")
+            except OSError:
+                pass
+    return found
+
+
+@pytest.mark.launcher
+def test_sigkill_mid_collective_stops_the_others_and_leaves_nothing(tmp_path):
+    """SIGKILL of one rank inside a 32 MB all_reduce: the run ends within 5 s of the kill, naming
+    rank 1, and no segment survives: no process holds a onedist memfd afterwards."""
+    holders_before = {f.split("/")[0] for f in _memfds()}
+    stamp = str(tmp_path / "killed")
+    with pytest.raises(od.WorkerFailedError, match=r"(?s)rank 1.*(SIGKILL|signal 9|-9)"):
+        with od.Parallel(backend="shm", nproc_per_node=3) as parallel:
+            parallel.run(_kill_rank_1, stamp)
+    with open(stamp) as f:
+        after_kill = time.time() - float(f.read())
+    assert after_kill < 5.0, after_kill
+    # segments are memfds, never files: nothing of the run in /dev/shm (other programs' entries,
+    # e.g. multiprocessing's sem.mp-*, come and go there), and no live process maps one any more
+    assert not [name for name in os.listdir("/dev/shm") if "onedist" in name]
+    assert {f.split("/")[0] for f in _memfds()} - holders_before == set()
+
+
+def _bare_rank(rank: int, port: int, q, killed_at) -> None:
+    """A rank with no launcher around it: only the shm group itself can notice a dead peer."""
+    torch.set_num_threads(1)
+    os.environ["ONEDIST_WATCH"] = "0"  # not the failure watch either: the segment's pid check
+    od.initialize("shm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout=60)
+    big = torch.ones(8 << 20)
+    od.all_reduce(big, inplace=True)
+    if rank == 1:
+        killed_at.value = time.time()  # shared memory: survives the SIGKILL (a queue may not)
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        while True:
+            od.all_reduce(big, inplace=True)
+    except Exception as e:
+        q.put((rank, f"{type(e).__name__}: {e}", time.time()))
+
+
+def test_peers_of_a_killed_rank_raise_within_5_s_without_a_launcher():
+    import multiprocessing as mp
+
+    from onedist._net import free_port
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    killed_at = ctx.Value("d", 0.0)
+    port = free_port()
+    procs = [ctx.Process(target=_bare_rank, args=(r, port, q, killed_at), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        while len(got) < 2:
+            rank, what, when = q.get(timeout=60)
+            got[rank] = (what, when)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert procs[1].exitcode == -signal.SIGKILL
+    for rank in (0, 2):
+        what, when = got[rank]
+        assert what.startswith("RemoteRankError") and "rank 1 (pid" in what and "exited" in what, what
+        assert when - killed_at.value < 5.0, (rank, when - killed_at.value)
