@@ -8,6 +8,7 @@ equal within summation-order tolerance, and every rank must hold the same bits.
 from __future__ import annotations
 
 import hashlib
+import os
 
 import torch
 import torch._C._distributed_c10d as _c10d
@@ -15,7 +16,11 @@ import torch.distributed as dist
 
 import onedist as od
 
-SLOT = 64 << 10  # the pool's ONEDIST_SHM_CHUNK_MB=0.0625
+
+def _slot() -> int:
+    """This pool's slot size in bytes (read when a check runs: pools set it after importing us)."""
+    return int(float(os.environ.get("ONEDIST_SHM_CHUNK_MB", "4")) * (1 << 20))
+
 
 INT_DTYPES = [torch.uint8, torch.int8, torch.int32, torch.int64]  # gloo has no int16 reduction
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -35,7 +40,7 @@ def _pg():
 
 
 def _sizes(dtype: torch.dtype) -> list[int]:
-    per = SLOT // torch.empty(0, dtype=dtype).element_size()  # elements in one slot
+    per = _slot() // torch.empty(0, dtype=dtype).element_size()  # elements in one slot
     return [0, 1, 7, 1000, per - 1, per, per + 13, 3 * per + 5]
 
 
@@ -113,7 +118,7 @@ def check_copy_collectives_equal_gloo() -> None:
         torch.bool,
         torch.complex64,
     ]:
-        for n in [0, 1, 3, SLOT // 8 + 3, SLOT + 1]:
+        for n in [0, 1, 3, _slot() // 8 + 3, _slot() + 1]:
             g = torch.Generator().manual_seed(rank * 7 + n)
             x = (
                 (torch.randn(n, generator=g) * 100).to(dtype)
@@ -136,7 +141,7 @@ def check_copy_collectives_equal_gloo() -> None:
                 expect = od.broadcast(x, src=root)  # onedist's own broadcast, through the same group
                 assert torch.equal(b, expect), ("broadcast", dtype, n, root)
     for dtype in [torch.int32, torch.float32]:
-        for n in [0, 1, SLOT // 4 // world + 3]:
+        for n in [0, 1, _slot() // 4 // world + 3]:
             x = _data(world * n, dtype, "SUM", seed=rank)
             out = torch.empty(n, dtype=dtype)
             dist.reduce_scatter_tensor(out, x)
@@ -148,7 +153,7 @@ def check_copy_collectives_equal_gloo() -> None:
 def check_reduce_and_barrier_and_gloo_ops() -> None:
     rank, world = od.get_rank(), od.get_world_size()
     for root in range(world):
-        t = torch.full((SLOT // 4 + 9,), float(rank + 1))
+        t = torch.full((_slot() // 4 + 9,), float(rank + 1))
         dist.reduce(t, dst=root)
         if rank == root:
             assert torch.all(t == world * (world + 1) / 2)

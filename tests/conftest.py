@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -15,15 +15,16 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC, os.environ.get("PYT
 
 WORLDS = ["serial", 1, 2, 3, 4]
 
-_pools: dict[tuple[int, str], DistPool] = {}
+_pools: dict[tuple[Any, ...], DistPool] = {}
 
 
-def _pool(world_size: int, backend: str = "gloo") -> DistPool:
-    pool = _pools.get((world_size, backend))
+def _pool(world_size: int, backend: str = "gloo", env: Optional[dict[str, str]] = None) -> DistPool:
+    if env is None and backend == "shm":
+        env = {"ONEDIST_SHM_CHUNK_MB": "0.0625"}  # 64 KiB slots: small tensors cross chunk boundaries
+    key = (world_size, backend, tuple(sorted((env or {}).items())))
+    pool = _pools.get(key)
     if pool is None or pool.broken:
-        # shm: 64 KiB slots, so that small tensors already cross chunk boundaries
-        env = {"ONEDIST_SHM_CHUNK_MB": "0.0625"} if backend == "shm" else None
-        pool = _pools[world_size, backend] = DistPool(world_size, backend, env)
+        pool = _pools[key] = DistPool(world_size, backend, env)
     return pool
 
 
@@ -37,15 +38,16 @@ def _close_pools():
 class Runner:
     """Runs a check on every rank of a world: in this process ("serial") or in a shared pool."""
 
-    def __init__(self, world: Any, backend: str = "gloo") -> None:
+    def __init__(self, world: Any, backend: str = "gloo", env: Optional[dict[str, str]] = None) -> None:
         self.world = world
         self.world_size = 1 if world == "serial" else int(world)
         self.backend = backend
+        self.env = env
 
     def __call__(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
         if self.world == "serial":
             return [fn(*args)]
-        return _pool(self.world_size, self.backend).run(fn, *args, timeout=timeout)
+        return _pool(self.world_size, self.backend, self.env).run(fn, *args, timeout=timeout)
 
     def __repr__(self) -> str:
         return f"Runner({self.world}, {self.backend})"

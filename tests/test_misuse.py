@@ -166,3 +166,24 @@ def test_debug_mode_keeps_a_crashed_rank_s_error(monkeypatch):
     text = str(info.value)
     assert "worker rank 1" in text and "ValueError: bad batch on rank 1" in text, text
     assert "rank 0: failed with RemoteRankError" in text and "Connection closed by peer" not in text, text
+
+
+def _mismatch_one_second_apart(local_rank: int) -> None:
+    od.barrier()
+    if od.get_rank() == 0:
+        od.all_reduce(torch.ones(3))
+    else:
+        time.sleep(1.0)
+        od.barrier()
+
+
+def test_a_timeout_seen_as_a_closed_connection_still_names_both_calls():
+    """Rank 0 times out in all_reduce; gloo closes its connections at once, so rank 1, in barrier
+    since 1 s later, sees "connection closed" first. Its error names rank 0's call and line."""
+    with pytest.raises(od.WorkerFailedError) as info:
+        with od.Parallel(backend="gloo", nproc_per_node=2, timeout=3) as parallel:
+            parallel.run(_mismatch_one_second_apart)
+    text = str(info.value)
+    assert "closed its connection without reporting" not in text, text
+    assert "all_reduce" in text and "barrier" in text and "test_misuse.py" in text, text
+    assert "timed out" in text, text

@@ -36,6 +36,20 @@ def test_all_reduce_equals_gloo_every_dtype_op_and_size(shm):
     assert shm(checks_shm.check_all_reduce_equals_gloo, timeout=240)[0] > 200
 
 
+# 1 MiB slots and 3 threads per rank: copies and reductions of 256 KiB or more are split over
+# helper threads (on many-core machines they are by default; on 2 cores they are not)
+SPLIT = {"ONEDIST_SHM_CHUNK_MB": "1", "ONEDIST_SHM_THREADS": "3"}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_split_over_helper_threads_equals_gloo(world_size):
+    run = Runner(world_size, backend="shm", env=SPLIT)
+    assert run(checks_shm.check_all_reduce_equals_gloo, timeout=240)[0] > 200
+    run(checks_shm.check_copy_collectives_equal_gloo, timeout=120)
+    run(checks_shm.check_non_contiguous_and_views)
+    assert max(run(checks_shm.check_ddp_equals_gloo, timeout=120)) < 1e-5
+
+
 def test_non_contiguous_inputs(shm):
     shm(checks_shm.check_non_contiguous_and_views)
 

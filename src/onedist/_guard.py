@@ -62,6 +62,7 @@ _WATCH_S = 1.0  # how often each rank asks the store whether another rank failed
 _WATCH_GRACE_S = 3.0  # how long a rank blocked outside Python gets before it is ended
 _STUCK_KEY = "onedist/stuck/{}"
 _ACK_KEY = "onedist/stuck-read/{}"
+_PEER_GONE_WAIT_S = 0.5  # how long a rank whose peer vanished waits for that peer's report
 _REPORT_WAIT_S = 3.0  # how long a timed-out rank waits for the others' reports (and rank 0 for receipts)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -398,19 +399,54 @@ def _explain(name: str, e: BaseException, group: Any, started: float) -> BaseExc
     ranks = _group_ranks(group)
     site = _site(_user_frame(sys._getframe(1)))
     failed = _failed_reports(ranks, rank)
+    if _is_timeout(e):  # a peer that timed out too did not cause this timeout: report both calls
+        failed = {r: rep for r, rep in failed.items() if rep.get("type") != "OnedistTimeoutError"}
     if failed:
-        r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
-        err = RemoteRankError(
-            f"onedist.{name} (rank {rank}, at {site}): rank {r} failed, so this collective cannot complete:\n"
-            f"{report['traceback'].rstrip()}",
-            r,
-        )
-        err.report = report  # type: ignore[attr-defined]
-        return err
+        return _remote_failure(name, rank, site, failed)
     if _is_timeout(e):
         return _timeout_error(name, e, ranks, rank, site, started)
     text = str(e)
     if any(s in text for s in _PEER_GONE):
+        # A peer's connection went away. If that peer failed (it publishes its error) or timed
+        # out (it publishes where it waited) just before, say so: gloo closes a timed-out rank's
+        # connections at once, so its peers often see "closed" before their own timeout fires.
+        waited = time.monotonic() - started
+        since = time.time() - waited - 1.0
+        store = _store()
+        if store is not None:  # where this rank waited, for a timed-out peer's report
+            mine = {
+                "rank": rank,
+                "call": name,
+                "site": site,
+                "group": list(ranks),
+                "time": time.time(),
+                "peer_gone": True,  # where it waited, not a timeout of its own
+            }
+            try:
+                store.set(_STUCK_KEY.format(rank), json.dumps(mine))
+            except Exception:
+                pass
+        # A peer that timed out has waited its whole timeout, so this rank has usually waited a
+        # while too; a peer that died at once (the common crash) is not worth a pause.
+        deadline = time.monotonic() + (_PEER_GONE_WAIT_S if waited >= 1.0 else 0.0)
+        while True:
+            failed = _failed_reports(ranks, rank)
+            if failed:
+                return _remote_failure(name, rank, site, failed)
+            stuck = _stuck_reports(ranks, rank, since)
+            if stuck:
+                r, report = min(stuck.items(), key=lambda kv: kv[1].get("time", 0.0))
+                return RemoteRankError(
+                    f"onedist.{name} (rank {rank}, at {site}) could not complete: rank {r} timed out "
+                    f"waiting in {report.get('call')} (group {report.get('group')}, at {report.get('site')}) "
+                    "while this rank waited here.\n"
+                    "HINT: the ranks called different collectives, or one of them never arrived; "
+                    "ONEDIST_DEBUG=1 names mismatched calls at once.",
+                    r,
+                )
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         # a consequence, not a cause: marked as such, so this rank does not publish it as its own
         # failure (launchers and error files would blame it) and reports treat it as secondary
         return RemoteRankError(
@@ -420,6 +456,38 @@ def _explain(name: str, e: BaseException, group: Any, started: float) -> BaseExc
             -1,
         )
     return e
+
+
+def _remote_failure(name: str, rank: int, site: str, failed: dict[int, dict[str, Any]]) -> BaseException:
+    r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
+    err = RemoteRankError(
+        f"onedist.{name} (rank {rank}, at {site}): rank {r} failed, so this collective cannot complete:\n"
+        f"{report['traceback'].rstrip()}",
+        r,
+    )
+    err.report = report  # type: ignore[attr-defined]
+    return err
+
+
+def _stuck_reports(ranks: Any, exclude: int, since: float) -> dict[int, dict[str, Any]]:
+    """The timeout reports (where each waited when it timed out) that ranks of ``ranks`` published
+    after ``since`` (not the reports of ranks that, like this one, only saw a peer vanish)."""
+    store = _store()
+    if store is None:
+        return {}
+    found: dict[int, dict[str, Any]] = {}
+    for r in ranks:
+        if r == exclude:
+            continue
+        key = _STUCK_KEY.format(r)
+        try:
+            if store.check([key]):
+                report = json.loads(store.get(key))
+                if report.get("time", 0.0) >= since and not report.get("peer_gone"):
+                    found[r] = report
+        except Exception:
+            return found
+    return found
 
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")

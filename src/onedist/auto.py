@@ -184,9 +184,11 @@ def auto_dataloader(dataset: Any, *, evaluation: bool = False, **kwargs: Any) ->
         elif iterable:
             warnings.warn(
                 f"onedist.auto_dataloader: {type(dataset).__name__} is an IterableDataset, so no sampler can "
-                f"split it; every rank reads all of it unless it shards itself, e.g. keep items i with "
-                "i % (onedist.get_world_size() * num_workers) == onedist.get_rank() * num_workers + "
-                "torch.utils.data.get_worker_info().id",
+                "split it; every rank reads all of it unless it shards itself: read onedist.get_rank() and "
+                "get_world_size() in its __init__ (loader workers may be fresh processes without the "
+                "group), and in __iter__ keep items i with i % (world_size * workers) == rank * workers + "
+                "worker, where (workers, worker) is (info.num_workers, info.id) for info = "
+                "torch.utils.data.get_worker_info(), or (1, 0) when that is None (num_workers=0)",
                 stacklevel=2,
             )
         else:

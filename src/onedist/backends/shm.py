@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
 from typing import Any, Optional
@@ -68,6 +69,8 @@ _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 #: collectives of at least this many bytes run on the group's thread (see ShmProcessGroup._run)
 _ASYNC_BYTES = 1 << 20
+#: copies and reductions are split over the helper threads in parts of at least this many bytes
+_SPLIT_BYTES = 512 << 10
 
 
 def supported() -> bool:
@@ -261,6 +264,8 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
         self._gen = 0
         self._others = [r for r in range(size) if r != rank]
         self._spin = 2000 if size <= (os.cpu_count() or 1) else 20
+        self._helpers = _helper_pool(size)
+        self._parts = 1 + (self._helpers._max_workers if self._helpers is not None else 0)
         self._lock = threading.Lock()  # guards _pending
         self._exec = threading.Lock()  # held while a shm collective runs (one at a time)
         self._pending = 0
@@ -342,6 +347,28 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
                     f"onedist shm: {what} on rank {self._rank} timed out after {self._timeout:.0f} s "
                     f"waiting for rank {j}"
                 )
+
+    # ------------------------------------------------------------------ memory work
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._split(lambda d, s: d.copy_(s), dst, src)
+
+    def _reduce(self, fn: Callable[..., Any], dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
+        self._split(lambda d, *srcs: _reduce_into(fn, d, list(srcs)), dst, *sources)
+
+    def _split(self, work: Callable[..., Any], *tensors: torch.Tensor) -> None:
+        """``work(*tensors)``, split over the helper threads when there are idle cores for them
+        (one core's memory bandwidth is what bounds a rank; torch's kernels release the GIL)."""
+        pool = self._helpers
+        n = tensors[0].shape[0]
+        parts = min(self._parts, n * tensors[0].element_size() // _SPLIT_BYTES)
+        if pool is None or parts < 2:
+            work(*tensors)
+            return
+        edges = [n * i // parts for i in range(parts + 1)]
+        futures = [pool.submit(work, *(t[edges[i] : edges[i + 1]] for t in tensors)) for i in range(1, parts)]
+        work(*(t[: edges[1]] for t in tensors))
+        for f in futures:
+            f.result()
 
     # ------------------------------------------------------------------ ordering
     def _run(self, job: Callable[[], Any], inputs: list[torch.Tensor], result: Any) -> Any:
@@ -441,15 +468,15 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
             # the peers need every slice of this rank's input but slice [a, b), which this rank
             # reduces itself, straight from its own tensor
             if a > 0:
-                slots[me][:a].copy_(part[:a])
+                self._copy(slots[me][:a], part[:a])
             if b < c:
-                slots[me][b:c].copy_(part[b:c])
+                self._copy(slots[me][b:c], part[b:c])
             self._barrier("all_reduce")
             if b > a:
-                _reduce_into(fn, out[a:b], [part[a:b] if k == me else slots[k][a:b] for k in range(size)])
+                self._reduce(fn, out[a:b], [part[a:b] if k == me else slots[k][a:b] for k in range(size)])
             self._barrier("all_reduce")
             if copy_out:
-                part.copy_(out[:c])
+                self._copy(part, out[:c])
         if writeback and copy_out:
             tensor.copy_(flat.view(tensor.shape))
 
@@ -472,10 +499,10 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
         for lo in range(0, n, cap):
             c = min(cap, n - lo)
             if self._rank == root:
-                slot[:c].copy_(raw[lo : lo + c])
+                self._copy(slot[:c], raw[lo : lo + c])
             self._barrier("broadcast")
             if self._rank != root:
-                raw[lo : lo + c].copy_(slot[:c])
+                self._copy(raw[lo : lo + c], slot[:c])
             self._barrier("broadcast")
         if writeback and self._rank != root:
             t.copy_(flat.view(t.shape))
@@ -511,10 +538,10 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
             targets.append((o, of, of.view(torch.uint8), wb))
         for lo in range(0, n, cap):
             c = min(cap, n - lo)
-            seg.slots[self._rank][:c].copy_(raw[lo : lo + c])
+            self._copy(seg.slots[self._rank][:c], raw[lo : lo + c])
             self._barrier("all_gather")
             for j, (_, _, traw, _) in enumerate(targets):
-                traw[lo : lo + c].copy_(seg.slots[j][:c])
+                self._copy(traw[lo : lo + c], seg.slots[j][:c])
             self._barrier("all_gather")
         for o, of, _, wb in targets:
             if wb:
@@ -561,7 +588,7 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
             c = min(per, n - lo)
             slots[me][:, :c].copy_(rows[:, lo : lo + c])
             self._barrier("reduce_scatter")
-            _reduce_into(fn, out_flat[lo : lo + c], [slots[k][me, :c] for k in range(size)])
+            self._reduce(fn, out_flat[lo : lo + c], [slots[k][me, :c] for k in range(size)])
             self._barrier("reduce_scatter")
         if writeback:
             output.copy_(out_flat.view(output.shape))
@@ -618,6 +645,8 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._queue is not None:
             self._queue.put(None)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)
 
 
 def _for_each(fn: Callable[..., None], *columns: list[Any]) -> None:
@@ -659,6 +688,23 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def _helper_pool(size: int) -> Optional[ThreadPoolExecutor]:
+    """Threads that share a rank's copies and reductions: as many as leave a core per rank
+    (``ONEDIST_SHM_THREADS`` sets the count per rank, helpers included), at most 4 per rank."""
+    raw = os.environ.get("ONEDIST_SHM_THREADS")
+    if raw:
+        if not raw.isdigit() or not 1 <= int(raw) <= 64:
+            from ..errors import bad_value
+
+            raise bad_value("ONEDIST_SHM_THREADS", "ONEDIST_SHM_THREADS", raw, "an int from 1 to 64")
+        threads = int(raw)
+    else:
+        threads = max(1, min(4, (os.cpu_count() or 1) // max(size, 1)))
+    if threads <= 1:
+        return None
+    return ThreadPoolExecutor(threads - 1, thread_name_prefix="onedist-shm-copy")
 
 
 def _chunk_bytes() -> int:
