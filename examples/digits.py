@@ -8,6 +8,7 @@ The only distributed lines are onedist's; the same file runs on every backend an
     torchrun --nproc-per-node 2 examples/digits.py
     srun -n 2 python examples/digits.py                          # SLURM
     mpirun -np 2 python examples/digits.py                       # Open MPI
+    python examples/digits.py --backend shm --nproc-per-node 4   # shared memory (one host)
     python examples/digits.py --backend nccl --nproc-per-node 4  # GPUs
 
 It prints the loss and exact test accuracy per epoch (rank 0), and exits non-zero when the final
@@ -127,9 +128,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--backend", default="auto", help="gloo, nccl, horovod, xla-tpu, auto, or none (serial)"
-    )
+    parser.add_argument("--backend", default="auto", help="gloo, nccl, shm, auto, or none (serial)")
     parser.add_argument("--nproc-per-node", type=int, default=None, help="workers to spawn (no launcher)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")

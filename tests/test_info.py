@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from typing import Any, Optional
 import pytest
 
 import onedist
+import onedist as od
 from onedist import _diagnose as diag
 from onedist._net import free_port
 
@@ -476,3 +478,23 @@ def test_info_json_clean_environment():
         None,
     )
     assert net["interface"] == diag.interface_for("127.0.0.1", net["interfaces"])
+
+
+@pytest.mark.skipif(
+    shutil.which("srun") is None, reason="needs SLURM's srun on PATH (as a real allocation would)"
+)
+def test_parallel_warns_when_an_sbatch_script_skips_srun(monkeypatch, caplog):
+    """`python train.py` in `sbatch --ntasks=2`: one process, not two. Parallel says so at once
+    (not only `onedist info`), instead of training on one process in silence."""
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with caplog.at_level("WARNING", logger="onedist"):
+        od.Parallel(backend="gloo")
+    assert "SLURM job 4242 has 2 tasks but this process was not started by srun" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    with caplog.at_level("WARNING", logger="onedist"):
+        od.Parallel(backend="gloo")
+    assert "srun" not in caplog.text

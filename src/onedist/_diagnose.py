@@ -532,7 +532,7 @@ def warnings(
 
     env = _detect(environ)
     found: list[str] = []
-    found += _srun_warnings(environ, env, which)
+    found += srun_warnings(environ, env, which)
     found += _partial_environment_warnings(environ)
     found += _master_warnings(environ, env, network)
     found += _ifname_warnings(environ, env, network)
@@ -540,9 +540,10 @@ def warnings(
     return found
 
 
-def _srun_warnings(
+def srun_warnings(
     environ: Mapping[str, str], env: Optional[ClusterEnv], which: Callable[[str], Optional[str]]
 ) -> list[str]:
+    """The warning for a process of a SLURM job with several tasks that srun did not start."""
     job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
     tasks = _int(environ, "SLURM_NTASKS", "SLURM_NPROCS")
     in_step = "SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ

@@ -239,6 +239,13 @@ def report_and_release(exc: BaseException, tb: Optional[TracebackType]) -> None:
 
 
 def _failed_reports(ranks: Any, exclude: int) -> dict[int, dict[str, Any]]:
+    return _reports(_FAILED_KEY, ranks, exclude)
+
+
+def _reports(
+    key_format: str, ranks: Any, exclude: int, keep: Callable[[dict[str, Any]], bool] = lambda r: True
+) -> dict[int, dict[str, Any]]:
+    """The JSON reports stored under ``key_format.format(rank)`` by the ranks of ``ranks``."""
     store = _store()
     if store is None:
         return {}
@@ -246,10 +253,12 @@ def _failed_reports(ranks: Any, exclude: int) -> dict[int, dict[str, Any]]:
     for r in ranks:
         if r == exclude:
             continue
-        key = _FAILED_KEY.format(r)
+        key = key_format.format(r)
         try:
             if store.check([key]):
-                found[r] = json.loads(store.get(key))
+                report = json.loads(store.get(key))
+                if keep(report):
+                    found[r] = report
         except Exception:
             return found
     return found
@@ -472,22 +481,9 @@ def _remote_failure(name: str, rank: int, site: str, failed: dict[int, dict[str,
 def _stuck_reports(ranks: Any, exclude: int, since: float) -> dict[int, dict[str, Any]]:
     """The timeout reports (where each waited when it timed out) that ranks of ``ranks`` published
     after ``since`` (not the reports of ranks that, like this one, only saw a peer vanish)."""
-    store = _store()
-    if store is None:
-        return {}
-    found: dict[int, dict[str, Any]] = {}
-    for r in ranks:
-        if r == exclude:
-            continue
-        key = _STUCK_KEY.format(r)
-        try:
-            if store.check([key]):
-                report = json.loads(store.get(key))
-                if report.get("time", 0.0) >= since and not report.get("peer_gone"):
-                    found[r] = report
-        except Exception:
-            return found
-    return found
+    return _reports(
+        _STUCK_KEY, ranks, exclude, lambda rep: rep.get("time", 0.0) >= since and not rep.get("peer_gone")
+    )
 
 
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed")

@@ -1,6 +1,7 @@
 """Adapt a model, an optimizer and a dataset to whatever distributed configuration is active.
 
-Three calls, one training loop for serial, gloo, nccl, Horovod and XLA runs::
+Three calls, one training loop for serial, gloo, nccl and shm runs (Horovod and XLA backends,
+which will plug in through the same backend hooks, are not built yet)::
 
     model = od.auto_model(model)            # device, then DDP / DataParallel / backend's own wrapping
     optimizer = od.auto_optim(optimizer)    # backend's distributed optimizer where it needs one
@@ -90,9 +91,8 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
 
     torch.distributed: unchanged, except after ``auto_model(..., comm_hook="post_localsgd")``,
     where it is wrapped in ``PostLocalSGDOptimizer`` so the model is averaged every
-    ``model_averaging_period`` steps. Horovod: ``DistributedOptimizer`` (kwargs passed to it) with
-    its state broadcast from rank 0. XLA: ``step()`` goes through ``optimizer_step``.
-    ``state_dict()`` / ``load_state_dict()`` round-trip in every case.
+    ``model_averaging_period`` steps. ``state_dict()`` / ``load_state_dict()`` round-trip. (The
+    Horovod and XLA backends, not built yet, will wrap it in their own optimizers here.)
 
     Example:
         >>> import torch, onedist as od
@@ -147,8 +147,8 @@ def auto_dataloader(dataset: Any, *, evaluation: bool = False, **kwargs: Any) ->
       is kept as given (a warning says it is not split).
 
     On CUDA ``pin_memory`` defaults to True. With one process the loader is a plain ``DataLoader``
-    with your arguments (and ``evaluation`` changes nothing). The backend may wrap the loader
-    (XLA: a device loader).
+    with your arguments (and ``evaluation`` changes nothing). A backend may wrap the loader (none
+    of the built ones does; XLA's device loader will).
 
     Example:
         >>> import torch, onedist as od

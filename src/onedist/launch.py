@@ -57,6 +57,18 @@ _PEER_LOST = (
 
 
 # ============================================================================ worker side
+def _warn_if_srun_was_skipped() -> None:
+    """A one-process run inside a SLURM job of several tasks, not started by srun (``python
+    train.py`` in an sbatch script): say so, it would otherwise train on 1 process silently."""
+    import shutil
+
+    from ._diagnose import srun_warnings
+    from .environments import detect
+
+    for text in srun_warnings(os.environ, detect(os.environ), shutil.which):
+        logger.warning("onedist: %s", text)
+
+
 def _die_with_parent(parent_pid: Optional[int]) -> None:
     """Ask Linux to SIGKILL this worker when the process that started it dies (``parent_pid``:
     the launcher, when it is the direct parent; None under forkserver, whose server is)."""
@@ -674,6 +686,7 @@ class Parallel:
                     hint="pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
                 )
             self.mode = "serial"
+            _warn_if_srun_was_skipped()
         elif launched_externally(os.environ) or _context_active():
             self._check_against_launcher(given)
             self.mode = "external"
@@ -691,6 +704,7 @@ class Parallel:
                     "Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)"
                 )
             self.mode = "external"
+            _warn_if_srun_was_skipped()
 
     @staticmethod
     def _check_against_launcher(given: dict[str, Any]) -> None:
