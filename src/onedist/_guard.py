@@ -70,6 +70,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 class _Guard:
     __slots__ = (
         "debug",
+        "explaining",
         "installed",
         "one_rank_depth",
         "previous_hook",
@@ -84,6 +85,9 @@ class _Guard:
         self.installed = False
         self.previous_hook: Any = None
         self.published = False  # this rank reported its own failure
+        # > 0 while this rank's main thread turns a failed collective into its own error (a
+        # timeout report takes seconds): the watch leaves it alone meanwhile
+        self.explaining = 0
         self.watcher: Any = None
         self.watch_stop: Any = None
 
@@ -291,7 +295,7 @@ def _watch(stop: Any, store: Any, rank: int, world: int, main_ident: int) -> Non
     while not stop.wait(_WATCH_S):
         try:
             count = int(store.add(_FAILED_COUNT, 0))
-            if count <= handled or _guard.published:
+            if count <= handled or _guard.published or _guard.explaining:
                 continue
             handled = count
             failed = _failed_reports(range(world), rank)
@@ -722,7 +726,11 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
                 raise
             except RuntimeError as e:
                 group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
-                err = _explain(name, e, group, started)
+                _guard.explaining += 1
+                try:
+                    err = _explain(name, e, group, started)
+                finally:
+                    _guard.explaining -= 1
                 if err is e:
                     raise
                 raise err from e
