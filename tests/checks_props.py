@@ -61,22 +61,10 @@ _MOVE_NAMES = (
 )
 #: every dtype all_gather / broadcast / gather / scatter must carry (the wire format's list)
 MOVE_DTYPES = tuple(n for n in _MOVE_NAMES if hasattr(torch, n))
-#: dtypes gloo reduces (int16/uint16/uint32 widened by onedist); uint64 and float8 are not reducible there
-REDUCE_DTYPES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint16",
-    "uint32",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
+#: dtypes gloo reduces (int16/uint16/uint32 widened by onedist): every movable one but uint64,
+#: complex32 and the float8 types, which are not reducible there
+REDUCE_DTYPES = tuple(
+    n for n in MOVE_DTYPES if n not in ("uint64", "complex32") and not n.startswith("float8")
 )
 #: dtypes the wire format does not know: all_gather/broadcast raise "tensors of dtype ... cannot be sent"
 UNSENDABLE_DTYPES = tuple(

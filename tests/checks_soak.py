@@ -200,15 +200,24 @@ class Soak:
         return ("o", tuple(rng.choice(payloads) for _ in range(3)))
 
     def move_spec(self, uneven: bool = True, depth: int = 0) -> Spec:
+        return self._nested(lambda: self.move_leaf(uneven), 0.7, 0, "k", depth)
+
+    def _nested(self, leaf: Callable[[], Spec], p_leaf: float, fewest: int, prefix: str, depth: int) -> Spec:
+        """A leaf (with probability ``p_leaf``, always at depth 2), or a dict / list / tuple /
+        namedtuple of ``fewest``..4 such specs (dict keys ``prefix0``, ``prefix1``, ...)."""
         rng = self.rng
-        if depth >= 2 or rng.random() < 0.7:
-            return self.move_leaf(uneven)
+        if depth >= 2 or rng.random() < p_leaf:
+            return leaf()
         kind = rng.choice(("d", "d", "l", "tu", "nt"))
+
+        def child() -> Spec:
+            return self._nested(leaf, p_leaf, fewest, prefix, depth + 1)
+
         if kind == "nt":
-            return ("nt", (self.move_spec(uneven, depth + 1), self.move_spec(uneven, depth + 1)))
-        children = tuple(self.move_spec(uneven, depth + 1) for _ in range(rng.randint(0, 4)))
+            return ("nt", (child(), child()))
+        children = tuple(child() for _ in range(rng.randint(fewest, 4)))
         if kind == "d":
-            return ("d", tuple((f"k{i}", c) for i, c in enumerate(children)))
+            return ("d", tuple((f"{prefix}{i}", c) for i, c in enumerate(children)))
         return (kind, children)
 
     def reduce_leaf(self, op: str) -> Spec:
@@ -227,16 +236,7 @@ class Soak:
         return ("b", tuple(rng.random() < 0.5 for _ in range(3)))
 
     def reduce_spec(self, op: str, depth: int = 0) -> Spec:
-        rng = self.rng
-        if depth >= 2 or rng.random() < 0.6:
-            return self.reduce_leaf(op)
-        kind = rng.choice(("d", "d", "l", "tu", "nt"))
-        if kind == "nt":
-            return ("nt", (self.reduce_spec(op, depth + 1), self.reduce_spec(op, depth + 1)))
-        children = tuple(self.reduce_spec(op, depth + 1) for _ in range(rng.randint(1, 4)))
-        if kind == "d":
-            return ("d", tuple((f"m{i}", c) for i, c in enumerate(children)))
-        return (kind, children)
+        return self._nested(lambda: self.reduce_leaf(op), 0.6, 1, "m", depth)
 
     # ------------------------------------------------------------------ bookkeeping
     def record(self, kind: str, member: bool, problems: list[str], context: str) -> None:

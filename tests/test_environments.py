@@ -284,3 +284,10 @@ def test_rank_outside_world_is_not_trusted():
 )
 def test_gpu_binding(local_rank, visible, exclusive, index):
     assert gpu_index(local_rank, visible, exclusive) == index
+
+
+def test_one_gpu_seen_by_several_processes_is_none_for_nccl_only():
+    # no per-task binding: every local rank sees the same one GPU; NCCL cannot share it, gloo can
+    assert [gpu_index(r, 1, exclusive=True, sharing=2) for r in (0, 1)] == [None, None]
+    assert [gpu_index(r, 1, exclusive=False, sharing=2) for r in (0, 1)] == [0, 0]
+    assert gpu_index(0, 1, exclusive=True, sharing=1) == 0  # alone on the node: its GPU

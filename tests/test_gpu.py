@@ -33,22 +33,21 @@ def _data(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, amp: bool = False) -> list[float]:
-    x, y = _data()
-    dev = next(model.parameters()).device
-    x, y = x.to(dev), y.to(dev)
-    scaler = torch.amp.GradScaler("cuda", enabled=amp)
-    losses = []
-    for i in range(steps):
-        xb, yb = x[(i * 16) % 64 :][:16], y[(i * 16) % 64 :][:16]
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-            loss = torch.nn.functional.cross_entropy(model(xb), yb)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        losses.append(float(loss))
-    return losses
+def _step(
+    net: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> float:
+    """One training step (float16 autocast when ``scaler`` is enabled); the loss."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.float16, enabled=scaler.is_enabled()):
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.item()
 
 
 def _queries_and_collectives(local_rank: int) -> dict:
@@ -100,12 +99,7 @@ def _split_training(local_rank: int, amp: bool, batchnorm: bool) -> dict:
             (model, opt, scalers[0], xb[share], yb[share]),
             (ref, ref_opt, scalers[1], xb, yb),
         ):
-            o.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
-                loss = torch.nn.functional.cross_entropy(net(xs), ys)
-            sc.scale(loss).backward()
-            sc.step(o)
-            sc.update()
+            _step(net, o, sc, xs, ys)
     inner = od.unwrap(model)
     ours, theirs = inner.state_dict(), ref.state_dict()
     return {
@@ -150,13 +144,8 @@ def _comm_hook(local_rank: int, hook: str) -> dict:
     x, y = x.cuda(), y.cuda()
     model = od.auto_model(_net(), comm_hook=hook)
     opt = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1))
-    losses = []
-    for _ in range(8):  # the same batch each step: the loss must fall
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    no_amp = torch.amp.GradScaler("cuda", enabled=False)
+    losses = [_step(model, opt, no_amp, x, y) for _ in range(8)]  # the same batch: the loss must fall
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     spread = od.all_reduce(flat.clone(), "MAX") - od.all_reduce(flat.clone(), "MIN")
     return {"falls": losses[-1] < losses[0], "spread": float(spread.abs().max())}

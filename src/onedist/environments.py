@@ -441,17 +441,20 @@ def _sanitize(env: ClusterEnv) -> ClusterEnv:
     return replace(env, local_rank=local_rank, nproc_per_node=nproc, node_rank=node_rank, nnodes=nnodes)
 
 
-def gpu_index(local_rank: int, visible_gpus: int, exclusive: bool) -> Optional[int]:
+def gpu_index(local_rank: int, visible_gpus: int, exclusive: bool, sharing: int = 1) -> Optional[int]:
     """The CUDA device index for a process with this local rank, or None when there is none.
 
     A process that sees exactly one GPU (SLURM ``--gpus-per-task``, a per-task
-    ``CUDA_VISIBLE_DEVICES``) uses ``cuda:0``, whatever its local rank. Otherwise local rank ``i``
-    uses ``cuda:i``; with more processes than GPUs, ``exclusive`` (NCCL: one rank per GPU) gives
-    None, else ranks share GPUs round-robin.
+    ``CUDA_VISIBLE_DEVICES``) uses ``cuda:0``, whatever its local rank, unless ``sharing``
+    processes of the node see that same GPU (no per-task binding) and ``exclusive``: then None.
+    Otherwise local rank ``i`` uses ``cuda:i``; with more processes than GPUs, ``exclusive``
+    (NCCL: one rank per GPU) gives None, else ranks share GPUs round-robin.
 
     Example:
         >>> gpu_index(local_rank=3, visible_gpus=1, exclusive=True)
         0
+        >>> print(gpu_index(local_rank=0, visible_gpus=1, exclusive=True, sharing=2))
+        None
         >>> gpu_index(local_rank=3, visible_gpus=8, exclusive=True)
         3
         >>> gpu_index(local_rank=3, visible_gpus=2, exclusive=False)
@@ -460,7 +463,7 @@ def gpu_index(local_rank: int, visible_gpus: int, exclusive: bool) -> Optional[i
     if visible_gpus < 1:
         return None
     if visible_gpus == 1:
-        return 0
+        return None if exclusive and sharing > 1 else 0
     if local_rank < visible_gpus:
         return local_rank
     return None if exclusive else local_rank % visible_gpus

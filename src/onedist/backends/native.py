@@ -298,28 +298,18 @@ class NativeBackend(Backend):
                 count = torch.cuda.device_count()
                 layout = self.layout()
                 local_rank = layout.local_rank
-                if (
-                    self._nccl
-                    and count == 1
-                    and layout.nproc_per_node > 1
-                    and not os.environ.get("CUDA_VISIBLE_DEVICES")
-                ):
-                    # Every process of this node sees the same one GPU (no per-task binding):
-                    # NCCL would fail at the first collective with "Duplicate GPU detected".
-                    raise OnedistRuntimeError(
-                        f"onedist: {layout.nproc_per_node} processes on this node share its one GPU, "
-                        "and NCCL cannot put two ranks on one GPU.\n"
-                        "HINT: start one process per GPU (nproc_per_node <= GPUs), give each process "
-                        "its own GPU (CUDA_VISIBLE_DEVICES per task, srun --gpus-per-task=1), or use "
-                        "backend 'gloo'."
-                    )
-                index = gpu_index(local_rank, count, exclusive=self._nccl)
+                # Without CUDA_VISIBLE_DEVICES every process of the node sees the same GPUs;
+                # with it, each may see its own (per-task binding)
+                sharing = 1 if os.environ.get("CUDA_VISIBLE_DEVICES") else layout.nproc_per_node
+                index = gpu_index(local_rank, count, exclusive=self._nccl, sharing=sharing)
                 if index is None:
                     raise OnedistRuntimeError(
                         f"onedist: local rank {local_rank} has no GPU of its own: this node shows "
-                        f"{count} GPUs and NCCL cannot put two ranks on one GPU.\n"
-                        "HINT: start at most one process per GPU (nproc_per_node <= GPUs), or use "
-                        "backend 'gloo'."
+                        f"{count} GPU(s) to {layout.nproc_per_node} processes, and NCCL cannot put two "
+                        "ranks on one GPU.\n"
+                        "HINT: start at most one process per GPU (nproc_per_node <= GPUs), give each "
+                        "process its own GPU (CUDA_VISIBLE_DEVICES per task, srun --gpus-per-task=1), "
+                        "or use backend 'gloo'."
                     )
                 if local_rank >= count > 1:
                     logger.warning(

@@ -140,14 +140,10 @@ class _ShmWork(_Work):  # type: ignore[misc]
         return self._fut.done()
 
 
-def _work(fut: torch.futures.Future[Any]) -> Any:
-    return _ShmWork(fut)
-
-
 def _done(result: Any) -> Any:
     fut: torch.futures.Future[Any] = torch.futures.Future()
     fut.set_result(result)
-    return _work(fut)
+    return _ShmWork(fut)
 
 
 _REDUCE: dict[Any, Callable[..., Any]] = {}
@@ -197,11 +193,8 @@ def _reduce_op(op: Any) -> Callable[..., Any]:
 class _Segment:
     """The mapped segment: per-rank counters, per-rank slots, one result area."""
 
-    def __init__(self, mm: mmap.mmap, size: int, chunk: int, me: int) -> None:
-        self.mm = mm
-        self.size = size
+    def __init__(self, mm: mmap.mmap, size: int, chunk: int) -> None:
         self.chunk = chunk
-        self.me = me
         self.data = torch.frombuffer(mm, dtype=torch.uint8)  # shares the mapping
         ctrl = _HEADER
         self.counters = (ctypes.c_int32 * (size * _LINE // 4)).from_buffer(mm, ctrl)
@@ -227,19 +220,7 @@ def _poison_on_error(method: Callable[..., Any]) -> Callable[..., Any]:
     the same collective, raise at once instead of at the timeout (the group is unusable after)."""
 
     def wrapper(self: ShmProcessGroup, *args: Any, **kwargs: Any) -> Any:
-        gen = self._gen
-        try:
-            return method(self, *args, **kwargs)
-        except (ValueError, TypeError):
-            if self._gen != gen:  # an argument error before any barrier is every rank's: no harm
-                self.abort()
-            raise
-        except ShmError as e:
-            self._mark(e.culprit)
-            raise
-        except BaseException:
-            self.abort()
-            raise
+        return self._poisoning(method, self, *args, **kwargs)
 
     wrapper.__name__ = method.__name__
     wrapper.__doc__ = method.__doc__
@@ -272,6 +253,22 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
         self._queue: Optional[queue.SimpleQueue[Any]] = None
         if size > 1:
             self._seg = _attach(store, rank, size, _chunk_bytes())
+
+    def _poisoning(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``, marking the segment when it fails (see _poison_on_error)."""
+        gen = self._gen
+        try:
+            return call(*args, **kwargs)
+        except (ValueError, TypeError):
+            if self._gen != gen:  # an argument error before any barrier is every rank's: no harm
+                self.abort()
+            raise
+        except ShmError as e:
+            self._mark(e.culprit)
+            raise
+        except BaseException:
+            self.abort()
+            raise
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -393,7 +390,7 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._serve, name="onedist-shm", daemon=True).start()
         self._queue.put((job, result, fut))
-        return _work(fut)
+        return _ShmWork(fut)
 
     def _serve(self) -> None:
         q = self._queue
@@ -406,7 +403,7 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
             error: Optional[BaseException] = None
             with self._exec:
                 try:
-                    _poison_on_error(_call)(self, job)
+                    self._poisoning(job)
                 except BaseException as e:
                     error = e
             with self._lock:
@@ -421,28 +418,23 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if self._seg is None or not _all_cpu(tensors):
             return self._gloo.allreduce(tensors, _opts(_c10d.AllreduceOptions, opts))
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        _reduce_fn(op)  # an unsupported op raises here, on every rank, before anything moves
-        return self._run(
-            partial(_for_each, partial(self._all_reduce_one, op=op, root=None), tensors), tensors, tensors
-        )
+        return self._reduce_each(tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, None)
 
     @_poison_on_error
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if self._seg is None or not _all_cpu(tensors):
             return self._gloo.allreduce_coalesced(tensors, opts or _c10d.AllreduceCoalescedOptions())
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        _reduce_fn(op)
-        return self._run(
-            partial(_for_each, partial(self._all_reduce_one, op=op, root=None), tensors), tensors, tensors
-        )
+        return self._reduce_each(tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, None)
 
     @_poison_on_error
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if self._seg is None or not _all_cpu(tensors):
             return self._gloo.reduce(tensors, opts)
-        op, root = opts.reduceOp, opts.rootRank
-        _reduce_fn(op)
+        return self._reduce_each(tensors, opts.reduceOp, opts.rootRank)
+
+    def _reduce_each(self, tensors: list[torch.Tensor], op: Any, root: Optional[int]) -> Any:
+        """all_reduce (``root`` None) or reduce to ``root`` of each tensor, in order."""
+        _reduce_fn(op)  # an unsupported op raises here, on every rank, before anything moves
         return self._run(
             partial(_for_each, partial(self._all_reduce_one, op=op, root=root), tensors), tensors, tensors
         )
@@ -654,10 +646,6 @@ def _for_each(fn: Callable[..., None], *columns: list[Any]) -> None:
         fn(*args)
 
 
-def _call(_group: Any, job: Callable[[], Any]) -> None:
-    job()
-
-
 def _opts(cls: Any, opts: Any) -> Any:
     return opts if opts is not None else cls()
 
@@ -760,7 +748,7 @@ def _attach(store: Any, rank: int, size: int, chunk: int) -> Optional[_Segment]:
         if mm is not None:
             mm.close()
         return None
-    return _Segment(mm, size, chunk, rank)
+    return _Segment(mm, size, chunk)
 
 
 def create(store: Any, rank: int, size: int, timeout: timedelta) -> ShmProcessGroup:
