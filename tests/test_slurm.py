@@ -32,12 +32,16 @@ def slurm():
     os.chmod(state, 0o755)
     port = free_port()
     try:
-        subprocess.run(
+        started = subprocess.run(
             ["bash", str(CLUSTER / "slurm_1node.sh"), str(state), str(port)],
-            check=True,
             timeout=120,
             capture_output=True,
+            text=True,
         )
+        if started.returncode != 0:  # say why: the daemons' own words and their logs
+            logs = "".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(state.glob("*.log")))
+            why = started.stderr[-3000:]
+            pytest.fail(f"the 1-node SLURM did not start (exit {started.returncode}):\n{why}\n{logs}")
         yield {**_env(), "SLURM_CONF": str(state / "slurm.conf")}
     finally:
         subprocess.run(["bash", str(CLUSTER / "slurm_stop.sh"), str(state)], timeout=60)
