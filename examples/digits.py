@@ -10,9 +10,13 @@ The only distributed lines are onedist's; the same file runs on every backend an
     mpirun -np 2 python examples/digits.py                       # Open MPI
     python examples/digits.py --backend shm --nproc-per-node 4   # shared memory (one host)
     python examples/digits.py --backend nccl --nproc-per-node 4  # GPUs
+    mpirun -np 3 python examples/digits.py --backend mpi         # MPI itself (mpi4py)
+    horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py --backend horovod
+    PJRT_DEVICE=CPU python examples/digits.py --backend xla-tpu  # torch_xla (XLA device)
 
-It prints the loss and exact test accuracy per epoch (rank 0), and exits non-zero when the final
-test accuracy is below --target (0.95).
+It prints the loss and exact test accuracy per epoch (rank 0), checks at the end that every rank
+holds the same parameters, and exits non-zero when they differ or when the final test accuracy is
+below --target (0.95).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def evaluate(model: nn.Module, loader: Any) -> float:
     with torch.no_grad():
         for x, y in loader:
             preds.append(model(x.to(od.device())).argmax(1).cpu())
-            targets.append(y)
+            targets.append(y.cpu())  # a device loader (XLA) gives batches on the device
     # every test sample exactly once, in dataset order, on every rank
     gathered = od.all_gather_eval({"pred": torch.cat(preds), "target": torch.cat(targets)}, loader)
     return (gathered["pred"] == gathered["target"]).double().mean().item()
@@ -102,7 +106,9 @@ def training(local_rank: int, args: argparse.Namespace) -> float:
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64)
         seen = 0
-        for x, y in _progress(train_loader, epoch):  # reshuffles every epoch: no set_epoch needed
+        for step, (x, y) in enumerate(_progress(train_loader, epoch)):  # reshuffles every epoch
+            if step == args.max_steps:
+                break
             x, y = x.to(od.device()), y.to(od.device())
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
@@ -119,22 +125,33 @@ def training(local_rank: int, args: argparse.Namespace) -> float:
                 f"test accuracy {accuracy:.4f}  ({time.perf_counter() - start:.1f} s)",
                 flush=True,
             )
+    # every rank must hold the same model: compare a checksum of the parameters across ranks
+    checksum = float(sum(p.detach().double().sum().cpu() for p in od.unwrap(model).parameters()))
+    checksums = od.all_gather(checksum).tolist()
+    same = len(set(checksums)) == 1
     if od.is_main_process():
+        verdict = "identical" if same else f"DIFFERENT {checksums}"
+        print(f"parameters {verdict} on {len(checksums)} process(es)", flush=True)
         print(f"final test accuracy {accuracy:.4f} over {od.get_world_size()} process(es)", flush=True)
-    return accuracy
+    return accuracy if same else -1.0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backend", default="auto", help="gloo, nccl, shm, auto, or none (serial)")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        help="gloo, nccl, shm, mpi, xla-tpu, auto, or none (serial); see onedist info",
+    )
     parser.add_argument("--nproc-per-node", type=int, default=None, help="workers to spawn (no launcher)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics over ranks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
     parser.add_argument("--target", type=float, default=0.95, help="exit 1 below this final test accuracy")
     args = parser.parse_args()
     backend = None if args.backend in ("none", "serial") else args.backend

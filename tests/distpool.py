@@ -53,7 +53,13 @@ class CheckFailed(AssertionError):
 
 
 class DistPool:
-    def __init__(self, world_size: int, backend: str = "gloo", env: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        env: Optional[dict[str, str]] = None,
+        rank_env: Optional[list[dict[str, str]]] = None,
+    ) -> None:
         self.world_size = world_size
         self.backend = backend
         port = free_port()
@@ -62,7 +68,16 @@ class DistPool:
         for rank in range(world_size):
             parent, child = _CTX.Pipe()
             p = _CTX.Process(
-                target=_serve, args=(rank, world_size, port, child, backend, env or {}), daemon=True
+                target=_serve,
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    child,
+                    backend,
+                    {**(env or {}), **(rank_env or [{}] * world_size)[rank]},
+                ),
+                daemon=True,
             )
             p.start()
             child.close()

@@ -62,8 +62,9 @@ def test_unknown_and_unavailable_backends_list_what_is_allowed():
         if "nccl" in od.available_backends():
             pytest.skip("nccl is available here")
         od.initialize("nccl")
-    with pytest.raises(od.BackendUnavailableError, match="Horovod"):
-        od.initialize("horovod")
+    if "horovod" not in od.available_backends():  # installed: tests/test_horovod.py covers it
+        with pytest.raises(od.BackendUnavailableError, match="Horovod"):
+            od.initialize("horovod")
     with pytest.raises(od.OnedistTypeError, match="backend has type int"):
         od.initialize(3)  # type: ignore[arg-type]
 

@@ -102,6 +102,23 @@ def test_onedist_run_pair_on_two_hosts(hosts, tmp_path):
     _check_hosts(tmp_path, ["nodeA", "nodeA", "nodeB", "nodeB"])
 
 
+def test_shm_two_hosts_is_hierarchical(hosts, tmp_path):
+    """backend shm over two namespace hosts: shared memory within each, gloo across the veth."""
+    cmd = ["--nnodes", "2", "-n", "2", "--master-addr", "nodeA", "--master-port", "29533"]
+    _both(
+        [
+            hosts(
+                node,
+                ["env", "AGREE_BACKEND=shm", *_onedist(*cmd, "--node-rank", str(k)), SCRIPT, str(tmp_path)],
+            )
+            for k, node in enumerate(("nodeA", "nodeB"))
+        ]
+    )
+    infos = _check_agree(tmp_path, 4, nnodes=2)
+    assert all(i["backend"] == "shm" and i["shm_hosts"] == [[0, 1], [2, 3]] for i in infos), infos
+    assert all(i["shm_sum_ok"] and i["shm_broadcast_ok"] for i in infos), infos
+
+
 # ---------------------------------------------------------------- a real 2-node SLURM
 @pytest.fixture(scope="module")
 def slurm2():

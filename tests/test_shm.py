@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import checks
-import checks_shm
+import checks_pg
 import onedist as od
 from conftest import Runner
+from distpool import DistPool
 from onedist.backends.shm import supported
 
 pytestmark = pytest.mark.skipif(not supported(), reason="the shm backend needs Linux on x86-64")
@@ -33,7 +34,7 @@ def test_available():
 
 
 def test_all_reduce_equals_gloo_every_dtype_op_and_size(shm):
-    assert shm(checks_shm.check_all_reduce_equals_gloo, timeout=240)[0] > 200
+    assert shm(checks_pg.check_all_reduce_equals_gloo, timeout=240)[0] > 200
 
 
 # 1 MiB slots and 3 threads per rank: copies and reductions of 256 KiB or more are split over
@@ -44,30 +45,59 @@ SPLIT = {"ONEDIST_SHM_CHUNK_MB": "1", "ONEDIST_SHM_THREADS": "3"}
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_split_over_helper_threads_equals_gloo(world_size):
     run = Runner(world_size, backend="shm", env=SPLIT)
-    assert run(checks_shm.check_all_reduce_equals_gloo, timeout=240)[0] > 200
-    run(checks_shm.check_copy_collectives_equal_gloo, timeout=120)
-    run(checks_shm.check_non_contiguous_and_views)
-    assert max(run(checks_shm.check_ddp_equals_gloo, timeout=120)) < 1e-5
+    assert run(checks_pg.check_all_reduce_equals_gloo, timeout=240)[0] > 200
+    run(checks_pg.check_copy_collectives_equal_gloo, timeout=120)
+    run(checks_pg.check_non_contiguous_and_views)
+    assert max(run(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
 
 
 def test_non_contiguous_inputs(shm):
-    shm(checks_shm.check_non_contiguous_and_views)
+    shm(checks_pg.check_non_contiguous_and_views)
 
 
 def test_all_gather_broadcast_reduce_scatter_equal_gloo(shm):
-    shm(checks_shm.check_copy_collectives_equal_gloo, timeout=120)
+    shm(checks_pg.check_copy_collectives_equal_gloo, timeout=120)
+
+
+# Two "hosts" on this one machine: ONEDIST_SHM_HOST gives each rank the host identity it would get
+# from its hostname on a real cluster (the network between them is loopback here).
+SPLIT_HOSTS = {
+    4: ["host-a", "host-b", "host-a", "host-b"],  # interleaved: each host has ranks 0,2 / 1,3
+    3: ["host-a", "host-a", "host-b"],  # a host with one rank has no shared memory of its own
+}
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_hierarchical_over_two_simulated_hosts_equals_gloo(world_size):
+    hosts = SPLIT_HOSTS[world_size]
+    pool = DistPool(
+        world_size,
+        "shm",
+        env={"ONEDIST_SHM_CHUNK_MB": "0.0625"},
+        rank_env=[{"ONEDIST_SHM_HOST": h} for h in hosts],
+    )
+    try:
+        expected = [[r for r in range(world_size) if hosts[r] == h] for h in dict.fromkeys(hosts)]
+        assert pool.run(checks_pg.check_shm_hierarchy) == [expected] * world_size
+        assert pool.run(checks_pg.check_all_reduce_equals_gloo, timeout=240)[0] > 200
+        pool.run(checks_pg.check_copy_collectives_equal_gloo, timeout=120)  # broadcast from every root
+        pool.run(checks_pg.check_reduce_and_barrier_and_gloo_ops)
+        pool.run(checks_pg.check_non_contiguous_and_views)
+        assert max(pool.run(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
+    finally:
+        pool.close()
 
 
 def test_reduce_barrier_and_delegated_ops(shm):
-    shm(checks_shm.check_reduce_and_barrier_and_gloo_ops)
+    shm(checks_pg.check_reduce_and_barrier_and_gloo_ops)
 
 
 def test_sub_groups(shm):
-    shm(checks_shm.check_sub_groups)
+    shm(checks_pg.check_sub_groups)
 
 
 def test_ddp_equals_ddp_on_gloo(shm):
-    assert max(shm(checks_shm.check_ddp_equals_gloo, timeout=120)) < 1e-5
+    assert max(shm(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
 
 
 # The check module every backend must pass (the same functions test_collectives.py runs on gloo).

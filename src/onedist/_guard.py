@@ -273,10 +273,28 @@ def _excepthook(tp: type[BaseException], value: BaseException, tb: Optional[Trac
         sys.stderr.write(
             f"{tp.__name__}: {value} (traceback printed above, before the other ranks were released)\n"
         )
+    else:
+        publish_failure(value, tb)
+        hook = _guard.previous_hook or sys.__excepthook__
+        hook(tp, value, tb)
+    _exit_without_mpi_finalize()
+
+
+def _exit_without_mpi_finalize() -> None:
+    """A rank dying of an exception must not enter MPI_Finalize (mpi4py's exit hook): it waits for
+    the other ranks, which wait for this one to exit, and the MPI launcher then names a rank that
+    only followed as the first to fail. Leave at once instead, as ``python -m mpi4py`` does."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
         return
-    publish_failure(value, tb)
-    hook = _guard.previous_hook or sys.__excepthook__
-    hook(tp, value, tb)
+    try:
+        if not mpi.Is_initialized() or mpi.Is_finalized():
+            return
+    except Exception:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _watch(stop: Any, store: Any, rank: int, world: int, main_ident: int) -> None:

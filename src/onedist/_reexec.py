@@ -586,7 +586,7 @@ def run_subprocess(
     from .backends import class_for_backend
     from .context import _resolve_backend_name, _timeout, finalize, initialize
 
-    name = _resolve_backend_name(backend)
+    name = _resolve_backend_name(backend, nnodes, nproc_per_node)
     if class_for_backend(name) is None:
         initialize(name)  # raises the standard "not available" error, listing what is
     td = _timeout("Parallel", timeout)

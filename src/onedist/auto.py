@@ -1,7 +1,6 @@
 """Adapt a model, an optimizer and a dataset to whatever distributed configuration is active.
 
-Three calls, one training loop for serial, gloo, nccl and shm runs (Horovod and XLA backends,
-which will plug in through the same backend hooks, are not built yet)::
+Three calls, one training loop for serial, gloo, nccl, shm, mpi, Horovod and XLA runs::
 
     model = od.auto_model(model)            # device, then DDP / DataParallel / backend's own wrapping
     optimizer = od.auto_optim(optimizer)    # backend's distributed optimizer where it needs one
@@ -38,6 +37,8 @@ def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> 
     * world size > 1 with torch.distributed: ``DistributedDataParallel`` (``device_ids`` set from
       the local rank on CUDA, none on CPU), after ``SyncBatchNorm`` conversion if ``sync_bn``;
     * one process that drives several GPUs: ``DataParallel``;
+    * Horovod and XLA: no wrapper; rank 0's parameters and buffers are broadcast to every rank
+      (gradients are averaged by :func:`auto_optim`'s optimizer);
     * otherwise the model itself, on the device.
 
     Args:
@@ -91,8 +92,11 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
 
     torch.distributed: unchanged, except after ``auto_model(..., comm_hook="post_localsgd")``,
     where it is wrapped in ``PostLocalSGDOptimizer`` so the model is averaged every
-    ``model_averaging_period`` steps. ``state_dict()`` / ``load_state_dict()`` round-trip. (The
-    Horovod and XLA backends, not built yet, will wrap it in their own optimizers here.)
+    ``model_averaging_period`` steps. Horovod: ``hvd.DistributedOptimizer`` (its keyword
+    arguments pass through: ``compression``, ``backward_passes_per_step``, ``op``, ...), with rank
+    0's state broadcast. XLA: a subclass of the optimizer's own class whose ``step()`` averages the
+    gradients over devices first (``xm.optimizer_step``'s semantics). ``state_dict()`` /
+    ``load_state_dict()`` round-trip.
 
     Example:
         >>> import torch, onedist as od
@@ -147,8 +151,8 @@ def auto_dataloader(dataset: Any, *, evaluation: bool = False, **kwargs: Any) ->
       is kept as given (a warning says it is not split).
 
     On CUDA ``pin_memory`` defaults to True. With one process the loader is a plain ``DataLoader``
-    with your arguments (and ``evaluation`` changes nothing). A backend may wrap the loader (none
-    of the built ones does; XLA's device loader will).
+    with your arguments (and ``evaluation`` changes nothing). A backend may wrap the loader: XLA
+    wraps it in torch_xla's ``MpDeviceLoader`` (``len()``, ``.sampler`` and ``.dataset`` pass through).
 
     Example:
         >>> import torch, onedist as od

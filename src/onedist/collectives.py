@@ -766,7 +766,7 @@ def _gather_bytes(
     out = torch.empty(total, dtype=_U8, device=dev)
     if all(s == sizes[0] for s in sizes):
         return out, [b.all_gather_into_(out, block, group, async_op)]
-    if max(sizes) >= _P2P_MIN_BYTES:
+    if max(sizes) >= _P2P_MIN_BYTES and b.p2p_bulk:
         views = _slices(out, sizes)
         mine = views[me]
         assert mine is not None

@@ -48,12 +48,17 @@ logger = logging.getLogger("onedist")
 _KNOWN_BACKENDS = {
     "gloo": "a PyTorch build with distributed support (pip install torch)",
     "nccl": "a CUDA build of PyTorch and an NVIDIA GPU",
-    "mpi": "a PyTorch built from source against MPI",
+    "mpi": "mpi4py and an MPI library (pip install 'onedist[mpi]', and e.g. apt-get install "
+    "openmpi-bin), or a PyTorch built from source against MPI",
     "shm": "Linux on x86-64 and a PyTorch build with gloo",
-    # not built yet: say so, rather than send the user to install something that will not help
-    "horovod": "a Horovod backend, which this version of onedist does not have yet (under horovodrun, "
-    "use backend='gloo': onedist reads horovodrun's environment)",
-    "xla-tpu": "an XLA backend, which this version of onedist does not have yet",
+    # these need builds that match the installed torch: say how
+    "horovod": "Horovod 0.28 built with PyTorch and Gloo against this torch; `pip install horovod` fails "
+    "to compile against torch 2.x (it forces C++14), so build it as the docs page launchers/horovodrun.md "
+    "shows (.ci/install_horovod.sh in onedist's repository). Under horovodrun without Horovod's PyTorch "
+    "extension, backend='gloo' works too: onedist reads horovodrun's environment",
+    "xla-tpu": "torch_xla built for this torch release (torch_xla X.Y needs torch X.Y.*; a torch_xla "
+    "whose version does not match torch's is not counted as available), e.g. `pip install torch==2.9.1 "
+    "torch-xla==2.9.0` in a virtual environment of its own (docs: launchers/xla.md)",
 }
 
 TimeoutLike = Union[timedelta, float, int, None]
@@ -101,15 +106,39 @@ def sync(temporary: bool = False) -> None:
     current()
 
 
-def _resolve_backend_name(name: Any) -> str:
+def _resolve_backend_name(name: Any, nnodes: Optional[int] = None, nprocs: Optional[int] = None) -> str:
+    """The backend ``name`` stands for: "auto" is ``ONEDIST_BACKEND`` (set by ``onedist run
+    --backend``), else nccl when it is available, else shm for several processes known to share
+    one host, else gloo. ``nnodes``/``nprocs``: the run a launcher is about to start; None reads the
+    launcher's variables of this process."""
     if not isinstance(name, str):
         raise bad_type("initialize", "backend", name, "str, e.g. 'gloo', 'nccl' or 'auto'")
-    if name == "auto":
-        chosen = os.environ.get("ONEDIST_BACKEND")  # set by `onedist run --backend`
-        if chosen and chosen != "auto":
-            return chosen
-        return "nccl" if "nccl" in available_backends() else "gloo"
-    return name
+    if name != "auto":
+        return name
+    chosen = os.environ.get("ONEDIST_BACKEND")
+    if chosen and chosen != "auto":
+        return chosen
+    here = available_backends()
+    if "nccl" in here:
+        return "nccl"
+    if "shm" in here and _one_host_several_processes(nnodes, nprocs):
+        return "shm"
+    return "gloo"
+
+
+def _one_host_several_processes(nnodes: Optional[int], nprocs: Optional[int]) -> bool:
+    """True when the run has several processes, all on this host (as far as anyone can tell)."""
+    if nnodes is not None and nprocs is not None:
+        return nnodes == 1 and nprocs > 1
+    from .environments import detect as launcher_env
+
+    env = launcher_env(os.environ)
+    if env is None:
+        return False
+    layout = env.layout
+    if layout.nnodes is not None:
+        return layout.nnodes == 1 and env.world_size > 1
+    return layout.nproc_per_node is not None and layout.nproc_per_node == env.world_size > 1
 
 
 def _timeout(func: str, timeout: TimeoutLike) -> Optional[timedelta]:
@@ -150,7 +179,8 @@ def initialize(
     Args:
         backend: "gloo", "nccl", "mpi" (when available, see :func:`available_backends`) or
             "auto": the backend ``onedist run --backend`` chose (``ONEDIST_BACKEND``), else nccl when
-            CUDA is available, else gloo.
+            CUDA is available, else "shm" when the launcher's variables say that several
+            processes share this one host, else gloo.
         timeout: timeout of the rendezvous and of collectives (``timedelta`` or seconds);
             None keeps torch's default.
         init_method: "env://" (default; RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the

@@ -16,6 +16,7 @@ death ("Connection closed by peer", ...) are never shown as the cause. Workers d
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -290,6 +291,37 @@ def _stop(workers: list[_Worker]) -> None:
             w.process.join()
 
 
+def reported_failures(paths: list[str]) -> list[_Failure]:
+    """The failures that workers started by a backend's own launcher (``horovod.run``,
+    ``xmp.spawn``) wrote as JSON (rank, local_rank, pid, time, type, message, traceback)."""
+    failures = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                r = json.load(f)
+        except (OSError, ValueError):
+            continue
+        failures.append(
+            _Failure(
+                r["rank"],
+                r["local_rank"],
+                r["pid"],
+                r["time"],
+                exitcode=1,
+                exc_type=r["type"],
+                message=r["message"],
+                traceback=r["traceback"],
+            )
+        )
+    return failures
+
+
+def failure_error(failures: list[_Failure]) -> WorkerFailedError:
+    """The WorkerFailedError of these failures (the failing rank's traceback first)."""
+    primary, message = failure_report(failures)
+    return WorkerFailedError(message, primary.rank, primary.local_rank, primary.exitcode, primary.traceback)
+
+
 def _failure_error(workers: list[_Worker]) -> WorkerFailedError:
     primary, message = failure_report([w.failure for w in workers if w.failure is not None])
     return WorkerFailedError(message, primary.rank, primary.local_rank, primary.exitcode, primary.traceback)
@@ -439,7 +471,9 @@ def spawn(
     MASTER_PORT) are set in each worker.
 
     Args:
-        backend: "gloo", "nccl", "mpi" or "auto".
+        backend: "gloo", "nccl", "shm", "horovod", "xla-tpu" or "auto" (nccl when CUDA is
+            available, else shm for several processes on one node, else gloo); "mpi" needs the
+            MPI launcher (``mpirun``), not spawn.
         fn: the function; with start_method "spawn" it must be importable (defined at module top
             level). From a notebook, a function defined in it is run with "fork" automatically when
             CUDA is not initialised yet.
@@ -487,12 +521,30 @@ def spawn(
     from .backends import class_for_backend
     from .context import _resolve_backend_name, _timeout
 
-    name = _resolve_backend_name(backend)
-    if class_for_backend(name) is None:
+    name = _resolve_backend_name(backend, nnodes, nproc_per_node)
+    cls = class_for_backend(name)
+    if cls is None:
         from .context import initialize
 
         initialize(name)  # raises the standard "not available" error, listing what is
+        raise AssertionError("unreachable")
     td = _timeout("spawn", timeout)
+    own = cls.launch(
+        name,
+        fn,
+        tuple(args),
+        dict(kwargs_dict or {}),
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        init_method=init_method,
+        timeout=td,
+        start_method=start_method,
+    )
+    if own is not None:
+        return own
     if start_method == "spawn" and _interactive_main(fn):
         import torch
 
@@ -602,7 +654,8 @@ class Parallel:
     notebook: use "spawn" or "fork" there.
 
     Args:
-        backend: "gloo", "nccl", "mpi", "auto", or None for serial.
+        backend: "gloo", "nccl", "shm", "mpi" (under ``mpirun``), "horovod", "xla-tpu", "auto",
+            or None for serial (see :func:`onedist.spawn` for what "auto" picks).
         nproc_per_node: workers to start on this node.
         nnodes: nodes (spawn mode).
         node_rank: this node's index (spawn mode).

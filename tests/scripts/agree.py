@@ -28,6 +28,25 @@ def describe(local_rank: int) -> dict:
         "sum": od.all_reduce(1),
         "ranks": od.all_gather(od.get_rank()).tolist(),
         "pid": os.getpid(),
+        **_shm_layout(),
+    }
+
+
+def _shm_layout() -> dict:
+    """backend shm: the hosts its world group spans, and a large all_reduce and broadcast through it."""
+    if od.backend() != "shm":
+        return {}
+    import torch
+    import torch.distributed as dist
+
+    big = torch.full((3_000_000,), float(od.get_rank() + 1))  # 12 MB: chunked through the segments
+    od.all_reduce(big, inplace=True)
+    src = od.broadcast(torch.arange(1000.0) * od.get_world_size(), src=od.get_world_size() - 1)
+    n = od.get_world_size()
+    return {
+        "shm_hosts": dist.group.WORLD._hosts,
+        "shm_sum_ok": bool(torch.all(big == n * (n + 1) / 2)),
+        "shm_broadcast_ok": bool(torch.equal(src, torch.arange(1000.0) * n)),
     }
 
 
@@ -52,5 +71,5 @@ def main(local_rank: int, out_dir: str) -> None:
 
 if __name__ == "__main__":
     nproc = int(sys.argv[2]) if len(sys.argv) > 2 else None
-    with od.Parallel(backend="gloo", nproc_per_node=nproc) as parallel:
+    with od.Parallel(backend=os.environ.get("AGREE_BACKEND", "gloo"), nproc_per_node=nproc) as parallel:
         parallel.run(main, sys.argv[1])

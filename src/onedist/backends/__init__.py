@@ -3,7 +3,7 @@
 A backend module may import its library (horovod, torch_xla) only inside its methods, so
 ``import onedist`` never imports them. Order matters for detection of a context created
 outside onedist: the first class whose :meth:`~onedist.backends.base.Backend.context_active`
-is true wins.
+is true wins, torch.distributed's last.
 """
 
 from __future__ import annotations
@@ -26,10 +26,15 @@ __all__ = [
     "external_context_active",
 ]
 
-# name -> (module, class). Horovod and XLA register here when their modules exist.
+# name -> (module, class), in the order available_backends() lists their names
 _REGISTRY: dict[str, tuple[str, str]] = {
     "native": ("onedist.backends.native", "NativeBackend"),
+    "horovod": ("onedist.backends.horovod", "HorovodBackend"),
+    "xla-tpu": ("onedist.backends.xla", "XlaBackend"),
 }
+# detection asks torch.distributed last: Horovod and XLA programs may create a torch process
+# group of their own beside the context that defines them
+_DETECT_LAST = "native"
 
 
 @cache
@@ -60,12 +65,17 @@ def class_for_backend(name: str) -> type[Backend] | None:
 
 def external_context_active() -> bool:
     """True when some backend reports a context created outside onedist (cheap, no collective)."""
-    return any(cls.context_active() for cls in backend_classes())
+    return any(cls.context_active() for cls in _detection_order())
+
+
+def _detection_order() -> list[type[Backend]]:
+    last = importlib.import_module(_REGISTRY[_DETECT_LAST][0])
+    return sorted(backend_classes(), key=lambda cls: cls.__module__ == last.__name__)
 
 
 def detect() -> Backend:
     """Wrap the context created outside onedist, or return the serial backend."""
-    for cls in backend_classes():
+    for cls in _detection_order():
         if cls.context_active():
             backend = cls.create_from_context()
             if backend is not None:

@@ -63,6 +63,9 @@ class Backend(ABC):
     #: CPU tensors of these dtypes reduce as they are (no move, no widening): the collectives'
     #: fast path skips every routing question for them
     cpu_reduce_dtypes: frozenset[torch.dtype] = frozenset()
+    #: send/recv carry bulk data well: large uneven gathers then go over concurrent isend/irecv
+    #: with every peer (False where point-to-point is emulated, e.g. Horovod's: all_to_all instead)
+    p2p_bulk: ClassVar[bool] = True
 
     def __init__(self, backend: Optional[str], rank: int, world_size: int) -> None:
         #: the backend name :func:`onedist.backend` reports (``None`` when serial)
@@ -99,6 +102,32 @@ class Backend(ABC):
         **kwargs: Any,
     ) -> Backend:
         """Create the context (e.g. ``init_process_group``) and wrap it."""
+
+    @classmethod
+    def launch(
+        cls,
+        backend: str,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        nproc_per_node: int,
+        nnodes: int,
+        node_rank: int,
+        master_addr: str,
+        master_port: Optional[int],
+        init_method: Optional[str],
+        timeout: Optional[timedelta],
+        start_method: str,
+    ) -> Optional[list[Any]]:
+        """Start workers with the backend's own launcher (``horovod.run``, ``xmp.spawn``).
+
+        Called by :func:`onedist.spawn` with checked arguments. Each worker must create the
+        context, run ``fn(local_rank, *args, **kwargs)`` and finalise. Returns each local rank's
+        result in local-rank order, or None to let onedist's own process launcher start the
+        workers (the default: torch.distributed needs nothing else).
+        """
+        return None
 
     @abstractmethod
     def is_stale(self) -> bool:

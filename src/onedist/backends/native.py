@@ -31,6 +31,7 @@ from .._net import (
 from ..environments import ClusterEnv, PartialLayout, detect, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, OnedistTimeoutError, OnedistValueError, bad_value
 from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
+from .mpi import installed as mpi4py_installed
 
 __all__ = ["NativeBackend"]
 
@@ -57,6 +58,8 @@ _GLOO_REDUCE_DTYPES = {
 # ops whose CUDA tensors gloo accepts (torch.distributed capability table); others go through CPU
 _GLOO_CUDA_OPS = frozenset({"all_reduce", "broadcast"})
 
+_MPI4PY = "mpi4py"  # torch's name of onedist's mpi4py process group (backends/mpi.py)
+
 _TCPStore: Any = getattr(dist, "TCPStore", None)  # torch.distributed re-exports it without __all__
 
 _NODE_KEY = "onedist/node/{}"
@@ -79,8 +82,10 @@ class NativeBackend(Backend):
     def __init__(self, owned: bool, env_set: Optional[dict[str, Optional[str]]] = None) -> None:
         world = dist.distributed_c10d._get_default_group()
         name = str(dist.get_backend())
-        super().__init__(name, dist.get_rank(), dist.get_world_size())
-        self.name = name  # the backend string, never None here
+        # onedist's mpi4py process group is torch's "mpi4py" ("mpi" is the built-in's name); users
+        # asked for, and onedist.backend() reports, "mpi"
+        super().__init__("mpi" if name == _MPI4PY else name, dist.get_rank(), dist.get_world_size())
+        self.name = name  # torch's backend string, never None here
         self._world = world
         #: True when onedist created the default group (initialize / spawn)
         self.owned = owned
@@ -113,7 +118,7 @@ class NativeBackend(Backend):
             names.append("gloo")
         if dist.is_nccl_available() and torch.cuda.is_available():
             names.append("nccl")
-        if dist.is_mpi_available():
+        if dist.is_mpi_available() or mpi4py_installed():
             names.append("mpi")
         if dist.is_gloo_available():
             from .shm import supported
@@ -162,6 +167,11 @@ class NativeBackend(Backend):
             from .shm import register
 
             register()
+        elif backend == "mpi" and not dist.is_mpi_available():
+            from .mpi import register as register_mpi
+
+            register_mpi()  # stock wheels: onedist's process group over mpi4py
+            backend = _MPI4PY
         try:
             store = None
             if init_method == "env://" and "store" not in kwargs and backend != "mpi":
@@ -185,6 +195,36 @@ class NativeBackend(Backend):
             discard_store_fd(os.environ)
             raise
         return cls(owned=True, env_set=env_set)
+
+    @classmethod
+    def launch(
+        cls,
+        backend: str,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        nproc_per_node: int,
+        nnodes: int,
+        node_rank: int,
+        master_addr: str,
+        master_port: Optional[int],
+        init_method: Optional[str],
+        timeout: Optional[timedelta],
+        start_method: str,
+    ) -> Optional[list[Any]]:
+        if backend == "mpi" and nproc_per_node * nnodes > 1:
+            # MPI's processes come from its launcher: processes spawned here would each be an MPI
+            # world of one
+            raise bad_value(
+                "spawn",
+                "backend",
+                backend,
+                "'gloo', 'nccl' or 'shm' when onedist starts the processes",
+                hint="start MPI ranks with the MPI launcher: mpirun -np N python script.py; "
+                "Parallel(backend='mpi') then only initialises",
+            )
+        return None
 
     def is_stale(self) -> bool:
         return dist.distributed_c10d.GroupMember.WORLD is not self._world
@@ -351,12 +391,12 @@ class NativeBackend(Backend):
         if not kwargs and ranks == tuple(range(self.world_size)):
             group = None
         elif self.rank not in ranks and (
-            kwargs.get("use_local_synchronization", True) and self.backend != "mpi"
+            kwargs.get("use_local_synchronization", True) and self.name != "mpi"
         ):
             # torch returns None to non-members here, which would read as "the whole world"
             group = dist.GroupMember.NON_GROUP_MEMBER
         else:
-            if "use_local_synchronization" not in kwargs and self.backend != "mpi":
+            if "use_local_synchronization" not in kwargs and self.name != "mpi":
                 # only members take part in creating it, so a group used by its members only
                 # (e.g. a collective inside `if rank in ranks`) does not deadlock
                 kwargs = {**kwargs, "use_local_synchronization": True}
@@ -409,7 +449,11 @@ class NativeBackend(Backend):
     def comm_device(self, device: torch.device, op: str) -> torch.device:
         if self._nccl:
             return device if device.type == "cuda" else self.device()
-        if device.type == "cpu" or (self.backend == "gloo" and op not in _GLOO_CUDA_OPS):
+        if (
+            device.type == "cpu"
+            or self.name == _MPI4PY
+            or (self.backend == "gloo" and op not in _GLOO_CUDA_OPS)
+        ):
             return _CPU
         return device
 

@@ -38,11 +38,9 @@ import logging
 import mmap
 import os
 import platform
-import queue
 import socket
 import struct
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +51,9 @@ from typing import Any, Optional
 import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
+
+from ._pygroup import OrderedGroup, all_cpu, for_each, opts_or
+from ._pygroup import flat as _flat
 
 logger = logging.getLogger("onedist")
 
@@ -97,7 +98,14 @@ def _futex() -> Any:
 
 
 def _host_id() -> str:
-    """This host's identity: hostname and boot id (two containers on one kernel share memory)."""
+    """This host's identity: hostname and boot id (two containers on one kernel share memory).
+
+    ``ONEDIST_SHM_HOST`` replaces it: containers that share memory but not a hostname can say so,
+    and tests split one machine into "hosts" with it.
+    """
+    given = os.environ.get("ONEDIST_SHM_HOST")
+    if given:
+        return given
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -116,34 +124,6 @@ class ShmError(RuntimeError):
     def __init__(self, message: str, culprit: Optional[int] = None) -> None:
         super().__init__(message)
         self.culprit = culprit
-
-
-_Work: Any = dist.distributed_c10d.Work
-
-
-class _ShmWork(_Work):  # type: ignore[misc]
-    """A Work over a future that the group's thread completes. torch's own future-backed Work
-    returns from ``wait()`` even when the future failed; this one raises the failure."""
-
-    def __init__(self, fut: torch.futures.Future[Any]) -> None:
-        super().__init__()
-        self._fut = fut
-
-    def wait(self, timeout: Any = None) -> bool:
-        self._fut.wait()  # raises the collective's error
-        return True
-
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._fut
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-
-def _done(result: Any) -> Any:
-    fut: torch.futures.Future[Any] = torch.futures.Future()
-    fut.set_result(result)
-    return _ShmWork(fut)
 
 
 _REDUCE: dict[Any, Callable[..., Any]] = {}
@@ -227,11 +207,7 @@ def _poison_on_error(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-# torch's stubs type ProcessGroup's methods with overloads a Python override cannot match one by one
-_ProcessGroup: Any = dist.ProcessGroup
-
-
-class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
+class ShmProcessGroup(OrderedGroup):
     """The process group behind ``backend="shm"`` (see the module docstring)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
@@ -247,12 +223,86 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
         self._spin = 2000 if size <= (os.cpu_count() or 1) else 20
         self._helpers = _helper_pool(size)
         self._parts = 1 + (self._helpers._max_workers if self._helpers is not None else 0)
-        self._lock = threading.Lock()  # guards _pending
-        self._exec = threading.Lock()  # held while a shm collective runs (one at a time)
-        self._pending = 0
-        self._queue: Optional[queue.SimpleQueue[Any]] = None
+        #: ranks on several hosts: this host's ranks share a shm group, and one rank per host
+        #: (the first) joins the others' first ranks in a gloo group (see _hierarchy)
+        self._local: Optional[ShmProcessGroup] = None
+        self._leaders: Any = None
+        self._hosts: list[list[int]] = []
         if size > 1:
-            self._seg = _attach(store, rank, size, _chunk_bytes())
+            hosts = _host_map(store, rank, size)
+            if len(hosts) == 1:
+                self._seg = _attach(store, rank, size, _chunk_bytes())
+            else:
+                self._hierarchy(store, hosts, timeout)
+
+    def _hierarchy(self, store: Any, hosts: list[list[int]], timeout: timedelta) -> None:
+        """Two levels for a group over several hosts: shm among each host's ranks, gloo among one
+        rank per host. all_reduce, broadcast and barrier go through both; the rest goes to gloo."""
+        self._hosts = hosts
+        index = next(i for i, h in enumerate(hosts) if self._rank in h)
+        mine = hosts[index]
+        if len(mine) > 1:
+            local_store = _c10d.PrefixStore(f"onedist-shm/host-{index}", store)
+            self._local = ShmProcessGroup(local_store, mine.index(self._rank), len(mine), timeout)
+        if self._rank == mine[0]:
+            leader_store = _c10d.PrefixStore("onedist-shm/leaders", store)
+            self._leaders = dist.ProcessGroupGloo(leader_store, index, len(hosts), timeout)
+        logger.info(
+            "onedist shm: the group spans %d hosts; shared memory within each, gloo across (this host: "
+            "group ranks %s)",
+            len(hosts),
+            mine,
+        )
+
+    @property
+    def _hierarchical(self) -> bool:
+        return bool(self._hosts)
+
+    def _in_local(self, method: Callable[..., Any], *args: Any) -> None:
+        """One step on this host's shm group (a failure marks its segment for the host's peers)."""
+        if self._local is not None:
+            self._local._poisoning(method.__get__(self._local), *args)
+
+    def _host_of(self, rank: int) -> int:
+        return next(i for i, h in enumerate(self._hosts) if rank in h)
+
+    def _hier_all_reduce(self, t: torch.Tensor, op: Any) -> None:
+        """Reduce to each host's first rank over shm, all_reduce among those over gloo, then
+        broadcast back over shm: every rank gets the same bits."""
+        flat, writeback = _flat(t)
+        if flat.numel() == 0:
+            return
+        self._in_local(ShmProcessGroup._all_reduce_one, flat, op, 0)
+        if self._leaders is not None:
+            opts = _c10d.AllreduceOptions()
+            opts.reduceOp = op
+            self._leaders.allreduce([flat], opts).wait()
+        self._in_local(ShmProcessGroup._broadcast_one, flat, 0)
+        if writeback:
+            t.copy_(flat.view(t.shape))
+
+    def _hier_broadcast(self, t: torch.Tensor, root: int) -> None:
+        flat, writeback = _flat(t)
+        if flat.numel() == 0:
+            return
+        source_host = self._host_of(root)
+        home = source_host == self._host_of(self._rank)
+        if home:  # the root's host first: its first rank then holds the data
+            self._in_local(ShmProcessGroup._broadcast_one, flat, self._hosts[source_host].index(root))
+        if self._leaders is not None:
+            opts = _c10d.BroadcastOptions()
+            opts.rootRank = source_host
+            self._leaders.broadcast([flat], opts).wait()
+        if not home:
+            self._in_local(ShmProcessGroup._broadcast_one, flat, 0)
+        if writeback and self._rank != root:
+            t.copy_(flat.view(t.shape))
+
+    def _hier_barrier(self) -> None:
+        self._in_local(ShmProcessGroup._barrier, "barrier")
+        if self._leaders is not None:
+            self._leaders.barrier(_c10d.BarrierOptions()).wait()
+        self._in_local(ShmProcessGroup._barrier, "barrier")
 
     def _poisoning(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``call(*args, **kwargs)``, marking the segment when it fails (see _poison_on_error)."""
@@ -274,10 +324,15 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
     def getBackendName(self) -> str:
         return NAME
 
+    _thread_name = "onedist-shm"
+
+    def _execute(self, job: Callable[[], Any]) -> Any:
+        return self._poisoning(job)
+
     @property
     def uses_shared_memory(self) -> bool:
-        """False when this group runs everything on gloo (ranks on several hosts, ...)."""
-        return self._seg is not None
+        """False when this group runs everything on gloo (one rank per host, no shared memory)."""
+        return self._seg is not None or (self._local is not None and self._local.uses_shared_memory)
 
     # ------------------------------------------------------------------ synchronisation
     def _barrier(self, what: str) -> None:
@@ -367,68 +422,29 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
         for f in futures:
             f.result()
 
-    # ------------------------------------------------------------------ ordering
-    def _run(self, job: Callable[[], Any], inputs: list[torch.Tensor], result: Any) -> Any:
-        """Run a shm collective in call order: here and now when nothing is queued and it is
-        small, else on the group's thread (a Work that completes later), so that DDP's backward
-        goes on computing while large gradient buckets are reduced, as with gloo's threads."""
-        nbytes = sum(t.numel() * t.element_size() for t in inputs)
-        with self._lock:
-            inline = nbytes < _ASYNC_BYTES and self._pending == 0
-            if inline:
-                self._exec.acquire()  # the thread is idle (pending 0): this cannot wait long
-            else:
-                self._pending += 1
-        if inline:
-            try:
-                job()
-            finally:
-                self._exec.release()
-            return _done(result)
-        fut: torch.futures.Future[Any] = torch.futures.Future()
-        if self._queue is None:
-            self._queue = queue.SimpleQueue()
-            threading.Thread(target=self._serve, name="onedist-shm", daemon=True).start()
-        self._queue.put((job, result, fut))
-        return _ShmWork(fut)
-
-    def _serve(self) -> None:
-        q = self._queue
-        assert q is not None
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            job, result, fut = item
-            error: Optional[BaseException] = None
-            with self._exec:
-                try:
-                    self._poisoning(job)
-                except BaseException as e:
-                    error = e
-            with self._lock:
-                self._pending -= 1
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-
     # ------------------------------------------------------------------ collectives
     @_poison_on_error
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        if self._seg is None or not _all_cpu(tensors):
-            return self._gloo.allreduce(tensors, _opts(_c10d.AllreduceOptions, opts))
+        if self._hierarchical and all_cpu(tensors):
+            op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+            _reduce_fn(op)
+            job = partial(for_each, partial(self._hier_all_reduce, op=op), tensors)
+            return self._run(job, tensors, tensors)
+        if self._seg is None or not all_cpu(tensors):
+            return self._gloo.allreduce(tensors, opts_or(_c10d.AllreduceOptions, opts))
         return self._reduce_each(tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, None)
 
     @_poison_on_error
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        if self._seg is None or not _all_cpu(tensors):
+        if self._hierarchical:
+            return self.allreduce(tensors, opts)
+        if self._seg is None or not all_cpu(tensors):
             return self._gloo.allreduce_coalesced(tensors, opts or _c10d.AllreduceCoalescedOptions())
         return self._reduce_each(tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, None)
 
     @_poison_on_error
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
-        if self._seg is None or not _all_cpu(tensors):
+        if self._seg is None or not all_cpu(tensors):
             return self._gloo.reduce(tensors, opts)
         return self._reduce_each(tensors, opts.reduceOp, opts.rootRank)
 
@@ -436,7 +452,7 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
         """all_reduce (``root`` None) or reduce to ``root`` of each tensor, in order."""
         _reduce_fn(op)  # an unsupported op raises here, on every rank, before anything moves
         return self._run(
-            partial(_for_each, partial(self._all_reduce_one, op=op, root=root), tensors), tensors, tensors
+            partial(for_each, partial(self._all_reduce_one, op=op, root=root), tensors), tensors, tensors
         )
 
     def _all_reduce_one(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
@@ -474,11 +490,15 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
 
     @_poison_on_error
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        if self._seg is None or not _all_cpu(tensors):
-            return self._gloo.broadcast(tensors, _opts(_c10d.BroadcastOptions, opts))
+        if self._hierarchical and all_cpu(tensors):
+            root = opts.rootRank if opts is not None else 0
+            job = partial(for_each, partial(self._hier_broadcast, root=root), tensors)
+            return self._run(job, tensors, tensors)
+        if self._seg is None or not all_cpu(tensors):
+            return self._gloo.broadcast(tensors, opts_or(_c10d.BroadcastOptions, opts))
         root = opts.rootRank if opts is not None else 0
         return self._run(
-            partial(_for_each, partial(self._broadcast_one, root=root), tensors), tensors, tensors
+            partial(for_each, partial(self._broadcast_one, root=root), tensors), tensors, tensors
         )
 
     def _broadcast_one(self, t: torch.Tensor, root: int) -> None:
@@ -501,7 +521,7 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
 
     @_poison_on_error
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        if self._seg is None or not _all_cpu([output, input]):
+        if self._seg is None or not all_cpu([output, input]):
             return self._gloo._allgather_base(output, input, opts or _c10d.AllgatherOptions())
         n = input.numel()
         parts = [output.view(-1)[i * n : (i + 1) * n] for i in range(self._size)]
@@ -514,9 +534,9 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        if self._seg is None or not _all_cpu(inputs + [t for ts in outputs for t in ts]):
+        if self._seg is None or not all_cpu(inputs + [t for ts in outputs for t in ts]):
             return self._gloo.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
-        return self._run(partial(_for_each, self._gather_into, outputs, inputs), inputs, outputs)
+        return self._run(partial(for_each, self._gather_into, outputs, inputs), inputs, outputs)
 
     def _gather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
         seg = self._seg
@@ -541,7 +561,7 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
 
     @_poison_on_error
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        if self._seg is None or not _all_cpu([output, input]):
+        if self._seg is None or not all_cpu([output, input]):
             return self._gloo._reduce_scatter_base(output, input, opts or _c10d.ReduceScatterOptions())
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         _reduce_fn(op)
@@ -555,13 +575,13 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
-        if self._seg is None or not _all_cpu(outputs + [t for ts in inputs for t in ts]):
+        if self._seg is None or not all_cpu(outputs + [t for ts in inputs for t in ts]):
             return self._gloo.reduce_scatter(outputs, inputs, opts or _c10d.ReduceScatterOptions())
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         _reduce_fn(op)
         stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
         return self._run(
-            partial(_for_each, partial(self._reduce_scatter, op=op), outputs, stacked),
+            partial(for_each, partial(self._reduce_scatter, op=op), outputs, stacked),
             stacked,
             outputs,
         )
@@ -587,6 +607,8 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
 
     @_poison_on_error
     def barrier(self, opts: Any = None) -> Any:
+        if self._hierarchical:
+            return self._run(self._hier_barrier, [], None)
         if self._seg is None:
             return self._gloo.barrier(opts or _c10d.BarrierOptions())
         return self._run(partial(self._barrier, "barrier"), [], None)
@@ -626,6 +648,8 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
     def abort(self) -> None:
         """Mark the group failed by this rank: peers waiting in a collective raise at once."""
         self._mark(None)
+        if self._local is not None:
+            self._local.abort()
 
     def _mark(self, exited: Optional[int]) -> None:
         seg = self._seg
@@ -635,33 +659,14 @@ class ShmProcessGroup(_ProcessGroup):  # type: ignore[misc]
             seg.abort.value = (self._rank if exited is None else exited) + 1
 
     def shutdown(self) -> None:
-        if self._queue is not None:
-            self._queue.put(None)
+        self._stop_thread()
         if self._helpers is not None:
             self._helpers.shutdown(wait=False)
-
-
-def _for_each(fn: Callable[..., None], *columns: list[Any]) -> None:
-    for args in zip(*columns):
-        fn(*args)
-
-
-def _opts(cls: Any, opts: Any) -> Any:
-    return opts if opts is not None else cls()
-
-
-def _all_cpu(tensors: list[torch.Tensor]) -> bool:
-    return all(t.device.type == "cpu" and not t.is_sparse for t in tensors)
-
-
-def _flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A flat view of ``t`` with stride 1, or a flat copy (then True: copy the result back)."""
-    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        flat = t.view(-1)
-        if flat.numel() <= 1 and flat.stride(0) != 1:  # "contiguous" x[i::2][:1]: stride 2
-            flat = flat.as_strided((flat.numel(),), (1,))
-        return flat, False
-    return t.contiguous().resolve_conj().resolve_neg().view(-1), True
+        if self._local is not None:
+            self._local.shutdown()
+        # drop the inner groups now: a gloo group left for the interpreter's teardown to destroy
+        # aborts the process ("terminate called without an active exception")
+        self._local = self._leaders = None
 
 
 def _alive(pid: int) -> bool:
@@ -712,13 +717,18 @@ def _chunk_bytes() -> int:
     return _round(int(mb * (1 << 20)), 4096)
 
 
+def _host_map(store: Any, rank: int, size: int) -> list[list[int]]:
+    """The group's ranks by host, hosts in the order of their first rank."""
+    store.set(f"onedist-shm/host/{rank}", _host_id())
+    ids = [store.get(f"onedist-shm/host/{r}").decode() for r in range(size)]
+    hosts: dict[str, list[int]] = {}
+    for r, host in enumerate(ids):
+        hosts.setdefault(host, []).append(r)
+    return list(hosts.values())
+
+
 def _attach(store: Any, rank: int, size: int, chunk: int) -> Optional[_Segment]:
     """Create (rank 0) or open the group's segment; None on every rank when any rank cannot."""
-    store.set(f"onedist-shm/host/{rank}", _host_id())
-    hosts = {store.get(f"onedist-shm/host/{r}").decode() for r in range(size)}
-    if len(hosts) > 1:
-        logger.info("onedist shm: the group spans %d hosts; its collectives run on gloo", len(hosts))
-        return None
     nbytes = _Segment.nbytes(size, chunk)
     fd = -1
     mm: Optional[mmap.mmap] = None

@@ -1,0 +1,150 @@
+"""What onedist's Python process groups (``shm``, ``mpi`` over mpi4py) share.
+
+torch lets Python register a process group backend; ``DistributedDataParallel`` and every
+``dist.*`` call then use it like gloo. Three things every such group needs, kept here:
+
+* :class:`PyWork`: torch's own future-backed ``Work`` returns from ``wait()`` even when the
+  future failed; this one raises the failure (and can carry a ``recv`` sender).
+* :class:`OrderedGroup`: collectives complete in call order, run here and now when small and
+  nothing is queued, else on the group's thread (a Work that completes later), so that DDP's
+  backward goes on computing while large gradient buckets are reduced, as with gloo's threads.
+* flat, stride-1 views of the tensors a collective is given (:func:`flat`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["OrderedGroup", "PyWork", "all_cpu", "done", "flat", "for_each", "opts_or"]
+
+_Work: Any = dist.distributed_c10d.Work
+# torch's stubs type ProcessGroup's methods with overloads a Python override cannot match one by one
+_ProcessGroup: Any = dist.ProcessGroup
+
+#: collectives moving at least this many bytes run on the group's thread
+ASYNC_BYTES = 1 << 20
+
+
+class PyWork(_Work):  # type: ignore[misc]
+    """A Work over a future that the group completes; ``wait()`` raises the collective's error."""
+
+    def __init__(self, fut: torch.futures.Future[Any], source: int = -1) -> None:
+        super().__init__()
+        self._fut = fut
+        self._source = source
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._fut.wait()  # raises the collective's error
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def _source_rank(self) -> int:  # dist.recv(src=None) asks the work who sent
+        return self._source
+
+
+def done(result: Any, source: int = -1) -> PyWork:
+    """A completed work whose future holds ``result``."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(result)
+    return PyWork(fut, source)
+
+
+class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
+    """A process group whose collectives run one at a time, in call order (see the module doc)."""
+
+    _thread_name = "onedist-group"
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._lock = threading.Lock()  # guards _pending
+        self._exec = threading.Lock()  # held while a collective runs (one at a time)
+        self._pending = 0
+        self._queue: Optional[queue.SimpleQueue[Any]] = None
+
+    def _execute(self, job: Callable[[], Any]) -> Any:
+        """Run one queued job on the group's thread (a subclass adds its failure handling)."""
+        return job()
+
+    def _run(self, job: Callable[[], Any], inputs: list[torch.Tensor], result: Any) -> Any:
+        """Run ``job`` in call order: inline when nothing is queued and it is small, else queued."""
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        with self._lock:
+            inline = nbytes < ASYNC_BYTES and self._pending == 0
+            if inline:
+                self._exec.acquire()  # the thread is idle (pending 0): this cannot wait long
+            else:
+                self._pending += 1
+        if inline:
+            try:
+                job()
+            finally:
+                self._exec.release()
+            return done(result)
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(target=self._serve, name=self._thread_name, daemon=True).start()
+        self._queue.put((job, result, fut))
+        return PyWork(fut)
+
+    def _serve(self) -> None:
+        q = self._queue
+        assert q is not None
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            job, result, fut = item
+            error: Optional[BaseException] = None
+            with self._exec:
+                try:
+                    self._execute(job)
+                except BaseException as e:
+                    error = e
+            with self._lock:
+                self._pending -= 1
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
+    def _stop_thread(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)
+
+
+def for_each(fn: Callable[..., None], *columns: list[Any]) -> None:
+    """``fn`` on each row of the columns (the tensors of a multi-tensor collective)."""
+    for args in zip(*columns):
+        fn(*args)
+
+
+def opts_or(cls: Any, opts: Any) -> Any:
+    """``opts``, or the default options of type ``cls`` when torch passed none."""
+    return opts if opts is not None else cls()
+
+
+def all_cpu(tensors: list[torch.Tensor]) -> bool:
+    """True when every tensor is a dense CPU tensor."""
+    return all(t.device.type == "cpu" and not t.is_sparse for t in tensors)
+
+
+def flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A flat view of ``t`` with stride 1, or a flat copy (then True: copy the result back)."""
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        view = t.view(-1)
+        if view.numel() <= 1 and view.stride(0) != 1:  # "contiguous" x[i::2][:1]: stride 2
+            view = view.as_strided((view.numel(),), (1,))
+        return view, False
+    return t.contiguous().resolve_conj().resolve_neg().view(-1), True

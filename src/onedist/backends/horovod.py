@@ -1,0 +1,1183 @@
+"""The Horovod backend (``backend="horovod"``): onedist's primitives on Horovod's own operations.
+
+Processes come from ``horovodrun`` (or from :func:`onedist.spawn` / :class:`onedist.Parallel`
+with ``backend="horovod"``, which start them through ``horovod.run``); ``initialize("horovod")``
+calls ``hvd.init()``. Everything Horovod-specific lives here:
+
+* Collectives are Horovod's allreduce / allgather / broadcast / alltoall / barrier. Horovod
+  matches operations across ranks by *name*, so onedist names each one from what every member
+  knows: the group, the operation, dtype and size (a synchronous call: the same name next time,
+  answered from Horovod's response cache), plus a per-group number for asynchronous ones.
+  Horovod's own unnamed counter differs between ranks as soon as they did different things.
+* dtypes: Horovod reduces float16/32/64 and int32/64 only; bool, int8, uint8, int16, uint16 are
+  reduced in int32, uint32 in int64, bfloat16 in float32 (:meth:`reduce_dtype`; the cast back
+  gives the result the narrow type would give). Data movement of the dtypes Horovod cannot move
+  (bool, bfloat16, complex, unsigned > 8 bits) travels as the tensor's raw bytes.
+* AND / OR (bitwise, as torch.distributed's BAND / BOR): Horovod has no bitwise reduction, so
+  the values are all-gathered and combined locally (exact; N times the data of the tensor).
+* Groups are Horovod process sets. ``hvd.add_process_set`` is a collective of *every* rank, so
+  on Horovod a group must be created on all ranks (``od.new_group(ranks)`` before any
+  ``if rank in ranks:``). onedist enables dynamic process sets (HOROVOD_DYNAMIC_PROCESS_SETS=1)
+  at ``initialize``.
+* send / recv: Horovod has no point-to-point operation. onedist carries them through the small
+  key-value store it starts beside Horovod (rank 0 hosts it; it also carries failure reports):
+  exact, with tags and ``src=None``, fine for control messages and small tensors; bulk data
+  belongs in collectives.
+* ``auto_model`` broadcasts parameters and buffers from rank 0 (no DDP wrapper); ``auto_optim``
+  wraps the optimizer in ``hvd.DistributedOptimizer`` and broadcasts rank 0's state.
+* ``timeout``: Horovod waits forever for a rank that never joins a collective; with a timeout,
+  onedist polls the operation and raises after that long, naming the ranks that did not arrive.
+
+Example:
+    >>> import onedist as od                                   # doctest: +SKIP
+    >>> # horovodrun -np 2 -H localhost:2 --gloo python train.py
+    >>> od.initialize("horovod")
+    >>> od.all_reduce(od.get_rank())                            # 0 + 1
+    1
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from ..errors import (
+    OnedistRuntimeError,
+    OnedistTypeError,
+    OnedistValueError,
+    WorkerFailedError,
+    bad_type,
+    bad_value,
+)
+from .base import Backend, Layout, Work
+
+__all__ = ["HorovodBackend"]
+
+logger = logging.getLogger("onedist")
+
+_NAME = "horovod"
+_LOOPBACK = "127.0.0.1"
+_CPU = torch.device("cpu")
+
+# Horovod's ops and the dtypes its CPU (and GPU) kernels take, read from its torch extension:
+# allreduce: Half/Float/Double/Int/Long; allgather, broadcast, alltoall: also Byte/Char/Short
+_REDUCE_DTYPES = frozenset({torch.float16, torch.float32, torch.float64, torch.int32, torch.int64})
+_MOVE_DTYPES = _REDUCE_DTYPES | {torch.uint8, torch.int8, torch.int16}
+# a wider type that Horovod reduces, giving the same result after the cast back (two's-complement
+# sums and products wrap identically; MIN/MAX keep their order; bfloat16 -> float32 is exact)
+_WIDEN = {
+    torch.bool: torch.int32,
+    torch.int8: torch.int32,
+    torch.uint8: torch.int32,
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+    torch.bfloat16: torch.float32,
+}
+_HVD_OPS = {"SUM": "Sum", "PRODUCT": "Product", "MIN": "Min", "MAX": "Max"}
+_BITWISE = {"AND": torch.bitwise_and, "OR": torch.bitwise_or}
+
+# hvd.DistributedOptimizer's keyword arguments that auto_optim passes through
+_OPTIM_KWARGS = (
+    "named_parameters",
+    "compression",
+    "backward_passes_per_step",
+    "op",
+    "gradient_predivide_factor",
+    "num_groups",
+    "groups",
+    "sparse_as_dense",
+)
+_HVD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
+_FINALIZE_WAIT_S = 30.0  # rank 0 keeps the side store this long for ranks still finishing
+_P2P_KEY = "onedist/p2p/{}/{}>{}/{}/{}"  # group, src, dst, tag, sequence number
+_CHUNK = 4 << 20  # bytes per store value (TCPStore refuses values over 8 MiB)
+_DONE_KEY = "onedist/hvd-finalized"
+_FAILED_COUNT = "onedist/failed-count"  # _guard's key: stop waiting for ranks that failed
+
+
+# ============================================================================ installation
+@functools.cache
+def installed() -> bool:
+    """True when Horovod's PyTorch extension is installed (no import: ``horovod`` imports its runner)."""
+    from importlib.util import find_spec
+
+    try:
+        spec = find_spec("horovod")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    for location in spec.submodule_search_locations:
+        torch_dir = os.path.join(location, "torch")
+        try:
+            names = os.listdir(torch_dir)
+        except OSError:
+            continue
+        if "__init__.py" in names and any(n.startswith("mpi_lib_v2") for n in names):
+            return True
+    return False
+
+
+def _hvd() -> Any:
+    """``horovod.torch``, imported on first use, with the fix when it does not import."""
+    module = sys.modules.get("horovod.torch")
+    if module is not None:
+        return module
+    try:
+        import horovod.torch as hvd
+    except ImportError as e:
+        raise OnedistRuntimeError(
+            f"onedist: backend='horovod' needs horovod.torch, which does not import here ({e})\n"
+            "HINT: build Horovod against this torch as docs/launchers/horovodrun.md shows "
+            "(.ci/install_horovod.sh; `pip install horovod` alone fails to compile against torch 2.x)"
+        ) from e
+    return hvd
+
+
+# ============================================================================ work handles
+class HorovodTimeoutError(RuntimeError):
+    """A Horovod operation did not complete within the context's timeout (a RuntimeError, like
+    the library's own errors, so that onedist's guard reports which ranks never arrived)."""
+
+
+class _HorovodWork:
+    """The handle of an asynchronous primitive: ``wait()`` synchronises Horovod's handles, then
+    finishes the primitive (copies an allgather's result into its output, ...).
+
+    With a timeout, the handles are polled (Horovod's own wait has none): Horovod keeps waiting
+    for a rank that never joins, with a timeout the caller gets an error instead.
+    """
+
+    __slots__ = ("_finish", "_handles", "_hvd", "_name", "_timeout")
+
+    def __init__(
+        self,
+        hvd: Any,
+        handles: list[int],
+        finish: Optional[Callable[[list[Any]], None]],
+        timeout: Optional[float],
+        name: str,
+    ) -> None:
+        self._hvd = hvd
+        self._handles: Optional[list[int]] = handles
+        self._finish = finish
+        self._timeout = timeout
+        self._name = name
+
+    def wait(self) -> bool:
+        if self._handles is not None:
+            handles, self._handles = self._handles, None
+            if self._timeout is not None:
+                self._poll(handles, self._timeout)
+            outputs = [self._hvd.synchronize(h) for h in handles]
+            if self._finish is not None:
+                self._finish(outputs)
+        return True
+
+    def _poll(self, handles: list[int], limit: float) -> None:
+        poll = self._hvd.poll
+        deadline = time.monotonic() + limit
+        pause = 1e-5
+        for h in handles:
+            while not poll(h):
+                if time.monotonic() > deadline:
+                    raise HorovodTimeoutError(
+                        f"Timed out after {limit:.0f} s waiting for Horovod operation {self._name}: a rank "
+                        "of its group has not joined it"
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, 0.001)
+
+    def is_completed(self) -> bool:
+        return self._handles is None or all(self._hvd.poll(h) for h in self._handles)
+
+
+class _StoreWork:
+    """A send or receive through the side store; ``wait()`` runs the receive."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Optional[Callable[[], Any]]) -> None:
+        self._run = run
+
+    def wait(self) -> bool:
+        if self._run is not None:
+            run, self._run = self._run, None
+            run()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._run is None
+
+
+def _movable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat, as a dtype Horovod moves: itself, or a view of its bytes."""
+    flat = t.reshape(-1)
+    return flat if flat.dtype in _MOVE_DTYPES else flat.view(torch.uint8)
+
+
+# ============================================================================ the backend
+class HorovodBackend(Backend):
+    """A Horovod context (``hvd.init()``), created by onedist or by the user.
+
+    Example:
+        >>> import onedist as od                                   # doctest: +SKIP
+        >>> od.initialize("horovod")                                # under horovodrun
+        >>> od.model_name(), od.backend()
+        ('horovod-dist', 'horovod')
+    """
+
+    model_name = "horovod-dist"
+    cpu_reduce_dtypes = _REDUCE_DTYPES
+    p2p_bulk = False  # send/recv go through the side store: large gathers use Horovod's alltoall
+
+    def __init__(
+        self,
+        owned: bool,
+        env_set: Optional[dict[str, Optional[str]]] = None,
+        store: Any = None,
+        timeout: Optional[timedelta] = None,
+    ) -> None:
+        hvd = _hvd()
+        super().__init__(_NAME, int(hvd.rank()), int(hvd.size()))
+        self._hvd = hvd
+        #: True when onedist called hvd.init() (initialize / spawn)
+        self.owned = owned
+        self._env_set = env_set or {}
+        self._store = store
+        self._timeout = None if timeout is None else timeout.total_seconds()
+        self._last_name = ""
+        self._threads: Optional[int] = None  # torch's thread count before onedist lowered it
+        self._groups: dict[tuple[int, ...], Any] = {}
+        self._seq: dict[int, int] = {}
+        self._sent: dict[tuple[str, int, int], int] = {}
+        self._received: dict[tuple[str, int, int], int] = {}
+        self._layout: Optional[Layout] = None
+        self._device: Optional[torch.device] = None
+        self._local_group: Any = None
+        self._local_group_made = False
+        self._gpu_ops = torch.cuda.is_available() and bool(hvd.nccl_built())
+        dev = self.device()
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def available_backends(cls) -> tuple[str, ...]:
+        return (_NAME,) if installed() else ()
+
+    @classmethod
+    def context_active(cls) -> bool:
+        module = sys.modules.get("horovod.torch")  # never imports horovod
+        if module is None:
+            return False
+        try:
+            return bool(module.is_initialized())
+        except Exception:
+            return False
+
+    @classmethod
+    def create_from_context(cls) -> Optional[Backend]:
+        if not cls.context_active():
+            return None
+        return cls(owned=False)
+
+    @classmethod
+    def create_from_backend(
+        cls,
+        backend: str,
+        *,
+        timeout: Optional[timedelta],
+        init_method: Optional[str],
+        rank: Optional[int],
+        world_size: Optional[int],
+        **kwargs: Any,
+    ) -> Backend:
+        if kwargs:
+            name = sorted(kwargs)[0]
+            raise bad_value(
+                "initialize",
+                name,
+                kwargs[name],
+                "no keyword arguments beyond timeout, init_method, rank and world_size with "
+                "backend 'horovod'",
+            )
+        if init_method not in (None, "env://"):
+            raise bad_value(
+                "initialize",
+                "init_method",
+                init_method,
+                "None or 'env://' with backend 'horovod'",
+                hint="horovodrun (or onedist.spawn('horovod', ...)) sets up Horovod's rendezvous itself",
+            )
+        expected_rank, expected_size = _launcher_rank_size()
+        for arg, given, expected in (
+            ("rank", rank, expected_rank),
+            ("world_size", world_size, expected_size),
+        ):
+            if given is not None and given != expected:
+                raise bad_value(
+                    "initialize",
+                    arg,
+                    given,
+                    f"None or {expected}, the value horovodrun gave this process",
+                    hint="Horovod takes rank and world size from horovodrun; start N processes with "
+                    "`horovodrun -np N ...` or onedist.spawn('horovod', fn, nproc_per_node=N)",
+                )
+        hvd = _hvd()
+        env_set: dict[str, Optional[str]] = {}
+        # process sets (groups) made after hvd.init(), by every rank
+        if "HOROVOD_DYNAMIC_PROCESS_SETS" not in os.environ:
+            _set_env("HOROVOD_DYNAMIC_PROCESS_SETS", "1", env_set)
+        try:
+            hvd.init()
+        except BaseException:
+            _restore_env(env_set)
+            raise
+        store = None
+        try:
+            if hvd.size() > 1:
+                store = _side_store(hvd, timeout)
+            backend_ = cls(owned=True, env_set=env_set, store=store, timeout=timeout)
+            backend_._share_cores()
+            return backend_
+        except BaseException:
+            hvd.shutdown()
+            _restore_env(env_set)
+            raise
+
+    @classmethod
+    def launch(
+        cls,
+        backend: str,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        nproc_per_node: int,
+        nnodes: int,
+        node_rank: int,
+        master_addr: str,
+        master_port: Optional[int],
+        init_method: Optional[str],
+        timeout: Optional[timedelta],
+        start_method: str,
+    ) -> Optional[list[Any]]:
+        """Start ``nproc_per_node`` workers on this host through ``horovod.run`` (Gloo controller).
+
+        Each worker runs ``fn(local_rank, *args, **kwargs)`` inside an initialised horovod context;
+        the results come back in rank order. A failing worker ends the run (Horovod stops the
+        others) and :class:`~onedist.WorkerFailedError` is raised with its rank and traceback.
+        """
+        from .._net import is_loopback
+
+        for arg, value, allowed, ok in (
+            ("nnodes", nnodes, "1", nnodes == 1),
+            ("node_rank", node_rank, "0", node_rank == 0),
+            ("master_addr", master_addr, "a loopback address ('127.0.0.1')", is_loopback(master_addr)),
+            ("master_port", master_port, "None", master_port is None),
+            ("init_method", init_method, "None or 'env://'", init_method in (None, "env://")),
+            ("start_method", start_method, "'spawn'", start_method == "spawn"),
+        ):
+            if not ok:
+                raise bad_value(
+                    "spawn",
+                    arg,
+                    value,
+                    f"{allowed} with backend 'horovod'",
+                    hint="spawn('horovod', ...) starts fresh processes on this host through horovod.run, "
+                    "which picks its own rendezvous; for several hosts use `horovodrun -np N -H "
+                    "host1:n1,host2:n2 python script.py` (Parallel(backend='horovod') then only initialises)",
+                )
+        try:
+            import horovod
+        except ImportError as e:  # reported as unavailable before this; kept for a broken install
+            raise OnedistRuntimeError(f"onedist.spawn: horovod does not import ({e})") from e
+        from ..launch import worker_threads_env
+
+        del horovod  # imported here only to fail early; horovod.run runs in a child (below)
+        import multiprocessing
+
+        import cloudpickle
+
+        report_dir = tempfile.mkdtemp(prefix="onedist-horovod-")
+        cfg = {"timeout": timeout, "env": worker_threads_env(nproc_per_node), "report_dir": report_dir}
+        # horovod.run leaves its driver service listening on 0.0.0.0 in the calling process, and
+        # installs signal handlers there: it runs in a short-lived child process instead, so this
+        # process keeps nothing of it (cloudpickle carries fn, as horovod.run would)
+        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs), cfg))
+        ctx = multiprocessing.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_horovod_run, args=(payload, nproc_per_node, writer))
+        try:
+            child.start()
+            writer.close()
+            try:
+                status, value = reader.recv()
+            except EOFError:
+                status, value = "error", f"the horovod.run process died (exit code {child.exitcode})"
+            child.join()
+            if status == "ok":
+                return cloudpickle.loads(value)  # type: ignore[no-any-return]
+            if status == "failed":
+                raise _launch_failure(report_dir, nproc_per_node, RuntimeError(value))
+            raise OnedistRuntimeError(f"onedist.spawn: horovod.run failed:\n{value}")
+        finally:
+            if child.is_alive():
+                child.kill()
+                child.join()
+            reader.close()
+            import shutil
+
+            shutil.rmtree(report_dir, ignore_errors=True)
+
+    def _share_cores(self) -> None:
+        """Several ranks on this node and no OMP_NUM_THREADS (horovodrun sets none, unlike torchrun):
+        give each rank its share of the cores. Each would otherwise use them all, beside Horovod's
+        polling thread (on 2 cores with 2 ranks, the digits example trains 10x slower)."""
+        ranks_here = self.layout().nproc_per_node
+        cores = os.cpu_count() or 1
+        if ranks_here < 2 or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() * ranks_here <= cores:
+            return
+        share = max(1, cores // ranks_here)
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(share)
+        logger.info(
+            "onedist: %d ranks on this node and no OMP_NUM_THREADS: torch uses %d thread(s) per rank "
+            "(set OMP_NUM_THREADS to choose)",
+            ranks_here,
+            share,
+        )
+
+    def is_stale(self) -> bool:
+        return not self.context_active()
+
+    def finalize(self) -> None:
+        try:
+            if self._store is not None:
+                self._keep_store_for_others()
+            if self._hvd.is_initialized():
+                self._hvd.shutdown()
+        finally:
+            self._groups.clear()
+            self._seq.clear()
+            self._local_group, self._local_group_made = None, False
+            self._store = None
+            _restore_env(self._env_set)
+            if self._threads is not None:
+                torch.set_num_threads(self._threads)
+                self._threads = None
+
+    def _keep_store_for_others(self) -> None:
+        """Rank 0 hosts the store: keep it until every rank finalised (a message sent to a rank
+        that has not received it yet is still delivered), at most 30 s, less when a rank failed."""
+        store = self._store
+        try:
+            store.add(_DONE_KEY, 1)
+            if self.rank != 0:
+                return
+            deadline = time.monotonic() + _FINALIZE_WAIT_S
+            while time.monotonic() < deadline:
+                if int(store.add(_DONE_KEY, 0)) >= self.world_size or int(store.add(_FAILED_COUNT, 0)) > 0:
+                    return
+                time.sleep(0.01)
+        except Exception:  # a peer's store connection broke: the job is ending
+            return
+
+    # ------------------------------------------------------------------ queries
+    def layout(self) -> Layout:
+        if self._layout is None:
+            hvd = self._hvd
+            hint = Backend.local_rank_hint
+            local_rank = int(hvd.local_rank()) if hint is None else hint
+            self._layout = Layout(
+                local_rank, int(hvd.local_size()), int(hvd.cross_rank()), int(hvd.cross_size())
+            )
+        return self._layout
+
+    def reset_layout(self) -> None:
+        self._layout = None
+        self._device = None
+
+    def device(self) -> torch.device:
+        if self._device is None:
+            self._device = _CPU
+            if self._gpu_ops:
+                from ..environments import gpu_index
+
+                index = gpu_index(self.layout().local_rank, torch.cuda.device_count(), exclusive=False)
+                if index is not None:
+                    self._device = torch.device("cuda", index)
+        return self._device
+
+    def side_store(self) -> Any:
+        return self._store
+
+    # ------------------------------------------------------------------ groups
+    def new_group(self, ranks: tuple[int, ...], **kwargs: Any) -> Any:
+        if kwargs:
+            name = sorted(kwargs)[0]
+            raise bad_value("new_group", name, kwargs[name], "no keyword arguments with backend 'horovod'")
+        if ranks == tuple(range(self.world_size)):
+            return None
+        group = self._groups.get(ranks)
+        if group is None:
+            group = self._groups[ranks] = self._add_process_set(ranks)
+        return group
+
+    def _add_process_set(self, ranks: tuple[int, ...]) -> Any:
+        hvd = self._hvd
+        if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0") in ("", "0"):
+            raise OnedistRuntimeError(
+                f"onedist.new_group: Horovod was initialised without dynamic process sets, so the group "
+                f"{list(ranks)} cannot be created now\nHINT: let onedist initialise Horovod "
+                "(onedist.initialize('horovod')), or call hvd.init(process_sets='dynamic') yourself"
+            )
+        try:
+            return hvd.add_process_set(list(ranks))
+        except ValueError:  # the user made a process set of these ranks already: use it
+            from horovod.common.process_sets import ProcessSet, _basics
+
+            for ps_id, ps_ranks in _basics._get_process_set_ids_and_ranks().items():
+                if tuple(ps_ranks) == ranks:
+                    ps = ProcessSet(list(ranks))
+                    ps.process_set_id = ps_id
+                    return ps
+            raise
+
+    def _check_group(self, group: Any) -> Any:
+        from horovod.common.process_sets import ProcessSet
+
+        if not isinstance(group, ProcessSet):
+            raise bad_type(
+                "collective",
+                "group",
+                group,
+                "None, a list of global ranks, or a group from onedist.new_group (a horovod ProcessSet)",
+            )
+        return group
+
+    def group_ranks(self, group: Any) -> tuple[int, ...]:
+        if group is None:
+            return tuple(range(self.world_size))
+        return tuple(self._check_group(group).ranks)
+
+    def group_rank(self, group: Any) -> int:
+        if group is None:
+            return self.rank
+        ranks = self.group_ranks(group)
+        return ranks.index(self.rank) if self.rank in ranks else -1
+
+    def object_group(self, group: Any) -> Any:
+        return group
+
+    def local_group(self) -> Any:
+        """Every rank must call it (it creates one process set per node, on every rank)."""
+        if not self._local_group_made:
+            layout = self.layout()
+            if layout.nproc_per_node == self.world_size:
+                self._local_group = None
+            else:
+                import hashlib
+
+                digest = hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest()
+                keys = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64)
+                gathered = torch.empty(self.world_size, dtype=torch.int64)
+                self.all_gather_into_(gathered, keys, None, False)
+                nodes = gathered.tolist()
+                order = list(dict.fromkeys(nodes))  # nodes in the order of their first rank
+                for node in order:  # the same process sets, in the same order, on every rank
+                    group = self.new_group(tuple(r for r, n in enumerate(nodes) if n == node))
+                    if node == nodes[self.rank]:
+                        self._local_group = group
+            self._local_group_made = True
+        return self._local_group
+
+    # ------------------------------------------------------------------ training objects
+    def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
+        """Broadcast rank 0's parameters and buffers; no wrapper (gradients are averaged by the
+        optimizer, see :meth:`wrap_optimizer`). ``sync_bn`` swaps BatchNorm layers for
+        :class:`onedist.SyncBatchNorm`. DDP keyword arguments are checked and have no effect."""
+        from .ddp import check_options
+
+        ours, _ = check_options(options)
+        if ours:
+            name = sorted(ours)[0]
+            raise bad_value(
+                "auto_model",
+                name,
+                ours[name],
+                "not given with backend 'horovod' (DDP communication hooks)",
+                hint="with Horovod, compress gradients with od.auto_optim(optimizer, compression='fp16')",
+            )
+        if sync_bn:
+            from ..syncbn import convert_sync_batchnorm
+
+            model = convert_sync_batchnorm(model)
+        self.broadcast_tensors_(list(model.state_dict().values()), src=0)
+        return model
+
+    def broadcast_tensors_(self, tensors: list[torch.Tensor], src: int) -> None:
+        """Broadcast every tensor in place from global rank ``src`` (one concurrent round)."""
+        works: list[Optional[Work]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen: set[tuple[int, int]] = set()
+        with torch.no_grad():
+            for t in tensors:
+                key = (t.data_ptr(), t.numel())
+                if t.numel() == 0 or key in seen:  # tied weights: once
+                    continue
+                seen.add(key)
+                dev = self.comm_device(t.device, "broadcast")
+                buf = t if (t.device == dev and t.is_contiguous()) else t.detach().to(dev).contiguous()
+                if buf is not t:
+                    copies.append((t, buf))
+                works.append(self.broadcast_(buf, src, None, True))
+            for w in works:
+                if w is not None:
+                    w.wait()
+            for t, buf in copies:
+                t.copy_(buf)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
+        """``hvd.DistributedOptimizer`` around ``optimizer`` (gradients averaged over the ranks at
+        ``step()``), with rank 0's state and hyperparameters on every rank."""
+        hvd = self._hvd
+        # hvd.DistributedOptimizer builds a class from the optimizer's class and a copy of its own
+        # methods (no common base class): recognise it by the module they come from
+        if type(optimizer).__module__ == _HVD_OPTIMIZER_MODULE:
+            raise bad_type(
+                "auto_optim",
+                "optimizer",
+                optimizer,
+                "an optimizer not wrapped by horovod yet",
+                hint="pass the plain torch optimizer; auto_optim wraps it in hvd.DistributedOptimizer",
+            )
+        hvd_kwargs = _optimizer_kwargs(hvd, kwargs)
+        state = optimizer.state_dict()
+        wrapped: torch.optim.Optimizer = hvd.DistributedOptimizer(optimizer, **hvd_kwargs)
+        if state["state"]:
+            wrapped.load_state_dict(state)  # hvd.DistributedOptimizer starts from an empty state
+        self.broadcast_optimizer_state_(wrapped, src=0)
+        return wrapped
+
+    def broadcast_optimizer_state_(self, optimizer: torch.optim.Optimizer, src: int) -> None:
+        """Load rank ``src``'s ``optimizer.state_dict()`` (state and hyperparameters) on every rank.
+
+        Unlike ``hvd.broadcast_optimizer_state``, no step with zero gradients is taken to create
+        the state (which would apply weight decay and advance Adam's step count): the state
+        travels as it is, empty or not.
+        """
+        payload = torch.empty(0, dtype=torch.uint8)
+        if self.rank == src:
+            buffer = io.BytesIO()
+            torch.save(optimizer.state_dict(), buffer)
+            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self.broadcast_(size, src, None, False)
+        if self.rank != src:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.broadcast_(payload, src, None, False)
+        if self.rank != src:
+            state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=False)
+            optimizer.load_state_dict(state)
+
+    # ------------------------------------------------------------------ primitives
+    def comm_device(self, device: torch.device, op: str) -> torch.device:
+        if device.type == "cuda" and self._gpu_ops and op not in ("send", "recv"):
+            return device
+        return _CPU
+
+    def reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if dtype in _REDUCE_DTYPES or dtype.is_complex:
+            return dtype
+        wire = _WIDEN.get(dtype)
+        if wire is None:
+            raise OnedistTypeError(
+                f"onedist: Horovod cannot reduce tensors of dtype {dtype} (it reduces "
+                f"{', '.join(sorted(str(d) for d in _REDUCE_DTYPES))}; onedist widens "
+                f"{', '.join(str(d) for d in _WIDEN)})\n"
+                "HINT: convert first, e.g. t.to(torch.int64) or t.float()"
+            )
+        return wire
+
+    def _ps(self, group: Any) -> Any:
+        if group is None:
+            return self._hvd.global_process_set
+        return self._check_group(group)
+
+    def _name(self, ps: Any, what: str, async_op: bool) -> str:
+        """The name every member gives this operation (Horovod matches operations by name).
+
+        A synchronous operation is named after what it does (``what``: kind, dtype, size, op,
+        root): the same name on every member, and the same name for the same operation next time,
+        which Horovod's response cache then answers without a negotiation round (about 4x faster
+        here). No two of this rank's operations with one name are in flight at once: a synchronous
+        one is done before the next starts. Asynchronous ones may overlap, so they are numbered
+        per group (every member issues the same sequence).
+        """
+        ps_id = int(ps.process_set_id)
+        if async_op:
+            n = self._seq.get(ps_id, 0)
+            self._seq[ps_id] = n + 1
+            self._last_name = f"onedist.{ps_id}.{what}#{n}"
+        else:
+            self._last_name = f"onedist.{ps_id}.{what}"
+        return self._last_name
+
+    def _done(
+        self, handles: list[int], finish: Optional[Callable[[list[Any]], None]], async_op: bool
+    ) -> Optional[Work]:
+        work = _HorovodWork(self._hvd, handles, finish, self._timeout, self._last_name)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_reduce_(self, t: torch.Tensor, op: str, group: Any, async_op: bool) -> Optional[Work]:
+        if op in _BITWISE:
+            return self._bitwise_all_reduce(t, op, group, async_op)
+        ps = self._ps(group)
+        buf = torch.view_as_real(t) if t.is_complex() else t
+        if buf.dtype not in _REDUCE_DTYPES:
+            self.reduce_dtype(buf.dtype)  # raises for dtypes nothing can widen
+            raise OnedistTypeError(
+                f"onedist: Horovod reduces {buf.dtype} as {self.reduce_dtype(buf.dtype)}; convert before the "
+                "primitive (onedist.all_reduce does)"
+            )
+        hvd = self._hvd
+        name = self._name(ps, f"ar.{op}.{buf.dtype}.{buf.numel()}", async_op)
+        handle = hvd.allreduce_async_(buf, name=name, op=getattr(hvd, _HVD_OPS[op]), process_set=ps)
+        return self._done([handle], None, async_op)
+
+    def _bitwise_all_reduce(self, t: torch.Tensor, op: str, group: Any, async_op: bool) -> Optional[Work]:
+        """AND / OR: gather every rank's values, combine them here (Horovod has no bitwise reduction)."""
+        ps = self._ps(group)
+        size = len(self.group_ranks(group))
+        src = _movable(t).reshape(1, -1)
+        width = src.shape[1]
+        name = self._name(ps, f"ag.{src.dtype}.{width}", async_op)
+        handle = self._hvd.allgather_async(src, name=name, process_set=ps)
+        combine = _BITWISE[op]
+
+        def finish(outputs: list[Any]) -> None:
+            rows = outputs[0].view(size, width)
+            if rows.dtype != t.dtype:
+                rows = rows.view(t.dtype)
+            out = rows[0].clone()
+            for row in rows[1:]:
+                combine(out, row, out=out)
+            t.view(-1).copy_(out)
+
+        return self._done([handle], finish, async_op)
+
+    def reduce_(self, t: torch.Tensor, dst: int, op: str, group: Any, async_op: bool) -> Optional[Work]:
+        # every rank gets the result; the API leaves the other ranks' buffers undefined
+        return self.all_reduce_(t, op, group, async_op)
+
+    def broadcast_(self, t: torch.Tensor, src: int, group: Any, async_op: bool) -> Optional[Work]:
+        ps = self._ps(group)
+        buf = _movable(t)
+        name = self._name(ps, f"bc.{src}.{buf.dtype}.{buf.numel()}", async_op)
+        handle = self._hvd.broadcast_async_(buf, root_rank=src, name=name, process_set=ps)
+        return self._done([handle], None, async_op)
+
+    def all_gather_into_(
+        self, out: torch.Tensor, t: torch.Tensor, group: Any, async_op: bool
+    ) -> Optional[Work]:
+        ps = self._ps(group)
+        buf = _movable(t)
+        name = self._name(ps, f"ag.{buf.dtype}.{buf.numel()}", async_op)
+        handle = self._hvd.allgather_async(buf, name=name, process_set=ps)
+
+        def finish(outputs: list[Any]) -> None:
+            _movable(out).copy_(outputs[0])
+
+        return self._done([handle], finish, async_op)
+
+    def all_to_all_single_(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: Any,
+        async_op: bool,
+    ) -> Optional[Work]:
+        ps = self._ps(group)
+        src = _movable(inp)
+        scale = 1 if inp.dtype in _MOVE_DTYPES else inp.element_size()  # byte view: splits in bytes
+        splits = torch.tensor([s * scale for s in in_splits], dtype=torch.int32)
+        # sizes differ per rank: the name must not depend on them
+        name = self._name(ps, f"a2a.{src.dtype}", async_op)
+        handle = self._hvd.alltoall_async(src, splits=splits, name=name, process_set=ps)
+
+        def finish(outputs: list[Any]) -> None:
+            received = outputs[0][0]
+            _movable(out).copy_(received)
+
+        return self._done([handle], finish, async_op)
+
+    def barrier_(self, group: Any, async_op: bool) -> Optional[Work]:
+        ps = self._ps(group)
+        if not async_op and self._timeout is None:
+            self._hvd.barrier(process_set=ps)
+            return None
+        token = torch.zeros(1, dtype=torch.int32)
+        name = self._name(ps, "barrier", async_op)
+        handle = self._hvd.allreduce_async_(token, name=name, op=self._hvd.Sum, process_set=ps)
+        return self._done([handle], None, async_op)
+
+    # ------------------------------------------------------------------ point to point (side store)
+    def _p2p_store(self, func: str) -> Any:
+        if self._store is None:
+            raise OnedistRuntimeError(
+                f"onedist.{func}: Horovod has no point-to-point operations; onedist carries them through the "
+                "key-value store it starts with the context, and this context was created outside onedist "
+                "(hvd.init()) or has one process\nHINT: let onedist initialise Horovod "
+                "(onedist.initialize('horovod')), or use a collective (broadcast / scatter with src=...)"
+            )
+        return self._store
+
+    def _group_key(self, group: Any) -> str:
+        return "w" if group is None else "-".join(map(str, self.group_ranks(group)))
+
+    def send_(self, t: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool) -> Optional[Work]:
+        store = self._p2p_store("send")
+        gk = self._group_key(group)
+        slot = (gk, dst, tag)
+        n = self._sent.get(slot, 0)
+        self._sent[slot] = n + 1
+        key = _P2P_KEY.format(gk, self.rank, dst, tag, n)
+        raw = t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        data = memoryview(raw)
+        # the store takes values up to 8 MiB: chunks first, then the header that announces them
+        for i, start in enumerate(range(0, len(data), _CHUNK)):
+            store.set(f"{key}/{i}", bytes(data[start : start + _CHUNK]))
+        store.set(key, str(len(data)))
+        return _StoreWork(None) if async_op else None
+
+    def recv_(self, t: torch.Tensor, src: Optional[int], group: Any, tag: int, async_op: bool) -> Any:
+        store = self._p2p_store("recv")
+        gk = self._group_key(group)
+        posted: Optional[tuple[str, int]] = None
+        if src is not None:  # the message's place in the (src, tag) sequence is taken when posted
+            slot = (gk, src, tag)
+            n = self._received.get(slot, 0)
+            self._received[slot] = n + 1
+            posted = (_P2P_KEY.format(gk, src, self.rank, tag, n), src)
+        result: list[int] = []
+
+        def receive() -> None:
+            key, sender = posted if posted is not None else self._any_source(store, gk, group, tag)
+            total = int(store.get(key))
+            store.delete_key(key)
+            nbytes = t.numel() * t.element_size()
+            out = t.reshape(-1).view(torch.uint8) if nbytes == total else None
+            for i, start in enumerate(range(0, total, _CHUNK)):
+                chunk = store.get(f"{key}/{i}")
+                store.delete_key(f"{key}/{i}")
+                if out is not None:
+                    out[start : start + len(chunk)].copy_(
+                        torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+                    )
+            if out is None:
+                raise OnedistRuntimeError(
+                    f"onedist.recv (rank {self.rank}): rank {sender} sent {total} bytes with tag "
+                    f"{tag}, but the receive buffer holds {nbytes} ({tuple(t.shape)}, {t.dtype})\n"
+                    "HINT: receive into a tensor of the sent shape and dtype"
+                )
+            result.append(sender)
+
+        if async_op:
+            return _StoreWork(receive)
+        receive()
+        return result[0]
+
+    def _any_source(self, store: Any, gk: str, group: Any, tag: int) -> tuple[str, int]:
+        """The next message with ``tag`` from any rank of the group (``recv(src=None)``): poll."""
+        peers = [r for r in self.group_ranks(group) if r != self.rank]
+        limit = store.timeout.total_seconds()
+        start = time.monotonic()
+        pause = 0.0005
+        while True:
+            for peer in peers:
+                n = self._received.get((gk, peer, tag), 0)
+                key = _P2P_KEY.format(gk, peer, self.rank, tag, n)
+                if store.check([key]):
+                    self._received[(gk, peer, tag)] = n + 1
+                    return key, peer
+            if time.monotonic() - start > limit:
+                raise OnedistRuntimeError(
+                    f"onedist.recv (rank {self.rank}): timed out after {limit:.0f} s waiting for a message "
+                    f"with tag {tag} from any of ranks {peers}"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+
+# ============================================================================ helpers
+def _set_env(name: str, value: str, env_set: dict[str, Optional[str]]) -> None:
+    env_set.setdefault(name, os.environ.get(name))
+    os.environ[name] = value
+    logger.info("onedist set %s=%s (the environment did not set it)", name, value)
+
+
+def _restore_env(env_set: dict[str, Optional[str]]) -> None:
+    for name, previous in env_set.items():
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+    env_set.clear()
+
+
+def _launcher_rank_size() -> tuple[int, int]:
+    """The rank and world size Horovod will have: horovodrun's, or 0 of 1 for a plain process.
+
+    A process started by another launcher (torchrun, ``onedist run``, srun, mpirun without an MPI
+    build of Horovod) cannot join a Horovod job: say so now instead of training N separate runs.
+    """
+    from ..environments import detect
+
+    env = detect(os.environ)
+    if env is None:
+        return 0, 1
+    if env.name == "horovod":
+        return env.rank, env.world_size
+    mpi = env.name in ("openmpi", "mvapich", "mpich")
+    if env.world_size > 1 and not (mpi and _hvd().mpi_built()):
+        raise OnedistValueError(
+            f"onedist.initialize: backend='horovod' in a process started by {env.name} (rank {env.rank} of "
+            f"{env.world_size}); Horovod only joins processes that horovodrun (or horovod.run) started, so "
+            "each process would train alone\nHINT: `horovodrun -np N -H localhost:N python script.py`, "
+            "od.Parallel(backend='horovod', nproc_per_node=N), or backend='gloo' under this launcher"
+        )
+    return (env.rank, env.world_size) if mpi else (0, 1)
+
+
+def _side_store(hvd: Any, timeout: Optional[timedelta]) -> Any:
+    """A TCPStore hosted by rank 0, for failure reports and point-to-point messages.
+
+    One node: on 127.0.0.1 (no port opened to the network). Several: on every interface of rank
+    0's host, reached by the name horovodrun used for it (HOROVOD_HOSTNAME). Its address travels
+    in one Horovod broadcast.
+    """
+    import torch.distributed as dist
+
+    from .._net import listen_socket
+
+    _TCPStore: Any = getattr(dist, "TCPStore", None)  # re-exported by torch.distributed without __all__
+
+    rank, size = int(hvd.rank()), int(hvd.size())
+    single = int(hvd.local_size()) == size
+    store_timeout = timeout or timedelta(minutes=30)
+    info = torch.zeros(256, dtype=torch.uint8)
+    store = None
+    if rank == 0:
+        host = _LOOPBACK if single else (os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname())
+        sock = listen_socket(_LOOPBACK if single else "", 0)
+        port = sock.getsockname()[1]
+        store = _TCPStore(
+            host,
+            port,
+            size,
+            True,
+            timeout=store_timeout,
+            wait_for_workers=False,
+            master_listen_fd=sock.detach(),
+            use_libuv=True,
+        )
+        text = json.dumps([host, port]).encode()
+        info[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    hvd.broadcast_(info, root_rank=0, name="onedist.side-store")
+    if rank != 0:
+        host, port = json.loads(bytes(info.numpy()).rstrip(b"\0"))
+        store = _TCPStore(host, port, size, False, timeout=store_timeout)
+    return store
+
+
+def _optimizer_kwargs(hvd: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Check auto_optim's keyword arguments for ``hvd.DistributedOptimizer``; strings name
+    compressions ("none", "fp16") and ops ("average", "sum", "adasum")."""
+    out = dict(kwargs)
+    for name, value in kwargs.items():
+        if name not in _OPTIM_KWARGS:
+            raise bad_value(
+                "auto_optim",
+                name,
+                value,
+                "keyword arguments of hvd.DistributedOptimizer: " + ", ".join(_OPTIM_KWARGS),
+            )
+    if "compression" in out:
+        value = out["compression"]
+        names = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+        if isinstance(value, str):
+            if value.lower() not in names:
+                raise bad_value(
+                    "auto_optim", "compression", value, ["none", "fp16"], hint="or hvd.Compression.fp16"
+                )
+            out["compression"] = names[value.lower()]
+        elif not (isinstance(value, type) and hasattr(value, "compress") and hasattr(value, "decompress")):
+            raise bad_type("auto_optim", "compression", value, "'none', 'fp16' or a horovod Compressor class")
+    if "op" in out:
+        value = out["op"]
+        ops = {"average": hvd.Average, "mean": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
+        if isinstance(value, str):
+            if value.lower() not in ops:
+                raise bad_value(
+                    "auto_optim",
+                    "op",
+                    value,
+                    ["average", "sum", "adasum"],
+                    hint="or hvd.Average / hvd.Sum / hvd.Adasum",
+                )
+            out["op"] = ops[value.lower()]
+        elif value not in (hvd.Average, hvd.Sum, hvd.Adasum):
+            raise bad_value(
+                "auto_optim", "op", value, "'average', 'sum', 'adasum' or hvd.Average / hvd.Sum / hvd.Adasum"
+            )
+    if "backward_passes_per_step" in out:
+        value = out["backward_passes_per_step"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise bad_value("auto_optim", "backward_passes_per_step", value, "an int >= 1")
+    if "gradient_predivide_factor" in out:
+        value = out["gradient_predivide_factor"]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise bad_value("auto_optim", "gradient_predivide_factor", value, "a number > 0")
+        if value != 1.0 and out.get("op", hvd.Average) != hvd.Average:
+            raise bad_value(
+                "auto_optim",
+                "gradient_predivide_factor",
+                value,
+                "1.0 unless op is 'average' (Horovod's rule)",
+            )
+    return out
+
+
+# ============================================================================ spawn's workers
+def _worker(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: dict[str, Any]
+) -> Any:
+    """What ``horovod.run`` runs in each worker: initialise, ``fn(local_rank, ...)``, finalise.
+
+    A failure is written to ``cfg["report_dir"]`` (the parent turns it into WorkerFailedError) and
+    published to the other ranks, then the worker exits 1, so that Horovod stops the others.
+    """
+    os.environ.update(cfg["env"])
+    if "OMP_NUM_THREADS" in cfg["env"]:
+        torch.set_num_threads(int(cfg["env"]["OMP_NUM_THREADS"]))
+    from ..context import finalize, get_local_rank, initialize
+
+    try:
+        initialize(_NAME, timeout=cfg["timeout"])
+        try:
+            result = fn(get_local_rank(), *args, **kwargs)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                raise
+            result = None
+        finalize()
+    except BaseException as e:
+        _report_failure(e, cfg["report_dir"])
+        os._exit(1)
+    try:
+        import importlib
+
+        importlib.import_module("cloudpickle").dumps(result)  # how horovod.run returns it
+    except Exception as e:
+        logger.warning(
+            "onedist.spawn: the return value of rank %s cannot be pickled (%s); returning None",
+            os.environ.get("HOROVOD_RANK"),
+            e,
+        )
+        result = None
+    return result
+
+
+def _report_failure(exc: BaseException, report_dir: str) -> None:
+    from .._guard import publish_failure
+
+    publish_failure(exc)
+    text = traceback.format_exc()
+    rank = int(os.environ.get("HOROVOD_RANK", "0"))
+    report = {
+        "rank": rank,
+        "local_rank": int(os.environ.get("HOROVOD_LOCAL_RANK", str(rank))),
+        "pid": os.getpid(),
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": text,
+    }
+    try:
+        path = os.path.join(report_dir, f"rank-{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except Exception:
+        pass
+
+
+def _horovod_run(payload: bytes, nproc: int, conn: Any) -> None:
+    """The child process of :meth:`HorovodBackend.launch`: ``horovod.run`` and its results."""
+    import cloudpickle
+    import horovod
+
+    fn, args, kwargs, cfg = cloudpickle.loads(payload)
+    try:
+        results = horovod.run(
+            _worker,
+            args=(fn, args, kwargs, cfg),
+            num_proc=nproc,
+            hosts=f"localhost:{nproc}",
+            use_gloo=True,
+        )
+        conn.send(("ok", cloudpickle.dumps(results)))
+    except RuntimeError as e:  # a worker failed: the parent reads the reports
+        conn.send(("failed", str(e)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _launch_failure(report_dir: str, nproc: int, error: RuntimeError) -> WorkerFailedError:
+    """WorkerFailedError from the workers' reports (the failing rank's traceback first)."""
+    from ..launch import _Failure, failure_error, reported_failures
+
+    failures = reported_failures([os.path.join(report_dir, f"rank-{rank}.json") for rank in range(nproc)])
+    if not failures:
+        return WorkerFailedError(
+            f"onedist.spawn: a horovod worker failed before onedist could run your function:\n{error}\n"
+            "(its output above shows why)",
+            -1,
+            -1,
+            None,
+            None,
+        )
+    reported = {f.rank for f in failures}
+    for rank in range(nproc):
+        if rank not in reported:
+            failures.append(_Failure(rank, rank, None, time.time(), stopped=True))
+    return failure_error(failures)

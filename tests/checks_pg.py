@@ -1,0 +1,386 @@
+"""Checks of onedist's Python process groups (``shm``; ``mpi`` over mpi4py), run on every rank.
+
+The reference is gloo in the same processes, on the same inputs: the gloo group each shm group
+keeps beside it (``pg._gloo``), or a gloo group made on the default store. Integer results must be
+equal bit for bit, floating-point results equal within summation-order tolerance, and every rank
+must hold the same bits. shm pools use 64 KiB slots, so the sizes below cross chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch._C._distributed_c10d as _c10d
+import torch.distributed as dist
+
+import onedist as od
+
+
+def _slot() -> int:
+    """This pool's slot size in bytes (read when a check runs: pools set it after importing us)."""
+    return int(float(os.environ.get("ONEDIST_SHM_CHUNK_MB", "4")) * (1 << 20))
+
+
+INT_DTYPES = [torch.uint8, torch.int8, torch.int32, torch.int64]  # gloo has no int16 reduction
+FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+OPS = {
+    "SUM": dist.ReduceOp.SUM,
+    "MAX": dist.ReduceOp.MAX,
+    "MIN": dist.ReduceOp.MIN,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+}
+TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+_GROUPS = ("ShmProcessGroup", "MpiProcessGroup")
+_gloo_groups: dict[int, object] = {}
+
+
+def _pg():
+    pg = dist.group.WORLD
+    assert type(pg).__name__ in _GROUPS, type(pg)
+    # a shm group over several hosts has shared memory on each host with more than one rank
+    assert getattr(pg, "uses_shared_memory", True) or len(pg._hosts) > 1, "shm fell back to gloo"
+    return pg
+
+
+def _gloo(pg):
+    """A gloo backend over the same ranks, for reference results."""
+    if type(pg).__name__ == "ShmProcessGroup":
+        return pg._gloo
+    key = id(pg)
+    if key not in _gloo_groups:
+        group = dist.new_group(backend="gloo")
+        _gloo_groups[key] = group._get_backend(torch.device("cpu"))
+    return _gloo_groups[key]
+
+
+def _sizes(dtype: torch.dtype) -> list[int]:
+    per = _slot() // torch.empty(0, dtype=dtype).element_size()  # elements in one slot
+    return [0, 1, 7, 1000, per - 1, per, per + 13, 3 * per + 5]
+
+
+def _data(n: int, dtype: torch.dtype, op: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    if op == "PRODUCT":
+        return torch.randint(1, 3, (n,), generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -1000), min(info.max, 1000)
+    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _same_on_every_rank(t: torch.Tensor) -> None:
+    digest = hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    digests = od.all_gather(digest)
+    assert len(set(digests)) == 1, digests
+
+
+def _compare(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (what, ours.dtype, ours.shape, ref.shape)
+    if ours.dtype.is_floating_point:
+        tol = TOL[ours.dtype]
+        assert torch.allclose(ours.double(), ref.double(), rtol=tol, atol=tol * 8), what
+    else:
+        assert torch.equal(ours, ref), what
+
+
+def check_all_reduce_equals_gloo() -> int:
+    """Every dtype gloo reduces x SUM/MAX/MIN/PRODUCT x sizes from 0 to several slots."""
+    pg, rank = _pg(), od.get_rank()
+    done = 0
+    for dtype in INT_DTYPES + FLOAT_DTYPES:
+        for name, op in OPS.items():
+            if name == "PRODUCT" and dtype.is_floating_point:
+                continue  # float products of randn overflow/underflow alike; covered by ints
+            for n in _sizes(dtype):
+                x = _data(n, dtype, name, seed=1000 * rank + n)
+                ours, ref = x.clone(), x.clone()
+                dist.all_reduce(ours, op)
+                opts = _c10d.AllreduceOptions()
+                opts.reduceOp = op
+                _gloo(pg).allreduce([ref], opts).wait()
+                _compare(ours, ref, f"all_reduce {name} {dtype} n={n}")
+                _same_on_every_rank(ours)
+                done += 1
+    return done
+
+
+def check_non_contiguous_and_views() -> None:
+    rank = od.get_rank()
+    base = torch.arange(6 * 40000, dtype=torch.float64).view(6, 40000) * (rank + 1)
+    t = base.t()  # non-contiguous, crosses slots
+    dist.all_reduce(t)
+    world = od.get_world_size()
+    expect = torch.arange(6 * 40000, dtype=torch.float64).view(6, 40000).t() * (world * (world + 1) // 2)
+    assert torch.equal(t, expect)
+    assert torch.equal(base, expect.t())  # written back into the viewed storage
+    sl = torch.zeros(10, dtype=torch.int32)
+    sl[::2] = rank + 1
+    dist.all_reduce(sl[::2])
+    assert sl.tolist() == [world * (world + 1) // 2, 0] * 5
+
+
+def check_copy_collectives_equal_gloo() -> None:
+    """all_gather (list and single tensor), broadcast from every root, reduce_scatter: exact."""
+    pg, rank, world = _pg(), od.get_rank(), od.get_world_size()
+    for dtype in [
+        torch.uint8,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.bool,
+        torch.complex64,
+    ]:
+        for n in [0, 1, 3, _slot() // 8 + 3, _slot() + 1]:
+            g = torch.Generator().manual_seed(rank * 7 + n)
+            x = (
+                (torch.randn(n, generator=g) * 100).to(dtype)
+                if dtype != torch.bool
+                else torch.rand(n, generator=g) > 0.5
+            )
+            out, ref = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, x)
+            # gloo moves bytes of any dtype when asked to move bytes
+            _gloo(pg)._allgather_base(
+                ref.view(torch.uint8), x.view(torch.uint8), _c10d.AllgatherOptions()
+            ).wait()
+            assert torch.equal(out, ref), ("all_gather_into_tensor", dtype, n)
+            parts = [torch.empty(n, dtype=dtype) for _ in range(world)]
+            dist.all_gather(parts, x)
+            assert torch.equal(torch.cat(parts), ref), ("all_gather", dtype, n)
+            for root in range(world):
+                b = x.clone()
+                dist.broadcast(b, src=root)
+                expect = od.broadcast(x, src=root)  # onedist's own broadcast, through the same group
+                assert torch.equal(b, expect), ("broadcast", dtype, n, root)
+    for dtype in [torch.int32, torch.float32]:
+        for n in [0, 1, _slot() // 4 // world + 3]:
+            x = _data(world * n, dtype, "SUM", seed=rank)
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, x)
+            full = x.clone()
+            _gloo(pg).allreduce([full]).wait()
+            _compare(out, full[rank * n : (rank + 1) * n], f"reduce_scatter {dtype} n={n}")
+
+
+def check_reduce_and_barrier_and_gloo_ops() -> None:
+    rank, world = od.get_rank(), od.get_world_size()
+    for root in range(world):
+        t = torch.full((_slot() // 4 + 9,), float(rank + 1))
+        dist.reduce(t, dst=root)
+        if rank == root:
+            assert torch.all(t == world * (world + 1) / 2)
+    for _ in range(50):
+        dist.barrier()
+    # shm delegates these to its gloo group: gather, scatter, all_to_all, send/recv
+    g = [torch.empty(2) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.full((2,), float(rank)), g, dst=0)
+    if rank == 0:
+        assert [v[0].item() for v in g] == list(range(world))
+    out = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(out, torch.arange(world, dtype=torch.int64) + 10 * rank)
+    assert out.tolist() == [10 * r + rank for r in range(world)]
+    if world > 1:
+        if rank == 0:
+            dist.send(torch.tensor([42]), dst=1)
+        elif rank == 1:
+            r = torch.zeros(1, dtype=torch.int64)
+            dist.recv(r, src=0)
+            assert r.item() == 42
+
+
+def check_sub_groups() -> None:
+    """Groups of a subset of ranks (shm: their own segment); ranks outside a group skip it."""
+    rank, world = od.get_rank(), od.get_world_size()
+    members = list(range(1, world))
+    s = od.all_reduce(torch.tensor([rank + 1]), group=members)
+    if rank in members:
+        assert s.item() == sum(r + 1 for r in members)
+    evens = [r for r in range(world) if r % 2 == 0]
+    s = od.all_reduce(float(rank), group=evens)
+    if rank in evens:
+        assert s == float(sum(evens))
+
+
+def _train(model: torch.nn.Module, group, steps: int = 5) -> torch.nn.Module:
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(od.get_rank())
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=g)
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+    return ddp.module
+
+
+def check_ddp_equals_gloo() -> float:
+    """DDP over the group under test and DDP over a gloo group, same start and data: same parameters."""
+
+    def net() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
+
+    ours = _train(net(), None)
+    gloo = dist.new_group(backend="gloo")
+    ref = _train(net(), gloo)
+    flat_ours = torch.cat([p.detach().flatten() for p in ours.parameters()])
+    flat_ref = torch.cat([p.detach().flatten() for p in ref.parameters()])
+    spread_ours = od.all_reduce(flat_ours.clone(), "MAX") - od.all_reduce(flat_ours.clone(), "MIN")
+    spread_ref = od.all_reduce(flat_ref.clone(), "MAX") - od.all_reduce(flat_ref.clone(), "MIN")
+    diff = float((flat_ours - flat_ref).abs().max())
+    info = {"diff": diff, "spread ours": float(spread_ours.max()), "spread gloo": float(spread_ref.max())}
+    assert diff < 1e-5 and info["spread ours"] == 0.0, info
+    return diff
+
+
+# ---------------------------------------------------------------------------- mpi (mpi4py) only
+def _expect_all(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        if op == "SUM":
+            acc = acc | x if acc.dtype == torch.bool else acc + x
+        elif op == "PRODUCT":
+            acc = acc & x if acc.dtype == torch.bool else acc * x
+        elif op == "MIN":
+            acc = torch.minimum(acc, x)
+        elif op == "MAX":
+            acc = torch.maximum(acc, x)
+        elif op == "BAND":
+            acc = acc & x
+        elif op == "BOR":
+            acc = acc | x
+        elif op == "BXOR":
+            acc = acc ^ x
+    return acc
+
+
+def _rank_data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(n, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(0, 7, (n,), generator=g).to(dtype)
+
+
+def check_mpi_every_dtype_and_op_exact() -> int:
+    """dist.all_reduce on the mpi4py group, every dtype torch has (beyond gloo's set: int16,
+    uint16/32/64, complex) x every op it defines, against the values computed here."""
+    rank, world = od.get_rank(), od.get_world_size()
+    bitwise = ["BAND", "BOR", "BXOR"]
+    cases = {
+        torch.bool: ["SUM", "PRODUCT", "MIN", "MAX", *bitwise],
+        torch.complex64: ["SUM"],  # torch refuses the other ops on complex tensors
+        torch.complex128: ["SUM"],
+        torch.float16: ["SUM", "MIN", "MAX"],
+        torch.bfloat16: ["SUM", "MIN", "MAX"],
+        torch.float32: ["SUM", "PRODUCT", "MIN", "MAX"],
+        torch.float64: ["SUM", "MIN", "MAX"],
+    }
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+        cases[dtype] = ["SUM", "PRODUCT", "MIN", "MAX", *bitwise]
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        cases[dtype] = ["SUM", "PRODUCT", "MIN", "MAX", *bitwise]
+    # torch has no add/mul kernels for uint16/32/64 on CPU: the expected values are computed in int64
+    wider = {torch.uint16: torch.int64, torch.uint32: torch.int64, torch.uint64: torch.int64}
+    done = 0
+    for dtype, ops in cases.items():
+        for op in ops:
+            for n in (0, 1, 1000, 300_000):
+                xs = [_rank_data(r, n, dtype) for r in range(world)]
+                ours = xs[rank].clone()
+                dist.all_reduce(ours, getattr(dist.ReduceOp, op))
+                wide = wider.get(dtype)
+                expect = (
+                    _expect_all([x.to(wide) for x in xs], op).to(dtype)
+                    if wide is not None
+                    else _expect_all(xs, op)
+                )
+                if dtype.is_floating_point or dtype.is_complex:
+                    tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-5)
+                    assert torch.allclose(ours, expect, rtol=tol, atol=tol * 4), (dtype, op, n)
+                else:
+                    assert torch.equal(ours, expect), (dtype, op, n)
+                done += 1
+    return done
+
+
+def check_mpi_exchanges() -> None:
+    """all_to_all with uneven splits, gather/scatter, list forms, concurrent isend/irecv, recv from
+    any source, a sub-group: exact."""
+    rank, world = od.get_rank(), od.get_world_size()
+    # uneven all_to_all_single: rank r sends (q + r + 1) rows to rank q (zero rows allowed)
+    in_splits = [(q + rank) % 3 for q in range(world)]
+    out_splits = [(rank + q) % 3 for q in range(world)]
+    inp = torch.cat([torch.full((s, 2), float(10 * rank + q)) for q, s in enumerate(in_splits)])
+    out = torch.empty(sum(out_splits), 2)
+    dist.all_to_all_single(out, inp, out_splits, in_splits)
+    expect = torch.cat([torch.full((s, 2), float(10 * q + rank)) for q, s in enumerate(out_splits)])
+    assert torch.equal(out, expect)
+    outs = [torch.empty(3, dtype=torch.int16) for _ in range(world)]
+    dist.all_to_all(outs, [torch.full((3,), 100 * rank + q, dtype=torch.int16) for q in range(world)])
+    assert [o[0].item() for o in outs] == [100 * q + rank for q in range(world)]
+    for root in range(world):
+        g = [torch.empty(2, dtype=torch.bfloat16) for _ in range(world)] if rank == root else None
+        dist.gather(torch.full((2,), float(rank), dtype=torch.bfloat16), g, dst=root)
+        if rank == root:
+            assert [v[1].item() for v in g] == list(range(world))
+        got = torch.empty(4, dtype=torch.int64)
+        pieces = [torch.full((4,), q * q, dtype=torch.int64) for q in range(world)] if rank == root else None
+        dist.scatter(got, pieces, src=root)
+        assert got.tolist() == [rank * rank] * 4
+    parts = [torch.empty(2, 2) for _ in range(world)]
+    dist.all_gather(parts, torch.full((2, 2), float(rank)).t())
+    assert [p[0, 0].item() for p in parts] == list(range(world))
+    red = torch.empty(3)
+    dist.reduce_scatter(red, [torch.full((3,), float(rank + q)) for q in range(world)])
+    assert red.tolist() == [float(sum(r + rank for r in range(world)))] * 3
+    # every rank sends 1 MB to every other at once: blocking sends would deadlock
+    big = {q: torch.full((1 << 18,), float(rank)) for q in range(world) if q != rank}
+    recv = {q: torch.empty(1 << 18) for q in range(world) if q != rank}
+    works = [dist.isend(t, q) for q, t in big.items()] + [dist.irecv(t, q) for q, t in recv.items()]
+    for w in works:
+        w.wait()
+    assert all(torch.all(t == float(q)) for q, t in recv.items())
+    if world > 1:
+        if rank == world - 1:
+            dist.send(torch.tensor([7, rank]), dst=0, tag=5)
+        elif rank == 0:
+            buf = torch.zeros(2, dtype=torch.int64)
+            assert dist.recv(buf, tag=5) == world - 1  # any source: the sender's rank
+            assert buf.tolist() == [7, world - 1]
+    members = list(range(1, world)) or [0]
+    sub = dist.new_group(members, use_local_synchronization=True) if rank in members else None
+    if rank in members:
+        t = torch.tensor([rank])
+        dist.all_reduce(t, group=sub)
+        assert t.item() == sum(members)
+
+
+def check_mpi_bad_op_names_it() -> str:
+    t = torch.ones(3)
+    try:
+        dist.all_reduce(t, dist.ReduceOp.AVG)
+    except Exception as e:
+        assert "AVG" in str(e) and "SUM, PRODUCT, MIN, MAX" in str(e), str(e)
+        return "raised"
+    return "no error"
+
+
+def check_shm_hierarchy() -> list[list[int]]:
+    """The two-level layout of a shm group over several hosts, as each rank sees it."""
+    pg, rank = _pg(), od.get_rank()
+    mine = next(h for h in pg._hosts if rank in h)
+    assert (pg._leaders is not None) == (rank == mine[0])  # one gloo rank per host: its first
+    assert (pg._local is not None) == (len(mine) > 1)
+    if pg._local is not None:
+        assert pg._local.uses_shared_memory and pg._local._rank == mine.index(rank)
+    return pg._hosts

@@ -1,0 +1,217 @@
+"""The Horovod backend, for real: ranks started by ``horovodrun -np 2/3 --gloo`` run the collective
+check module every backend passes (checks.py) and the Horovod checks (checks_horovod.py);
+``od.spawn("horovod")`` / ``Parallel`` start workers through ``horovod.run``; the digits example
+trains under both. Skipped when Horovod's PyTorch extension is not installed
+(``bash .ci/install_horovod.sh`` builds it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import checks
+import checks_horovod as ch
+import onedist as od
+from launchpool import LaunchPool
+from onedist.backends.horovod import installed
+from test_shm import CORE_CHECKS
+
+pytestmark = pytest.mark.skipif(
+    not installed(), reason="Horovod's PyTorch extension is not installed (bash .ci/install_horovod.sh)"
+)
+
+TESTS = Path(__file__).parent
+DIGITS = str(TESTS.parent / "examples" / "digits.py")
+
+
+def _horovodrun(n: int) -> list[str]:
+    return ["horovodrun", "-np", str(n), "-H", f"localhost:{n}", "--gloo"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without launcher variables, with tests/ importable (spawned workers
+    unpickle the check functions by module name)."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))
+    }
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+_pools: dict[int, LaunchPool] = {}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"hvd{n}")
+def hvd(request: pytest.FixtureRequest):
+    """A function running a check on every rank of one horovodrun world (started once per size)."""
+    n = request.param
+
+    def run(fn, *args, timeout: float = 120.0):
+        pool = _pools.get(n)
+        if pool is None or pool.broken:
+            pool = _pools[n] = LaunchPool(_horovodrun(n), n, "horovod")
+        return pool.run(fn, *args, timeout=timeout)
+
+    run.world_size = n  # type: ignore[attr-defined]
+    yield run
+    pool = _pools.pop(n, None)
+    if pool is not None:
+        pool.close()
+
+
+# ============================================================================ under horovodrun
+@pytest.mark.launcher
+@pytest.mark.parametrize("check", CORE_CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+def test_core_checks_under_horovodrun(hvd, check):
+    hvd(check, *(("horovod",) if check is checks.check_queries else ()))
+
+
+@pytest.mark.launcher
+def test_context_layout_and_process_sets(hvd):
+    infos = hvd(ch.check_context)
+    n = hvd.world_size
+    assert infos == [{"rank": r, "world_size": n, "local_rank": r} for r in range(n)]
+
+
+@pytest.mark.launcher
+def test_widened_and_byte_dtypes(hvd):
+    hvd(ch.check_widened_and_byte_dtypes)
+
+
+@pytest.mark.launcher
+def test_send_recv_tags_any_source_and_size_errors(hvd):
+    hvd(ch.check_p2p_tags_any_source_and_errors)
+
+
+@pytest.mark.launcher
+def test_auto_model_broadcasts_rank_0_parameters_and_buffers(hvd):
+    hvd(ch.check_auto_model_broadcasts_from_rank_0)
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("kind, batchnorm", [("sgd", False), ("adam", False), ("sgd", True)])
+def test_distributed_optimizer_training_equals_one_process(hvd, kind, batchnorm):
+    worst = hvd(ch.check_training_equals_one_process, kind, batchnorm)
+    assert max(worst) <= 1e-5
+
+
+@pytest.mark.launcher
+def test_optimizer_state_from_rank_0_and_state_dict_round_trip(hvd):
+    hvd(ch.check_optimizer_state_from_rank_0_and_round_trip)
+
+
+@pytest.mark.launcher
+def test_auto_optim_arguments(hvd):
+    hvd(ch.check_auto_optim_arguments)
+
+
+# ============================================================================ one plain process
+def test_world_of_one_user_context_and_initialize_errors():
+    proc = subprocess.run(
+        [sys.executable, "-c", "import checks_horovod; checks_horovod.serial_checks()"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=TESTS,
+    )
+    assert proc.returncode == 0 and "serial checks passed" in proc.stderr, (
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    )
+
+
+def test_import_onedist_does_not_import_horovod():
+    code = (
+        "import sys, onedist as od; "
+        "assert 'horovod' in od.available_backends(); "
+        "od.get_world_size(); od.model_name(); "
+        "assert not any(m == 'horovod' or m.startswith('horovod.') for m in sys.modules), 'imported'"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"nnodes": 2, "master_port": 29400}, r"nnodes=2 is not allowed; allowed: 1 with backend 'horovod'"),
+        ({"master_port": 29400}, r"master_port=29400 is not allowed; allowed: None"),
+        ({"master_addr": "10.1.2.3"}, r"master_addr='10.1.2.3' is not allowed; allowed: a loopback"),
+        ({"init_method": "tcp://127.0.0.1:29400"}, r"init_method='tcp://127.0.0.1:29400' is not allowed"),
+        ({"start_method": "fork"}, r"start_method='fork' is not allowed; allowed: 'spawn'"),
+    ],
+)
+def test_spawn_arguments_horovod_cannot_honour(kwargs, match):
+    with pytest.raises(od.OnedistValueError, match=match) as e:
+        od.spawn("horovod", ch.worker_report, args=(1,), nproc_per_node=2, **kwargs)
+    assert "horovodrun -np N -H host1:n1,host2:n2" in str(e.value)
+
+
+# ============================================================================ horovod.run
+@pytest.mark.launcher
+def test_spawn_and_parallel_through_horovod_run(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    start = time.monotonic()
+    results = od.spawn("horovod", ch.worker_report, args=(10,), kwargs_dict={"offset": 1}, nproc_per_node=2)
+    assert [(r["local_rank"], r["rank"], r["world_size"], r["backend"]) for r in results] == [
+        (0, 0, 2, "horovod"),
+        (1, 1, 2, "horovod"),
+    ]
+    assert [r["sum"] for r in results] == [31, 31]
+    if "OMP_NUM_THREADS" not in os.environ:  # 2 ranks share this node's cores, as under torchrun
+        assert all(r["threads"] == 1 and r["omp"] == "1" for r in results)
+    with od.Parallel(backend="horovod", nproc_per_node=2) as parallel:
+        first = parallel.run(ch.worker_report, 3)
+    assert (first["rank"], first["sum"]) == (0, 9)
+    assert od.model_name() == "serial"  # nothing left in this process
+    print(f"spawn + Parallel: {time.monotonic() - start:.1f} s")
+
+
+@pytest.mark.launcher
+def test_spawn_timeout_names_the_rank_that_never_arrived(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    message, slept = od.spawn("horovod", ch.worker_timeout, nproc_per_node=2, timeout=2)
+    assert slept == "slept"
+    assert "all_reduce on rank 0" in message and "timed out after 2.0 s" in message, message
+    assert "Ranks that never arrived: [1]" in message, message
+
+
+@pytest.mark.launcher
+def test_spawn_worker_failure_names_the_rank_with_its_traceback(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
+    start = time.monotonic()
+    with pytest.raises(od.WorkerFailedError) as e:
+        od.spawn("horovod", ch.worker_fails_on_rank_1, nproc_per_node=2)
+    assert time.monotonic() - start < 45  # rank 0 (sleeping 60 s) was stopped
+    text = str(e.value)
+    assert e.value.rank == 1 and text.startswith("onedist: worker rank 1 (local rank 1"), text
+    assert "KeyError: 'no such shard on rank 1'" in text and "worker_fails_on_rank_1" in text
+    assert "rank 0: stopped by onedist after rank 1 failed" in text
+
+
+# ============================================================================ the digits example
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher", ["spawn", "horovodrun"])
+def test_digits_example_trains_with_identical_parameters(launcher):
+    pytest.importorskip("sklearn", reason="the digits example needs scikit-learn")
+    args = ["--backend", "horovod", "--epochs", "2", "--max-steps", "8", "--target", "0"]
+    if launcher == "spawn":
+        cmd = [sys.executable, DIGITS, *args, "--nproc-per-node", "2"]
+    else:
+        cmd = [*_horovodrun(2), sys.executable, DIGITS, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "distributed configuration: horovod-dist" in out
+    assert re.search(r"parameters identical on 2 process\(es\)", out), out[-3000:]
+    assert len(re.findall(r"epoch +\d+ +train loss", out)) == 2  # rank 0 prints, once per epoch

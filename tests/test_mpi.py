@@ -1,0 +1,133 @@
+"""Backend "mpi" on stock PyTorch wheels (onedist's process group over mpi4py), under real mpirun.
+
+The wheels have no MPI process group; with mpi4py installed, ``initialize("mpi")`` registers
+onedist's (backends/mpi.py). Here it runs the same core check module as gloo, every dtype and op
+against values computed locally, the collectives gloo has no kernels for, DDP against DDP on gloo
+in the same processes, the example, and the failure modes (a hang ends at the timeout, a crash
+ends the job), all under Open MPI's ``mpirun``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import checks
+import checks_pg
+import onedist as od
+from launchpool import LaunchPool
+from test_shm import CORE_CHECKS
+
+pytestmark = [
+    pytest.mark.launcher,
+    pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun"),
+    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py"),
+]
+
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+_pools: dict[int, LaunchPool] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def mpi_world(n: int) -> LaunchPool:
+    """``n`` ranks started by ``mpirun -np n``, each with ``initialize("mpi")``; shared by the tests."""
+    pool = _pools.get(n)
+    if pool is None or pool.broken:
+        # the shared checks size their tensors from the shm slot size: 64 KiB keeps them small
+        pool = _pools[n] = LaunchPool(
+            [*MPIRUN, "-np", str(n)], n, "mpi", env={"ONEDIST_SHM_CHUNK_MB": "0.0625"}
+        )
+    return pool
+
+
+def test_mpi_is_available_on_this_torch_wheel():
+    import torch.distributed as dist
+
+    assert not dist.is_mpi_available()  # the wheel has no MPI: what runs below is onedist's group
+    assert "mpi" in od.available_backends()
+
+
+@pytest.mark.parametrize("check", CORE_CHECKS, ids=lambda f: f.__name__.removeprefix("check_"))
+def test_core_checks_under_mpirun_np3(check):
+    mpi_world(3).run(check, *(("mpi",) if check is checks.check_queries else ()))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_dtype_and_op_exact(n):
+    assert mpi_world(n).run(checks_pg.check_mpi_every_dtype_and_op_exact, timeout=120)[0] > 250
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_all_reduce_equals_gloo_in_the_same_processes(n):
+    assert mpi_world(n).run(checks_pg.check_all_reduce_equals_gloo, timeout=120)[0] > 200
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_copy_collectives_equal_gloo(n):
+    mpi_world(n).run(checks_pg.check_copy_collectives_equal_gloo, timeout=120)
+    mpi_world(n).run(checks_pg.check_non_contiguous_and_views)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_exchanges_p2p_and_sub_groups(n):
+    mpi_world(n).run(checks_pg.check_mpi_exchanges)
+    mpi_world(n).run(checks_pg.check_reduce_and_barrier_and_gloo_ops)
+    mpi_world(n).run(checks_pg.check_sub_groups)
+
+
+def test_unsupported_op_raises_on_every_rank_naming_it():
+    assert mpi_world(3).run(checks_pg.check_mpi_bad_op_names_it) == ["raised"] * 3
+
+
+def test_ddp_equals_ddp_on_gloo():
+    assert max(mpi_world(3).run(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
+
+
+def _mpirun(n: int, *cmd: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)}
+    start = time.monotonic()
+    argv = [*MPIRUN, "-np", str(n), sys.executable, *cmd]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    return proc, time.monotonic() - start
+
+
+def test_digits_example_trains_with_identical_parameters():
+    example = os.path.join(os.path.dirname(HERE), "examples", "digits.py")
+    proc, _ = _mpirun(3, example, "--backend", "mpi", "--epochs", "2", "--max-steps", "8", "--target", "0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend: mpi" in proc.stderr + proc.stdout
+    assert "parameters identical on 3 process(es)" in proc.stdout
+
+
+def test_a_hang_ends_the_job_at_the_timeout_naming_the_collective():
+    proc, took = _mpirun(3, os.path.join(HERE, "scripts", "mpi_failures.py"), "hang")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    # ranks 0 and 2 both wait; the first watchdog to fire aborts the job
+    assert re.search(r"barrier on rank [02] of the world group did not complete within its timeout", out), out
+    assert "unreachable" not in out
+    assert took < 45, took  # 3 s timeout + the watchdog's 1 s tick + MPI_Abort, not rank 1's 60 s sleep
+
+
+def test_a_crash_on_one_rank_ends_the_others_with_its_error():
+    proc, took = _mpirun(3, os.path.join(HERE, "scripts", "mpi_failures.py"), "raise")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "boom on rank 1" in out, out
+    assert "unreachable" not in out
+    assert took < 45, took
