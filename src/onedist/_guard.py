@@ -464,17 +464,10 @@ def _explain(name: str, e: BaseException, group: Any, started: float) -> BaseExc
             failed = _failed_reports(ranks, rank)
             if failed:
                 return _remote_failure(name, rank, site, failed)
-            stuck = _stuck_reports(ranks, rank, since)
-            if stuck:
-                r, report = min(stuck.items(), key=lambda kv: kv[1].get("time", 0.0))
-                return RemoteRankError(
-                    f"onedist.{name} (rank {rank}, at {site}) could not complete: rank {r} timed out "
-                    f"waiting in {report.get('call')} (group {report.get('group')}, at {report.get('site')}) "
-                    "while this rank waited here.\n"
-                    "HINT: the ranks called different collectives, or one of them never arrived; "
-                    "ONEDIST_DEBUG=1 names mismatched calls at once.",
-                    r,
-                )
+            if _stuck_reports(ranks, rank, since):
+                # a peer's timeout fired first and gloo closed its connections: the group timed
+                # out, this rank included; report it as the timeout it is, with every rank's call
+                return _timeout_error(name, e, ranks, rank, site, started)
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
