@@ -35,6 +35,14 @@ def _serve(rank: int, world_size: int, port: int, conn: Any, backend: str, env: 
     od.initialize(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=120
     )
+    serve(conn)
+    od.finalize()
+    conn.close()
+
+
+def serve(conn: Any) -> None:
+    """A rank's side of a pool: run each ``(fn, args)`` received, send back its result or its
+    traceback, until ``None`` arrives."""
     while True:
         msg = conn.recv()
         if msg is None:
@@ -44,8 +52,50 @@ def _serve(rank: int, world_size: int, port: int, conn: Any, backend: str, env: 
             conn.send(("ok", fn(*args)))
         except BaseException:
             conn.send(("err", traceback.format_exc()))
-    od.finalize()
-    conn.close()
+
+
+def collect(
+    fn: Callable[..., Any],
+    conns: list[Any],
+    timeout: float,
+    on_hang: Callable[[], None],
+    died: Callable[[int], str] = lambda r: f"rank {r} died",
+) -> list[Any]:
+    """The results of ``fn`` from every rank's connection, in rank order, or CheckFailed with every
+    failing rank's traceback. Once a rank failed, the others get 5 s more; a rank that does not
+    answer in time counts as hung (``on_hang`` then tears the pool down)."""
+    world_size = len(conns)
+    results: list[Any] = [None] * world_size
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    pending = set(range(world_size))
+    first_error = 0.0
+    while pending:
+        limit = deadline if not errors else min(deadline, first_error + 5.0)
+        progressed = False
+        for r in sorted(pending):
+            try:
+                ready = conns[r].poll(0.01)
+                status, value = conns[r].recv() if ready else (None, None)
+            except (EOFError, OSError):
+                ready, status, value = True, "err", died(r)
+            if ready:
+                pending.discard(r)
+                progressed = True
+                if status == "ok":
+                    results[r] = value
+                else:
+                    first_error = first_error or time.monotonic()
+                    errors[r] = value
+        if not progressed and time.monotonic() > limit:
+            on_hang()
+            for r in pending:
+                errors[r] = f"rank {r} did not finish within the time limit (hung)"
+            break
+    if errors:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise CheckFailed(f"{fn.__name__} failed on ranks {sorted(errors)}:\n{text}")
+    return results
 
 
 class CheckFailed(AssertionError):
@@ -90,35 +140,7 @@ class DistPool:
             raise CheckFailed("pool is broken")
         for c in self.conns:
             c.send((fn, args))
-        results: list[Any] = [None] * self.world_size
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        pending = set(range(self.world_size))
-        first_error = 0.0
-        while pending:
-            # once a rank failed, give the others a few seconds, then consider them stuck
-            limit = deadline if not errors else min(deadline, first_error + 5.0)
-            progressed = False
-            for r in sorted(pending):
-                if self.conns[r].poll(0.01):
-                    status, value = self.conns[r].recv()
-                    pending.discard(r)
-                    progressed = True
-                    if status == "ok":
-                        results[r] = value
-                    else:
-                        if not errors:
-                            first_error = time.monotonic()
-                        errors[r] = value
-            if not progressed and time.monotonic() > limit:
-                self.close()
-                for r in pending:
-                    errors[r] = f"rank {r} did not finish within the time limit (hung)"
-                break
-        if errors:
-            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise CheckFailed(f"{fn.__name__} failed on ranks {sorted(errors)}:\n{text}")
-        return results
+        return collect(fn, self.conns, timeout, self.close)
 
     def close(self) -> None:
         self.broken = True

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, Listener
 from typing import Any, Optional
 
-from distpool import CheckFailed
+from distpool import CheckFailed, collect
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _WORKER = os.path.join(_TESTS, "scripts", "pool_worker.py")
@@ -116,37 +116,7 @@ class LaunchPool:
         conns = [c for c in self.conns if c is not None]
         for c in conns:
             c.send((fn, args))
-        results: list[Any] = [None] * self.world_size
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        pending = set(range(self.world_size))
-        first_error = 0.0
-        while pending:
-            limit = deadline if not errors else min(deadline, first_error + 5.0)
-            progressed = False
-            for r in sorted(pending):
-                try:
-                    ready = conns[r].poll(0.01)
-                    status, value = conns[r].recv() if ready else (None, None)
-                except (EOFError, OSError):
-                    ready, status, value = True, "err", f"rank {r} died\n{self.output()}"
-                if ready:
-                    pending.discard(r)
-                    progressed = True
-                    if status == "ok":
-                        results[r] = value
-                    else:
-                        first_error = first_error or time.monotonic()
-                        errors[r] = value
-            if not progressed and time.monotonic() > limit:
-                self.close()
-                for r in pending:
-                    errors[r] = f"rank {r} did not finish within the time limit (hung)"
-                break
-        if errors:
-            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-            raise CheckFailed(f"{fn.__name__} failed on ranks {sorted(errors)}:\n{text}")
-        return results
+        return collect(fn, conns, timeout, self.close, died=lambda r: f"rank {r} died\n{self.output()}")
 
     def close(self) -> None:
         """Stop the ranks (cleanly when they answer, else by killing the launcher's process group)."""

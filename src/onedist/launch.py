@@ -291,6 +291,20 @@ def _stop(workers: list[_Worker]) -> None:
             w.process.join()
 
 
+def check_picklable(fn: Callable[..., Any], how: str) -> None:
+    """Raise the standard error when ``fn`` cannot be pickled for workers started ``how``."""
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise bad_type(
+            "spawn",
+            "fn",
+            fn,
+            "a function defined at the top level of a module",
+            hint=f"{how} must pickle fn ({e}); move it to module level, or use start_method='fork'",
+        ) from e
+
+
 def reported_failures(paths: list[str]) -> list[_Failure]:
     """The failures that workers started by a backend's own launcher (``horovod.run``,
     ``xmp.spawn``) wrote as JSON (rank, local_rank, pid, time, type, message, traceback)."""
@@ -558,17 +572,7 @@ def spawn(
         logger.info("onedist.spawn: fn is defined interactively; starting workers with 'fork'")
         start_method = "fork"
     if start_method != "fork":
-        try:
-            pickle.dumps(fn)
-        except Exception as e:
-            raise bad_type(
-                "spawn",
-                "fn",
-                fn,
-                "a function defined at the top level of a module",
-                hint=f"start_method={start_method!r} must pickle fn ({e}); move it to module level, "
-                "or use start_method='fork'",
-            ) from e
+        check_picklable(fn, f"start_method={start_method!r}")
 
     world_size = nnodes * nproc_per_node
     threads = worker_threads_env(nproc_per_node)

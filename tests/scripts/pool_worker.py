@@ -17,6 +17,7 @@ def main() -> None:
     import torch
 
     import onedist as od
+    from distpool import serve
 
     torch.set_num_threads(1)
     conn = Client((host, port), authkey=authkey)
@@ -26,15 +27,7 @@ def main() -> None:
         conn.send(("init-failed", traceback.format_exc()))
         raise
     conn.send(("ready", od.get_rank()))
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            break
-        fn, args = msg
-        try:
-            conn.send(("ok", fn(*args)))
-        except BaseException:
-            conn.send(("err", traceback.format_exc()))
+    serve(conn)  # tests/ is on PYTHONPATH: the pool's loop, shared with distpool's forked ranks
     od.finalize()
     conn.close()
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["OrderedGroup", "PyWork", "all_cpu", "done", "flat", "for_each", "opts_or"]
+__all__ = ["OrderedGroup", "PyWork", "all_cpu", "done", "flat", "for_each", "opts_or", "register"]
 
 _Work: Any = dist.distributed_c10d.Work
 # torch's stubs type ProcessGroup's methods with overloads a Python override cannot match one by one
@@ -122,6 +122,13 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
     def _stop_thread(self) -> None:
         if self._queue is not None:
             self._queue.put(None)
+
+
+def register(name: str, create: Callable[..., Any], **kwargs: Any) -> None:
+    """Register backend ``name`` with torch.distributed unless it is already (``initialize`` calls
+    this each time; ``kwargs`` go to ``register_backend``, e.g. ``extended_api``)."""
+    if name not in dist.Backend.backend_list:
+        dist.Backend.register_backend(name, create, devices=["cpu"], **kwargs)
 
 
 def for_each(fn: Callable[..., None], *columns: list[Any]) -> None:

@@ -27,7 +27,6 @@ on real MPI calls of the MPI library mpi4py was built against (Open MPI, MPICH, 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import sys
 import threading
@@ -40,10 +39,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import _pygroup
 from ._pygroup import OrderedGroup, PyWork, all_cpu, for_each
 from ._pygroup import flat as _flat
-
-logger = logging.getLogger("onedist")
 
 #: torch.distributed's name of this backend (``dist.get_backend()`` reports it)
 NAME = "mpi4py"
@@ -548,9 +546,6 @@ class _RequestWork(PyWork):
             self._fut.set_result(self._keep)
         return True
 
-    def get_future(self) -> torch.futures.Future[Any]:
-        return self._fut
-
     def is_completed(self) -> bool:
         return self._fut.done() or all(r.Test() for r in self._requests)
 
@@ -584,15 +579,7 @@ def _create(opts: Any, backend_options: Any) -> MpiProcessGroup:
     return MpiProcessGroup(comm, rank, size, opts.timeout, ranks)
 
 
-_registered = False
-
-
 def register() -> None:
-    """Register onedist's mpi4py process group with torch.distributed (once)."""
-    global _registered
-    if _registered or NAME in dist.Backend.backend_list:
-        _registered = True
-        return
+    """Register onedist's mpi4py process group with torch.distributed (called by ``initialize("mpi")``)."""
     os.environ.setdefault("OMPI_MCA_mpi_warn_on_fork", "0")
-    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
-    _registered = True
+    _pygroup.register(NAME, _create, extended_api=True)

@@ -52,6 +52,7 @@ import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
+from . import _pygroup
 from ._pygroup import OrderedGroup, all_cpu, for_each, opts_or
 from ._pygroup import flat as _flat
 
@@ -766,14 +767,6 @@ def create(store: Any, rank: int, size: int, timeout: timedelta) -> ShmProcessGr
     return ShmProcessGroup(store, rank, size, timeout)
 
 
-_registered = False
-
-
 def register() -> None:
-    """Register ``"shm"`` with torch.distributed (once; called by ``initialize("shm")``)."""
-    global _registered
-    if _registered or NAME in dist.Backend.backend_list:
-        _registered = True
-        return
-    dist.Backend.register_backend(NAME, create, devices=["cpu"])
-    _registered = True
+    """Register ``"shm"`` with torch.distributed (called by ``initialize("shm")``)."""
+    _pygroup.register(NAME, create)

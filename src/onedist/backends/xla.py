@@ -70,7 +70,6 @@ from ..errors import (
     OnedistRuntimeError,
     OnedistTypeError,
     WorkerFailedError,
-    bad_type,
     bad_value,
 )
 from .base import Backend, Layout, Work
@@ -314,17 +313,9 @@ class XlaBackend(Backend):
         if nproc_per_node == 1:
             return [_run_here(fn, args, kwargs)]
         if start_method != "fork":
-            try:
-                pickle.dumps(fn)
-            except Exception as e:
-                raise bad_type(
-                    "spawn",
-                    "fn",
-                    fn,
-                    "a function defined at the top level of a module",
-                    hint=f"xmp.spawn with start_method={start_method!r} must pickle fn ({e}); move it to "
-                    "module level, or use start_method='fork'",
-                ) from e
+            from ..launch import check_picklable
+
+            check_picklable(fn, f"xmp.spawn with start_method={start_method!r}")
         env_set = _device_count_env(nproc_per_node, str(xr.device_type()))
         report_dir = None
         try:
