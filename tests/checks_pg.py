@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import torch
 import torch._C._distributed_c10d as _c10d
@@ -166,6 +167,53 @@ def check_copy_collectives_equal_gloo() -> None:
             full = x.clone()
             _gloo(pg).allreduce([full]).wait()
             _compare(out, full[rank * n : (rank + 1) * n], f"reduce_scatter {dtype} n={n}")
+
+
+def _step_input(step: int, rank: int, n: int) -> torch.Tensor:
+    return torch.randint(-1000, 1000, (n,), generator=torch.Generator().manual_seed(step * 1009 + rank))
+
+
+def check_back_to_back_collectives_under_skew(steps: int = 120) -> int:
+    """Mixed collectives, back to back with no synchronisation between them but their own, while
+    each rank lags at random: a collective that began writing the segment before a slow peer had
+    read the previous one's result would corrupt it. Every result is checked against values each
+    rank computes from every rank's inputs (int64: exact), with no communication in between."""
+    rank, world = od.get_rank(), od.get_world_size()
+    shared = torch.Generator().manual_seed(4242)  # the same sequence of calls on every rank
+    lag = torch.Generator().manual_seed(rank)  # a different lag on each rank
+    slot = _slot() // 8  # int64 elements in one slot
+    bad = []
+    for step in range(steps):
+        kind = int(torch.randint(5, (1,), generator=shared))
+        n = int(torch.randint(1, 3 * slot + 40, (1,), generator=shared))
+        root = int(torch.randint(world, (1,), generator=shared))
+        if float(torch.rand(1, generator=lag)) < 0.3:
+            time.sleep(float(torch.rand(1, generator=lag)) * 0.003)
+        xs = [_step_input(step, r, n) for r in range(world)]
+        mine = xs[rank].clone()
+        if kind == 0:
+            dist.all_reduce(mine)
+            expect = torch.stack(xs).sum(0)
+        elif kind == 1:
+            dist.broadcast(mine, src=root)
+            expect = xs[root]
+        elif kind == 2:
+            out = torch.empty(world * n, dtype=torch.int64)
+            dist.all_gather_into_tensor(out, mine)
+            mine, expect = out, torch.cat(xs)
+        elif kind == 3:
+            m = n // world + 1
+            ins = [_step_input(step, r, world * m) for r in range(world)]
+            mine = torch.empty(m, dtype=torch.int64)
+            dist.reduce_scatter_tensor(mine, ins[rank])
+            expect = torch.stack(ins).sum(0)[rank * m : (rank + 1) * m]
+        else:
+            dist.reduce(mine, dst=root, op=dist.ReduceOp.MAX)
+            expect = torch.stack(xs).amax(0) if rank == root else xs[rank]
+        if not torch.equal(mine, expect):
+            bad.append((step, ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce"][kind], n))
+    assert not bad, bad
+    return steps
 
 
 def check_reduce_and_barrier_and_gloo_ops() -> None:

@@ -97,3 +97,15 @@ def listeners(local_rank: int) -> list[str]:
 
 def env_var(local_rank: int, name: str) -> str | None:
     return os.environ.get(name)
+
+
+def large_collectives(local_rank: int) -> float:
+    """Collectives of 1 MiB and more (a Python process group runs them on its own thread), then
+    return without finalizing: the worker must exit cleanly."""
+    big = torch.full((1 << 18,), float(od.get_rank() + 1))
+    dist.all_reduce(big)
+    dist.broadcast(big, src=1)
+    out = torch.empty(big.numel() * od.get_world_size())
+    dist.all_gather_into_tensor(out, big)
+    dist.reduce_scatter_tensor(big, out)
+    return float(big[0])

@@ -13,8 +13,10 @@ torch lets Python register a process group backend; ``DistributedDataParallel`` 
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -60,6 +62,15 @@ def done(result: Any, source: int = -1) -> PyWork:
     return PyWork(fut, source)
 
 
+#: groups whose thread runs, stopped at exit (see OrderedGroup._stop_thread)
+_threaded: weakref.WeakSet[OrderedGroup] = weakref.WeakSet()
+
+
+def _stop_threads_at_exit() -> None:
+    for group in list(_threaded):
+        group._stop_thread()
+
+
 class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
     """A process group whose collectives run one at a time, in call order (see the module doc)."""
 
@@ -71,6 +82,7 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
         self._exec = threading.Lock()  # held while a collective runs (one at a time)
         self._pending = 0
         self._queue: Optional[queue.SimpleQueue[Any]] = None
+        self._thread: Optional[threading.Thread] = None
 
     def _execute(self, job: Callable[[], Any]) -> Any:
         """Run one queued job on the group's thread (a subclass adds its failure handling)."""
@@ -94,7 +106,12 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
         fut: torch.futures.Future[Any] = torch.futures.Future()
         if self._queue is None:
             self._queue = queue.SimpleQueue()
-            threading.Thread(target=self._serve, name=self._thread_name, daemon=True).start()
+            self._thread = threading.Thread(target=self._serve, name=self._thread_name, daemon=True)
+            self._thread.start()
+            if not _threaded:
+                atexit.unregister(_stop_threads_at_exit)  # once, however many groups come and go
+                atexit.register(_stop_threads_at_exit)
+            _threaded.add(self)
         self._queue.put((job, result, fut))
         return PyWork(fut)
 
@@ -119,9 +136,19 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
             else:
                 fut.set_exception(error)
 
-    def _stop_thread(self) -> None:
+    def _stop_thread(self, timeout: float = 10.0) -> None:
+        """Stop the group's thread once its queued jobs are done, and wait for it (up to
+        ``timeout`` s). Called by ``shutdown()`` and, for a program that never destroys its
+        groups, at exit: Python kills a daemon thread that is in torch's C++ code when the
+        interpreter finalizes (completing a future, or destroying the group it holds), which
+        aborts the process ("terminate called without an active exception")."""
+        _threaded.discard(self)
         if self._queue is not None:
             self._queue.put(None)
+            self._queue = None
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
 
 def register(name: str, create: Callable[..., Any], **kwargs: Any) -> None:

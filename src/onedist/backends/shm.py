@@ -5,16 +5,17 @@ A process group written in Python (torch lets Python register a backend, and
 shared-memory segment per group instead of loopback TCP:
 
 * **all_reduce**: every rank copies its chunk into its own slot; after a barrier, rank ``r``
-  reduces slice ``r`` of the chunk over all slots, in rank order, into the result area; after a
-  second barrier every rank copies the result out. Each element is reduced by exactly one rank,
+  reduces slice ``r`` of the chunk over all slots, in rank order, into the result area; after the
+  next barrier every rank copies the result out. Each element is reduced by exactly one rank,
   always in rank order, so every rank gets the same bits, run after run.
 * **all_gather / broadcast / reduce_scatter / reduce / barrier**: the same slots and barriers.
-
-The one rule that makes consecutive collectives safe without a barrier at the end of each: before
-its first barrier a rank writes only its own slot, and after its last barrier it reads only the
-result area, which nobody writes before the next collective's first barrier.
 * everything else (gather, scatter, all_to_all, send/recv, CUDA tensors) goes to a gloo group
   made beside it on the same store, so the backend is complete.
+
+Tensors larger than a slot go in chunks. The segment has two banks (slots and result area each):
+consecutive collectives alternate between them, so that none needs a barrier at its end, and a
+broadcast alternates chunks between them, the root writing one while the others read the other
+(``ShmProcessGroup._phases`` gives the schedule and the rules that make it safe).
 
 The segment is a ``memfd`` (never a file in ``/dev/shm``): rank 0 of the group creates it, the
 other ranks open it through ``/proc/<pid>/fd/<fd>`` (same user only, like the mode 0600 of a
@@ -42,7 +43,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
@@ -171,8 +172,18 @@ def _reduce_op(op: Any) -> Callable[..., Any]:
         ) from None
 
 
+class _Bank:
+    """One of the segment's two banks: a slot per rank, then the result area, ``chunk`` bytes each
+    (contiguous: a broadcast moves ``slot_area``, all the slots, at a time)."""
+
+    def __init__(self, data: torch.Tensor, size: int, chunk: int) -> None:
+        self.slot_area = data[: size * chunk]
+        self.slots = [data[i * chunk : (i + 1) * chunk] for i in range(size)]
+        self.out = data[size * chunk : (size + 1) * chunk]
+
+
 class _Segment:
-    """The mapped segment: per-rank counters, per-rank slots, one result area."""
+    """The mapped segment: per-rank counters, then two banks (see ShmProcessGroup._phases)."""
 
     def __init__(self, mm: mmap.mmap, size: int, chunk: int) -> None:
         self.chunk = chunk
@@ -184,12 +195,14 @@ class _Segment:
         self.abort = ctypes.c_int32.from_buffer(mm, 16)  # 1 + the rank at fault, 0 while healthy
         self.abort_exited = ctypes.c_int32.from_buffer(mm, 20)  # 1: that rank died, 0: it raised
         data0 = ctrl + _round(size * _LINE)
-        self.slots = [self.data[data0 + i * chunk : data0 + (i + 1) * chunk] for i in range(size)]
-        self.out = self.data[data0 + size * chunk : data0 + (size + 1) * chunk]
+        bank = (size + 1) * chunk
+        self.banks = [
+            _Bank(self.data[data0 + i * bank : data0 + (i + 1) * bank], size, chunk) for i in (0, 1)
+        ]
 
     @staticmethod
     def nbytes(size: int, chunk: int) -> int:
-        return _HEADER + _round(size * _LINE) + (size + 1) * chunk
+        return _HEADER + _round(size * _LINE) + 2 * (size + 1) * chunk
 
 
 def _round(n: int, to: int = 4096) -> int:
@@ -220,6 +233,7 @@ class ShmProcessGroup(OrderedGroup):
         )
         self._seg: Optional[_Segment] = None
         self._gen = 0
+        self._bank = 0  # the bank the next collective's first chunk goes through (see _phases)
         self._others = [r for r in range(size) if r != rank]
         self._spin = 2000 if size <= (os.cpu_count() or 1) else 20
         self._helpers = _helper_pool(size)
@@ -423,6 +437,52 @@ class ShmProcessGroup(OrderedGroup):
         for f in futures:
             f.result()
 
+    def _phases(
+        self,
+        n: int,
+        stages: Sequence[Optional[Callable[[int, _Bank], None]]],
+        what: str,
+        overlap: bool = False,
+        ends_in_result: bool = False,
+    ) -> None:
+        """Chunks ``0 .. n-1`` of one collective through its ``stages``, with a barrier between
+        phases and none after the last.
+
+        Stage ``s`` of chunk ``k`` runs in phase ``2k + s`` (one chunk at a time, all in bank
+        ``self._bank``), or with ``overlap`` in phase ``k + s``, chunk ``k`` in bank
+        ``(self._bank + k) % 2``: the stages of consecutive chunks then run side by side in
+        the two banks, one barrier per chunk. ``None``: nothing to do on this rank (the phase
+        still counts). Measured on 2 ranks, overlap makes a broadcast 1.2-1.7x faster (the root
+        writes while the others read) but an all_reduce or all_gather 0.8-0.9x slower (two banks
+        are twice the cache footprint), so only broadcast uses it.
+
+        Safety: a stage reads only what an earlier stage wrote in an earlier phase, and in one
+        phase the ranks write and read different areas (stage 0 writes a rank's own slot, or the
+        root's slots area for broadcast; the reduce writes this rank's slice of the result area
+        while the others read slots; a last stage reads into the rank's own tensors). The last
+        phase has no barrier behind it, so the next collective's first phase, which writes only
+        slots, must not touch what it reads: after a collective whose last stage reads slots, the
+        next one starts in the other bank; after one that ends reading the result area
+        (``ends_in_result``: all_reduce, reduce) it may stay in the same bank, warm in the cache.
+        """
+        seg = self._seg
+        assert seg is not None and n >= 0
+        if n == 0:
+            return
+        first, depth = self._bank, len(stages)
+        stride = 1 if overlap else 2
+        for p in range(stride * (n - 1) + depth):
+            if p:
+                self._barrier(what)
+            for s, stage in enumerate(stages):
+                k, rem = divmod(p - s, stride)
+                if stage is not None and rem == 0 and 0 <= k < n:
+                    stage(k, seg.banks[(first + k) % 2 if overlap else first])
+        if overlap:
+            self._bank = (first + n) % 2
+        elif not ends_in_result:
+            self._bank = first ^ 1
+
     # ------------------------------------------------------------------ collectives
     @_poison_on_error
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -464,29 +524,38 @@ class ShmProcessGroup(OrderedGroup):
         n = flat.numel()
         if n == 0:
             return
-        esize = flat.element_size()
-        per = seg.chunk // esize
-        size, me = self._size, self._rank
-        slots = [s.view(flat.dtype)[:per] for s in seg.slots]
-        out = seg.out.view(flat.dtype)[:per]
-        copy_out = root is None or root == me
-        for lo in range(0, n, per):
-            c = min(per, n - lo)
-            part = flat[lo : lo + c]
-            a, b = c * me // size, c * (me + 1) // size
-            # the peers need every slice of this rank's input but slice [a, b), which this rank
-            # reduces itself, straight from its own tensor
+        per = seg.chunk // flat.element_size()
+        size, me, dtype = self._size, self._rank, flat.dtype
+
+        def span(k: int) -> tuple[torch.Tensor, int, int, int]:
+            """Chunk ``k`` of the tensor, its length, and the slice [a, b) this rank reduces."""
+            c = min(per, n - k * per)
+            return flat[k * per : k * per + c], c, c * me // size, c * (me + 1) // size
+
+        def copy_in(k: int, bank: _Bank) -> None:
+            # the peers need every slice of this rank's chunk but [a, b), which this rank reduces
+            # itself, straight from its own tensor
+            part, c, a, b = span(k)
+            slot = bank.slots[me].view(dtype)
             if a > 0:
-                self._copy(slots[me][:a], part[:a])
+                self._copy(slot[:a], part[:a])
             if b < c:
-                self._copy(slots[me][b:c], part[b:c])
-            self._barrier("all_reduce")
+                self._copy(slot[b:c], part[b:c])
+
+        def reduce(k: int, bank: _Bank) -> None:
+            part, _, a, b = span(k)
             if b > a:
-                self._reduce(fn, out[a:b], [part[a:b] if k == me else slots[k][a:b] for k in range(size)])
-            self._barrier("all_reduce")
-            if copy_out:
-                self._copy(part, out[:c])
-        if writeback and copy_out:
+                sources = [part[a:b] if j == me else bank.slots[j].view(dtype)[a:b] for j in range(size)]
+                self._reduce(fn, bank.out.view(dtype)[a:b], sources)
+
+        def copy_out(k: int, bank: _Bank) -> None:
+            part, c, _, _ = span(k)
+            self._copy(part, bank.out.view(dtype)[:c])
+
+        copies_out = root is None or root == me
+        stages = [copy_in, reduce, copy_out if copies_out else None]
+        self._phases(-(-n // per), stages, "all_reduce", ends_in_result=True)
+        if writeback and copies_out:
             tensor.copy_(flat.view(tensor.shape))
 
     @_poison_on_error
@@ -503,21 +572,25 @@ class ShmProcessGroup(OrderedGroup):
         )
 
     def _broadcast_one(self, t: torch.Tensor, root: int) -> None:
+        """The root puts chunk k in one bank while the others take chunk k-1 from the other."""
         seg = self._seg
         assert seg is not None
         flat, writeback = _flat(t)
         raw = flat.view(torch.uint8)
-        n, cap = raw.numel(), seg.chunk
-        slot = seg.slots[root]
-        for lo in range(0, n, cap):
-            c = min(cap, n - lo)
-            if self._rank == root:
-                self._copy(slot[:c], raw[lo : lo + c])
-            self._barrier("broadcast")
-            if self._rank != root:
-                self._copy(raw[lo : lo + c], slot[:c])
-            self._barrier("broadcast")
-        if writeback and self._rank != root:
+        n, cap = raw.numel(), seg.chunk * self._size  # a broadcast chunk fills a bank's slots
+
+        def put(k: int, bank: _Bank) -> None:
+            c = min(cap, n - k * cap)
+            self._copy(bank.slot_area[:c], raw[k * cap : k * cap + c])
+
+        def take(k: int, bank: _Bank) -> None:
+            c = min(cap, n - k * cap)
+            self._copy(raw[k * cap : k * cap + c], bank.slot_area[:c])
+
+        root_here = self._rank == root
+        stages = [put if root_here else None, None if root_here else take]
+        self._phases(-(-n // cap), stages, "broadcast", overlap=True)
+        if writeback and not root_here:
             t.copy_(flat.view(t.shape))
 
     @_poison_on_error
@@ -542,21 +615,26 @@ class ShmProcessGroup(OrderedGroup):
     def _gather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
         seg = self._seg
         assert seg is not None
+        me = self._rank
         flat, _ = _flat(inp)
         raw = flat.view(torch.uint8)
         n, cap = raw.numel(), seg.chunk
-        targets = []
-        for o in outs:
-            of, wb = _flat(o)
-            targets.append((o, of, of.view(torch.uint8), wb))
-        for lo in range(0, n, cap):
-            c = min(cap, n - lo)
-            self._copy(seg.slots[self._rank][:c], raw[lo : lo + c])
-            self._barrier("all_gather")
-            for j, (_, _, traw, _) in enumerate(targets):
-                self._copy(traw[lo : lo + c], seg.slots[j][:c])
-            self._barrier("all_gather")
-        for o, of, _, wb in targets:
+        targets = [(o, *_flat(o)) for o in outs]
+        raws = [of.view(torch.uint8) for _, of, _ in targets]
+        if n:
+            self._copy(raws[me], raw)  # this rank's own part needs no trip through the segment
+
+        def put(k: int, bank: _Bank) -> None:
+            c = min(cap, n - k * cap)
+            self._copy(bank.slots[me][:c], raw[k * cap : k * cap + c])
+
+        def take(k: int, bank: _Bank) -> None:
+            c = min(cap, n - k * cap)
+            for j in self._others:
+                self._copy(raws[j][k * cap : k * cap + c], bank.slots[j][:c])
+
+        self._phases(-(-n // cap), [put, take], "all_gather")
+        for o, of, wb in targets:
             if wb:
                 o.copy_(of.view(o.shape))
 
@@ -596,13 +674,25 @@ class ShmProcessGroup(OrderedGroup):
         n = out_flat.numel()
         size, me = self._size, self._rank
         per = seg.chunk // rows.element_size() // size
-        slots = [s.view(rows.dtype)[: per * size].view(size, per) for s in seg.slots]
-        for lo in range(0, n, per):
-            c = min(per, n - lo)
-            slots[me][:, :c].copy_(rows[:, lo : lo + c])
-            self._barrier("reduce_scatter")
-            self._reduce(fn, out_flat[lo : lo + c], [slots[k][me, :c] for k in range(size)])
-            self._barrier("reduce_scatter")
+
+        def grid(bank: _Bank, j: int) -> torch.Tensor:
+            return bank.slots[j].view(rows.dtype)[: per * size].view(size, per)
+
+        def put(k: int, bank: _Bank) -> None:
+            # every row but this rank's own, which it reduces straight from ``rows``
+            lo, c = k * per, min(per, n - k * per)
+            mine = grid(bank, me)
+            if me > 0:
+                mine[:me, :c].copy_(rows[:me, lo : lo + c])
+            if me < size - 1:
+                mine[me + 1 :, :c].copy_(rows[me + 1 :, lo : lo + c])
+
+        def reduce(k: int, bank: _Bank) -> None:
+            lo, c = k * per, min(per, n - k * per)
+            sources = [rows[me, lo : lo + c] if j == me else grid(bank, j)[me, :c] for j in range(size)]
+            self._reduce(fn, out_flat[lo : lo + c], sources)
+
+        self._phases(-(-n // per), [put, reduce], "reduce_scatter")
         if writeback:
             output.copy_(out_flat.view(output.shape))
 
