@@ -72,6 +72,9 @@ _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 #: collectives of at least this many bytes run on the group's thread (see ShmProcessGroup._run)
 _ASYNC_BYTES = 1 << 20
+#: an all_reduce of at most this many bytes is one step (every rank reduces all of it, after one
+#: barrier, not two): a small collective's time is its barriers and torch calls, not its bytes
+_SMALL_BYTES = 16 << 10
 #: copies and reductions are split over the helper threads in parts of at least this many bytes
 _SPLIT_BYTES = 512 << 10
 
@@ -180,6 +183,15 @@ class _Bank:
         self.slot_area = data[: size * chunk]
         self.slots = [data[i * chunk : (i + 1) * chunk] for i in range(size)]
         self.out = data[size * chunk : (size + 1) * chunk]
+        self._typed: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def typed_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The slots as tensors of ``dtype`` (made once per dtype: small collectives are bound by
+        the cost of each torch call)."""
+        views = self._typed.get(dtype)
+        if views is None:
+            views = self._typed[dtype] = [s.view(dtype) for s in self.slots]
+        return views
 
 
 class _Segment:
@@ -524,6 +536,11 @@ class ShmProcessGroup(OrderedGroup):
         n = flat.numel()
         if n == 0:
             return
+        if n * flat.element_size() <= _SMALL_BYTES:
+            self._all_reduce_small(flat, fn, root)
+            if writeback and root in (None, self._rank):
+                tensor.copy_(flat.view(tensor.shape))
+            return
         per = seg.chunk // flat.element_size()
         size, me, dtype = self._size, self._rank, flat.dtype
 
@@ -557,6 +574,20 @@ class ShmProcessGroup(OrderedGroup):
         self._phases(-(-n // per), stages, "all_reduce", ends_in_result=True)
         if writeback and copies_out:
             tensor.copy_(flat.view(tensor.shape))
+
+    def _all_reduce_small(self, flat: torch.Tensor, fn: Callable[..., Any], root: Optional[int]) -> None:
+        """A small all_reduce (or reduce) in one step: every rank puts its whole tensor in its
+        slot and, after one barrier, reduces all slots itself, in rank order (the same bits on
+        every rank). Its last step reads slots, so the next collective takes the other bank."""
+        seg = self._seg
+        assert seg is not None
+        n = flat.numel()
+        slots = seg.banks[self._bank].typed_slots(flat.dtype)
+        slots[self._rank][:n].copy_(flat)
+        self._barrier("all_reduce")
+        if root is None or root == self._rank:
+            _reduce_into(fn, flat, [s[:n] for s in slots])
+        self._bank ^= 1
 
     @_poison_on_error
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
