@@ -52,6 +52,30 @@ def _onedist(*args: str) -> list[str]:
     return [sys.executable, "-m", "onedist", "run", *args]
 
 
+RANK_0_ENDS_FIRST = """
+import time, onedist as od
+od.initialize("gloo")
+od.all_reduce(1)
+if od.get_rank() == 1:
+    time.sleep(2.5)  # rank 0, which hosts the rendezvous store, exits meanwhile
+print("done", flush=True)
+"""
+
+
+def test_rank_0_ending_first_leaves_no_store_errors(tmp_path):
+    # the failure watcher of rank 1 polled the store of rank 0, which had exited: torch printed a
+    # 25-line C++ stack trace ("recvValue failed ... Connection was likely closed") in a run that
+    # succeeded; the watcher now stops when its idle connection to the store reads end-of-file
+    script = tmp_path / "rank0_first.py"
+    script.write_text(RANK_0_ENDS_FIRST)
+    proc = subprocess.run(
+        _onedist("-n", "2", str(script)), capture_output=True, text=True, timeout=120, env=_env()
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("done") == 2
+    assert "recvValue" not in proc.stdout + proc.stderr and "frame #" not in proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_onedist_run_starts_n_workers_with_prefixed_output(n, tmp_path):
     proc = subprocess.run(

@@ -148,6 +148,63 @@ def _world() -> tuple[int, int]:
     return _state.backend.rank, _state.backend.world_size
 
 
+def _server_address(store: Any) -> Optional[tuple[str, int]]:
+    """(host, port) of the TCP server behind ``store`` (through prefix wrappers), or None."""
+    from torch._C._distributed_c10d import TCPStore
+
+    for _ in range(8):
+        if isinstance(store, TCPStore):
+            return store.host, store.port
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            break
+    return None
+
+
+class _ServerProbe:
+    """An idle connection to the store's TCP server, which reads end-of-file once the server is
+    gone (the rank that hosted it exited). A store call to a closed server makes torch print a
+    C++ stack trace, even where it is caught; without this probe every run in which rank 0
+    finished a second before another rank printed one, from the watcher's poll."""
+
+    def __init__(self, store: Any) -> None:
+        self._sock: Optional[socket.socket] = None
+        address = _server_address(store)
+        if address is not None:
+            try:
+                self._sock = socket.create_connection(address, timeout=2)
+                self._sock.setblocking(False)
+            except OSError:
+                pass
+
+    def gone(self) -> bool:
+        if self._sock is None:
+            return False  # not a TCP store (file store, MPI): nothing to probe
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False  # open and quiet: the server is there
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def _server_gone(store: Any) -> bool:
+    """True when ``store`` is a TCP store whose server no longer accepts connections."""
+    address = _server_address(store)
+    if address is None:
+        return False
+    try:
+        socket.create_connection(address, timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
 def publish_failure(exc: BaseException, tb: Optional[TracebackType] = None) -> None:
     """Tell the other ranks, through the rendezvous store, that this rank failed with ``exc``.
 
@@ -161,7 +218,7 @@ def publish_failure(exc: BaseException, tb: Optional[TracebackType] = None) -> N
     try:
         rank, world = _world()
         store = _store() if world > 1 else None
-        if store is None:
+        if store is None or _server_gone(store):  # the rank hosting it already exited
             return
         text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
         report = {
@@ -307,10 +364,20 @@ def _watch(stop: Any, store: Any, rank: int, world: int, main_ident: int) -> Non
     error as a :class:`RemoteRankError` raised in its main thread, and if it is blocked outside
     Python for longer than 3 s, the error is printed and the process ends (exit status 1).
     """
+    probe = _ServerProbe(store)
+    try:
+        _poll(stop, store, probe, rank, world, main_ident)
+    finally:
+        probe.close()
+
+
+def _poll(stop: Any, store: Any, probe: _ServerProbe, rank: int, world: int, main_ident: int) -> None:
     import ctypes
 
     handled = 0
     while not stop.wait(_WATCH_S):
+        if probe.gone():
+            return  # the rank hosting the store exited: the job is ending
         try:
             count = int(store.add(_FAILED_COUNT, 0))
             if count <= handled or _guard.published or _guard.explaining:
