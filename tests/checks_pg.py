@@ -432,3 +432,12 @@ def check_shm_hierarchy() -> list[list[int]]:
     if pg._local is not None:
         assert pg._local.uses_shared_memory and pg._local._rank == mine.index(rank)
     return pg._hosts
+
+
+def check_slot_size_is_rank_0s() -> int:
+    """Ranks whose ONEDIST_SHM_CHUNK_MB differ use rank 0's slot size (the segment's layout)."""
+    pg, world = _pg(), od.get_world_size()
+    t = torch.arange(100_000, dtype=torch.int64)  # 800 KB: chunks of either size
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.arange(100_000, dtype=torch.int64) * world)
+    return pg._seg.chunk

@@ -36,6 +36,34 @@ def test_available():
     assert "shm" in od.available_backends()
 
 
+def test_slot_size_follows_the_setting_else_fits_the_l3_cache(monkeypatch):
+    from onedist import OnedistValueError
+    from onedist.backends import shm as shm_module
+
+    MiB = 1 << 20
+    l3 = shm_module._l3_bytes()  # this machine's, from sysfs
+    assert l3 is None or l3 >= MiB
+    monkeypatch.delenv("ONEDIST_SHM_CHUNK_MB", raising=False)
+    monkeypatch.setattr(shm_module, "_l3_bytes", lambda: 32 * MiB)
+    # one bank (ranks + 1 slots) in at most half the L3, 4 MiB at most, 256 KiB at least
+    assert [shm_module._chunk_bytes(n) for n in (2, 4, 8, 64)] == [4 * MiB, 3 * MiB, 1792 << 10, 256 << 10]
+    monkeypatch.setattr(shm_module, "_l3_bytes", lambda: None)
+    assert shm_module._chunk_bytes(8) == 4 * MiB
+    monkeypatch.setenv("ONEDIST_SHM_CHUNK_MB", "0.5")
+    assert shm_module._chunk_bytes(8) == MiB // 2  # the setting wins
+    monkeypatch.setenv("ONEDIST_SHM_CHUNK_MB", "lots")
+    with pytest.raises(OnedistValueError, match="ONEDIST_SHM_CHUNK_MB.*'lots'"):
+        shm_module._chunk_bytes(2)
+
+
+def test_ranks_use_rank_0s_slot_size():
+    pool = DistPool(2, "shm", rank_env=[{"ONEDIST_SHM_CHUNK_MB": "0.0625"}, {"ONEDIST_SHM_CHUNK_MB": "1"}])
+    try:
+        assert pool.run(checks_pg.check_slot_size_is_rank_0s) == [64 << 10] * 2
+    finally:
+        pool.close()
+
+
 def test_all_reduce_equals_gloo_every_dtype_op_and_size(shm):
     assert shm(checks_pg.check_all_reduce_equals_gloo, timeout=240)[0] > 200
 

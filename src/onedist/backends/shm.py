@@ -61,8 +61,10 @@ logger = logging.getLogger("onedist")
 
 #: torch.distributed's name of the backend (``init_process_group("shm")``, ``dist.get_backend()``)
 NAME = "shm"
-#: bytes per rank's slot; a collective larger than this goes in chunks (``ONEDIST_SHM_CHUNK_MB``)
+#: bytes per rank's slot; a collective larger than this goes in chunks (``ONEDIST_SHM_CHUNK_MB``;
+#: less on many ranks with a small L3 cache, see _chunk_bytes)
 DEFAULT_CHUNK = 4 << 20
+_MIN_CHUNK = 256 << 10
 _LINE = 64  # one cache line per rank's counter: no false sharing between writers
 _HEADER = 4096
 _SYS_FUTEX = 202  # x86-64
@@ -258,7 +260,7 @@ class ShmProcessGroup(OrderedGroup):
         if size > 1:
             hosts = _host_map(store, rank, size)
             if len(hosts) == 1:
-                self._seg = _attach(store, rank, size, _chunk_bytes())
+                self._seg = _attach(store, rank, size)
             else:
                 self._hierarchy(store, hosts, timeout)
 
@@ -822,10 +824,35 @@ def _helper_pool(size: int) -> Optional[ThreadPoolExecutor]:
     return ThreadPoolExecutor(threads - 1, thread_name_prefix="onedist-shm-copy")
 
 
-def _chunk_bytes() -> int:
+def _l3_bytes() -> Optional[int]:
+    """The size of the last-level (L3) cache of CPU 0, from sysfs; None when it is not known."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in sorted(os.listdir(root)):
+            with open(f"{root}/{index}/level") as f:
+                if f.read().strip() != "3":
+                    continue
+            with open(f"{root}/{index}/size") as f:
+                text = f.read().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            return int(text.rstrip("KMG")) * scale
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _chunk_bytes(size: int) -> int:
+    """Bytes per slot: ``ONEDIST_SHM_CHUNK_MB``, else 4 MiB, less where one bank (``size + 1``
+    slots) would fill more than half the L3 cache. A bank that does not stay in the cache costs
+    a trip to memory for every slot written and read: with 2 ranks on a 32 MiB L3, 16 MiB slots
+    (48 MiB banks) made a 128 MB all_reduce 1.5x slower than 4 MiB slots (12 MiB banks)."""
     raw = os.environ.get("ONEDIST_SHM_CHUNK_MB")
     if not raw:
-        return DEFAULT_CHUNK
+        l3 = _l3_bytes()
+        if l3 is None:
+            return DEFAULT_CHUNK
+        fit = l3 // (2 * (size + 1)) // _MIN_CHUNK * _MIN_CHUNK
+        return max(_MIN_CHUNK, min(DEFAULT_CHUNK, fit))
     try:
         mb = float(raw)
     except ValueError:
@@ -849,20 +876,25 @@ def _host_map(store: Any, rank: int, size: int) -> list[list[int]]:
     return list(hosts.values())
 
 
-def _attach(store: Any, rank: int, size: int, chunk: int) -> Optional[_Segment]:
-    """Create (rank 0) or open the group's segment; None on every rank when any rank cannot."""
-    nbytes = _Segment.nbytes(size, chunk)
+def _attach(store: Any, rank: int, size: int) -> Optional[_Segment]:
+    """Create (rank 0) or open the group's segment; None on every rank when any rank cannot.
+
+    Every rank checks its own ``ONEDIST_SHM_CHUNK_MB`` (a bad value raises on each), but the slot
+    size is rank 0's, published with the segment: the layout must be the same everywhere."""
+    chunk = _chunk_bytes(size)
     fd = -1
     mm: Optional[mmap.mmap] = None
     error = ""
     try:
         if rank == 0:
             fd = os.memfd_create("onedist-shm", os.MFD_CLOEXEC)
-            os.ftruncate(fd, nbytes)
-            store.set("onedist-shm/segment", f"{os.getpid()}:{fd}")
+            os.ftruncate(fd, _Segment.nbytes(size, chunk))
+            store.set("onedist-shm/segment", f"{os.getpid()}:{fd}:{chunk}")
         else:
-            pid, rfd = store.get("onedist-shm/segment").decode().split(":")
+            pid, rfd, published = store.get("onedist-shm/segment").decode().split(":")
+            chunk = int(published)
             fd = os.open(f"/proc/{pid}/fd/{rfd}", os.O_RDWR)
+        nbytes = _Segment.nbytes(size, chunk)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         struct.pack_into("q", mm, 64 + 8 * rank, os.getpid())  # for the peers' liveness checks
     except OSError as e:
