@@ -351,6 +351,8 @@ def serial_checks() -> None:
     assert od.model_name() == "horovod-dist" and od.get_world_size() == 1
     with pytest.raises(OnedistRuntimeError, match="Horovod was initialised without dynamic process sets"):
         current().new_group((0, 1))
+    with pytest.raises(OnedistRuntimeError, match=r"already initialized by your code \(hvd.init\(\)\)"):
+        od.initialize("horovod")
     od.finalize()
     assert not hvd.is_initialized()
     print("serial checks passed", file=sys.stderr)

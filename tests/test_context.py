@@ -124,7 +124,10 @@ def test_sync_and_queries_follow_a_group_made_and_destroyed_by_the_user():
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         assert od.backend() == "gloo" and od.get_world_size() == 1
-        with pytest.raises(od.OnedistRuntimeError, match="already initialized by your code"):
+        with pytest.raises(
+            od.OnedistRuntimeError,
+            match=r"already initialized by your code \(torch.distributed.init_process_group\)",
+        ):
             od.initialize("gloo")
         od.set_local_rank(0)
         assert od.get_local_rank() == 0

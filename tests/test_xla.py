@@ -187,6 +187,16 @@ def test_ws1_parallel_without_nproc_initialises_this_device():
     assert od.model_name() == "serial"
 
 
+def test_ws1_initialize_inside_a_spawned_worker_says_who_made_the_context():
+    assert od.spawn("xla-tpu", _initialize_again, nproc_per_node=1) == ["xla-dist"]
+
+
+def _initialize_again(local_rank: int) -> str:
+    with pytest.raises(od.OnedistRuntimeError, match=r"already initialized by xmp.spawn \(yours, or onedist"):
+        od.initialize("xla-tpu")
+    return od.model_name()
+
+
 def _report(local_rank: int, tag: str) -> tuple[Any, ...]:
     return (od.model_name(), od.backend(), str(od.device()), od.get_rank(), od.get_world_size(), tag)
 

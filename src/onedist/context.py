@@ -222,7 +222,7 @@ def initialize(
         )
     active = current()
     if not isinstance(active, SerialBackend):
-        origin = "onedist" if getattr(active, "owned", True) else "your code (torch.distributed)"
+        origin = "onedist" if getattr(active, "owned", True) else active.external_origin
         raise OnedistRuntimeError(
             f"onedist.initialize: a distributed context ({active.backend}, world size "
             f"{active.world_size}) is already initialized by {origin}\n"

@@ -66,6 +66,8 @@ class Backend(ABC):
     #: send/recv carry bulk data well: large uneven gathers then go over concurrent isend/irecv
     #: with every peer (False where point-to-point is emulated, e.g. Horovod's: all_to_all instead)
     p2p_bulk: ClassVar[bool] = True
+    #: who made a context this class wraps but onedist did not create (for error messages)
+    external_origin: ClassVar[str] = "your code"
 
     def __init__(self, backend: Optional[str], rank: int, world_size: int) -> None:
         #: the backend name :func:`onedist.backend` reports (``None`` when serial)

@@ -242,6 +242,7 @@ class HorovodBackend(Backend):
     """
 
     model_name = "horovod-dist"
+    external_origin = "your code (hvd.init())"
     cpu_reduce_dtypes = _REDUCE_DTYPES
     p2p_bulk = False  # send/recv go through the side store: large gathers use Horovod's alltoall
 

@@ -78,6 +78,7 @@ class NativeBackend(Backend):
     """A torch.distributed default process group (created by onedist or by the user)."""
 
     model_name = "native-dist"
+    external_origin = "your code (torch.distributed.init_process_group)"
 
     def __init__(self, owned: bool, env_set: Optional[dict[str, Optional[str]]] = None) -> None:
         world = dist.distributed_c10d._get_default_group()

@@ -157,6 +157,7 @@ class XlaBackend(Backend):
     """
 
     model_name = "xla-dist"
+    external_origin = "xmp.spawn (yours, or onedist.spawn's)"
     #: no send/recv at all: onedist's large uneven gathers go through all_to_all
     p2p_bulk = False
 
