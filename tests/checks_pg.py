@@ -184,7 +184,7 @@ def check_back_to_back_collectives_under_skew(steps: int = 120) -> int:
     slot = _slot() // 8  # int64 elements in one slot
     bad = []
     for step in range(steps):
-        kind = int(torch.randint(5, (1,), generator=shared))
+        kind = int(torch.randint(6, (1,), generator=shared))
         n = int(torch.randint(1, 3 * slot + 40, (1,), generator=shared))
         root = int(torch.randint(world, (1,), generator=shared))
         if float(torch.rand(1, generator=lag)) < 0.3:
@@ -207,11 +207,24 @@ def check_back_to_back_collectives_under_skew(steps: int = 120) -> int:
             mine = torch.empty(m, dtype=torch.int64)
             dist.reduce_scatter_tensor(mine, ins[rank])
             expect = torch.stack(ins).sum(0)[rank * m : (rank + 1) * m]
-        else:
+        elif kind == 4:
             dist.reduce(mine, dst=root, op=dist.ReduceOp.MAX)
             expect = torch.stack(xs).amax(0) if rank == root else xs[rank]
+        else:  # small all_reduces (one step each) back to back, the later ones lagging less
+            m = n % 2000 + 1
+            small = [xs[r][:m] for r in range(world)]
+            outs = [small[rank].clone() + i for i in range(3)]
+            for o in outs:
+                dist.all_reduce(o)
+                if float(torch.rand(1, generator=lag)) < 0.3:
+                    time.sleep(0.001)
+            mine, expect = (
+                torch.cat(outs),
+                torch.cat([torch.stack(small).sum(0) + world * i for i in range(3)]),
+            )
         if not torch.equal(mine, expect):
-            bad.append((step, ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce"][kind], n))
+            names = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "small all_reduces"]
+            bad.append((step, names[kind], n))
     assert not bad, bad
     return steps
 
