@@ -131,3 +131,59 @@ def test_a_crash_on_one_rank_ends_the_others_with_its_error():
     assert "boom on rank 1" in out, out
     assert "unreachable" not in out
     assert took < 45, took
+
+
+# ============================================================================ spawn("mpi") through mpirun
+def test_spawn_starts_the_ranks_through_mpirun():
+    import workers
+
+    assert od.spawn("mpi", workers.mpi_report, args=(2,), nproc_per_node=3) == [
+        (r, 3, "mpi", r, r, 6) for r in range(3)
+    ]
+    with od.Parallel(backend="mpi", nproc_per_node=2) as parallel:
+        assert parallel.run(workers.mpi_report, 5) == (0, 2, "mpi", 0, 0, 10)  # rank 0's result
+
+
+def test_spawn_failure_names_the_rank_and_its_traceback():
+    import workers
+
+    start = time.monotonic()
+    with pytest.raises(od.WorkerFailedError, match=r"(?s)rank 1 .*ValueError: bad input on rank 1") as e:
+        od.spawn("mpi", workers.fail_on_rank_1, nproc_per_node=3)
+    assert e.value.rank == 1 and "fail_on_rank_1" in (e.value.remote_traceback or "")
+    assert "rank 0: stopped by onedist after rank 1 failed" in str(e.value)
+    assert time.monotonic() - start < 60
+
+
+SCRIPT_FN = """
+import onedist as od
+
+def main(local_rank):  # defined in the script itself: each rank imports it as __mp_main__
+    return od.all_reduce(local_rank + 1)
+
+if __name__ == "__main__":
+    print("results", od.spawn("mpi", main, nproc_per_node=2))
+"""
+
+
+def test_spawn_runs_a_function_defined_in_the_main_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT_FN)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "results [3, 3]" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"nnodes": 2, "master_addr": "10.0.0.1", "master_port": 29500}, "nnodes"),
+        ({"master_port": 29500}, "master_port"),
+        ({"start_method": "fork"}, "start_method"),
+    ],
+)
+def test_spawn_arguments_mpirun_cannot_honour(kwargs, arg):
+    import workers
+
+    with pytest.raises(od.OnedistValueError, match=rf"(?s){arg}.*with backend 'mpi'.*mpirun -np N -H"):
+        od.spawn("mpi", workers.mpi_report, args=(1,), nproc_per_node=2, **kwargs)

@@ -109,3 +109,21 @@ def large_collectives(local_rank: int) -> float:
     dist.all_gather_into_tensor(out, big)
     dist.reduce_scatter_tensor(big, out)
     return float(big[0])
+
+
+def mpi_report(local_rank: int, x: int) -> tuple:
+    """Under spawn("mpi"): what this rank sees, and one all_reduce."""
+    return (
+        od.get_rank(),
+        od.get_world_size(),
+        od.backend(),
+        local_rank,
+        od.get_local_rank(),
+        od.all_reduce(x),
+    )
+
+
+def fail_on_rank_1(local_rank: int) -> None:
+    if od.get_rank() == 1:
+        raise ValueError("bad input on rank 1")
+    od.barrier()

@@ -330,6 +330,37 @@ def reported_failures(paths: list[str]) -> list[_Failure]:
     return failures
 
 
+def write_failure_report(exc: BaseException, report_dir: str, rank: int, local_rank: int) -> None:
+    """What a worker started by a backend's own launcher does when it fails: publish the error to
+    the other ranks, write the JSON report :func:`reported_failures` reads, print the traceback."""
+    from ._guard import publish_failure
+
+    publish_failure(exc)
+    text = traceback.format_exc()
+    report = {
+        "rank": rank,
+        "local_rank": local_rank,
+        "pid": os.getpid(),
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": text,
+    }
+    try:
+        path = os.path.join(report_dir, f"rank-{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except Exception:
+        pass
+
+
 def failure_error(failures: list[_Failure]) -> WorkerFailedError:
     """The WorkerFailedError of these failures (the failing rank's traceback first)."""
     primary, message = failure_report(failures)

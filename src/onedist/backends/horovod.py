@@ -1111,33 +1111,10 @@ def _worker(
 
 
 def _report_failure(exc: BaseException, report_dir: str) -> None:
-    from .._guard import publish_failure
+    from ..launch import write_failure_report
 
-    publish_failure(exc)
-    text = traceback.format_exc()
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
-    report = {
-        "rank": rank,
-        "local_rank": int(os.environ.get("HOROVOD_LOCAL_RANK", str(rank))),
-        "pid": os.getpid(),
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": text,
-    }
-    try:
-        path = os.path.join(report_dir, f"rank-{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(report, f)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        sys.stdout.flush()
-    except Exception:
-        pass
+    write_failure_report(exc, report_dir, rank, int(os.environ.get("HOROVOD_LOCAL_RANK", str(rank))))
 
 
 def _horovod_run(payload: bytes, nproc: int, conn: Any) -> None:
