@@ -151,12 +151,7 @@ def _worker_main(
             rank=cfg["rank"],
             world_size=cfg["world_size"],
         )
-        try:
-            result = fn(local_rank, *args, **kwargs)
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
-            result = None
+        result = call_worker_fn(fn, local_rank, args, kwargs)
         finalize()
     except BaseException as e:
         from ._guard import publish_failure
@@ -330,12 +325,70 @@ def reported_failures(paths: list[str]) -> list[_Failure]:
     return failures
 
 
-def write_failure_report(exc: BaseException, report_dir: str, rank: int, local_rank: int) -> None:
-    """What a worker started by a backend's own launcher does when it fails: publish the error to
-    the other ranks, write the JSON report :func:`reported_failures` reads, print the traceback."""
-    from ._guard import publish_failure
+def check_one_host_launch(
+    backend: str,
+    hint: str,
+    *,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: Optional[int],
+    init_method: Optional[str],
+    start_method: str,
+) -> None:
+    """The spawn arguments a backend that starts its workers with its own launcher on this host
+    (``horovod.run``, ``mpirun``) cannot honour: each raises, naming the value and ``hint``."""
+    from ._net import is_loopback
 
-    publish_failure(exc)
+    for arg, value, allowed, ok in (
+        ("nnodes", nnodes, "1", nnodes == 1),
+        ("node_rank", node_rank, "0", node_rank == 0),
+        ("master_addr", master_addr, "a loopback address ('127.0.0.1')", is_loopback(master_addr)),
+        ("master_port", master_port, "None", master_port is None),
+        ("init_method", init_method, "None or 'env://'", init_method in (None, "env://")),
+        ("start_method", start_method, "'spawn'", start_method == "spawn"),
+    ):
+        if not ok:
+            raise bad_value("spawn", arg, value, f"{allowed} with backend {backend!r}", hint=hint)
+
+
+def call_worker_fn(
+    fn: Callable[..., Any], local_rank: int, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Any:
+    """``fn(local_rank, *args, **kwargs)`` in a worker; ``sys.exit(0)`` in it is a success (None)."""
+    try:
+        return fn(local_rank, *args, **kwargs)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+        return None
+
+
+def write_result(path: str, result: Any, rank: int) -> None:
+    """Pickle a worker's result to ``path`` for the parent (None, with a warning, when it cannot
+    be pickled), atomically: the parent never reads half a file."""
+    try:
+        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        logger.warning(
+            "onedist.spawn: the return value of rank %d cannot be pickled (%s); returning None", rank, e
+        )
+        payload = pickle.dumps(None)
+    with open(path + ".tmp", "wb") as f:
+        f.write(payload)
+    os.replace(path + ".tmp", path)
+
+
+def write_failure_report(
+    exc: BaseException, report_dir: str, rank: int, local_rank: int, name: str = "", announce: bool = True
+) -> None:
+    """What a worker started by a backend's own launcher does when it fails: write the JSON report
+    :func:`reported_failures` reads (``name``, by default ``rank-<rank>.json``) and, with
+    ``announce``, publish the error to the other ranks and print the traceback."""
+    if announce:
+        from ._guard import publish_failure
+
+        publish_failure(exc)
     text = traceback.format_exc()
     report = {
         "rank": rank,
@@ -347,12 +400,14 @@ def write_failure_report(exc: BaseException, report_dir: str, rank: int, local_r
         "traceback": text,
     }
     try:
-        path = os.path.join(report_dir, f"rank-{rank}.json")
+        path = os.path.join(report_dir, name or f"rank-{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(report, f)
         os.replace(path + ".tmp", path)
     except OSError:
         pass
+    if not announce:
+        return
     try:
         sys.stderr.write(text)
         sys.stderr.flush()

@@ -133,33 +133,18 @@ def _main(job_dir: str) -> None:
         os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", str(rank)))
     )
     from ..context import finalize, get_local_rank, initialize
-    from ..launch import write_failure_report
+    from ..launch import call_worker_fn, write_failure_report, write_result
 
     try:
         with open(os.path.join(job_dir, _JOB), "rb") as f:
             fn, args, kwargs, cfg = pickle.load(f)
         initialize("mpi", timeout=cfg["timeout"])
-        try:
-            result = fn(get_local_rank(), *args, **kwargs)
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
-            result = None
+        result = call_worker_fn(fn, get_local_rank(), args, kwargs)
         finalize()
     except BaseException as e:
         write_failure_report(e, job_dir, rank, local_rank)
         os._exit(1)  # not MPI_Finalize, which would wait for the others (see _guard)
-    try:
-        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        logger.warning(
-            "onedist.spawn: the return value of rank %d cannot be pickled (%s); returning None", rank, e
-        )
-        payload = pickle.dumps(None)
-    path = os.path.join(job_dir, f"result-{rank}.pkl")
-    with open(path + ".tmp", "wb") as f:
-        f.write(payload)
-    os.replace(path + ".tmp", path)
+    write_result(os.path.join(job_dir, f"result-{rank}.pkl"), result, rank)
 
 
 if __name__ == "__main__":

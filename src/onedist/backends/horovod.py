@@ -384,26 +384,20 @@ class HorovodBackend(Backend):
         the results come back in rank order. A failing worker ends the run (Horovod stops the
         others) and :class:`~onedist.WorkerFailedError` is raised with its rank and traceback.
         """
-        from .._net import is_loopback
+        from ..launch import check_one_host_launch
 
-        for arg, value, allowed, ok in (
-            ("nnodes", nnodes, "1", nnodes == 1),
-            ("node_rank", node_rank, "0", node_rank == 0),
-            ("master_addr", master_addr, "a loopback address ('127.0.0.1')", is_loopback(master_addr)),
-            ("master_port", master_port, "None", master_port is None),
-            ("init_method", init_method, "None or 'env://'", init_method in (None, "env://")),
-            ("start_method", start_method, "'spawn'", start_method == "spawn"),
-        ):
-            if not ok:
-                raise bad_value(
-                    "spawn",
-                    arg,
-                    value,
-                    f"{allowed} with backend 'horovod'",
-                    hint="spawn('horovod', ...) starts fresh processes on this host through horovod.run, "
-                    "which picks its own rendezvous; for several hosts use `horovodrun -np N -H "
-                    "host1:n1,host2:n2 python script.py` (Parallel(backend='horovod') then only initialises)",
-                )
+        check_one_host_launch(
+            "horovod",
+            "spawn('horovod', ...) starts fresh processes on this host through horovod.run, which "
+            "picks its own rendezvous; for several hosts use `horovodrun -np N -H host1:n1,host2:n2 "
+            "python script.py` (Parallel(backend='horovod') then only initialises)",
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            init_method=init_method,
+            start_method=start_method,
+        )
         try:
             import horovod
         except ImportError as e:  # reported as unavailable before this; kept for a broken install
@@ -1083,15 +1077,11 @@ def _worker(
     if "OMP_NUM_THREADS" in cfg["env"]:
         torch.set_num_threads(int(cfg["env"]["OMP_NUM_THREADS"]))
     from ..context import finalize, get_local_rank, initialize
+    from ..launch import call_worker_fn
 
     try:
         initialize(_NAME, timeout=cfg["timeout"])
-        try:
-            result = fn(get_local_rank(), *args, **kwargs)
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
-            result = None
+        result = call_worker_fn(fn, get_local_rank(), args, kwargs)
         finalize()
     except BaseException as e:
         _report_failure(e, cfg["report_dir"])

@@ -218,26 +218,20 @@ class NativeBackend(Backend):
             return None
         # MPI's processes come from its launcher (processes spawned here would each be an MPI
         # world of one): mpirun starts them, on this host
-        from .._net import is_loopback
+        from ..launch import check_one_host_launch
 
-        for arg, value, allowed, ok in (
-            ("nnodes", nnodes, "1", nnodes == 1),
-            ("node_rank", node_rank, "0", node_rank == 0),
-            ("master_addr", master_addr, "a loopback address ('127.0.0.1')", is_loopback(master_addr)),
-            ("master_port", master_port, "None", master_port is None),
-            ("init_method", init_method, "None or 'env://'", init_method in (None, "env://")),
-            ("start_method", start_method, "'spawn'", start_method == "spawn"),
-        ):
-            if not ok:
-                raise bad_value(
-                    "spawn",
-                    arg,
-                    value,
-                    f"{allowed} with backend 'mpi'",
-                    hint="spawn('mpi', ...) starts the ranks on this host through mpirun, which "
-                    "connects them itself; for several hosts run `mpirun -np N -H host1:n1,host2:n2 "
-                    "python script.py` (Parallel(backend='mpi') then only initialises)",
-                )
+        check_one_host_launch(
+            "mpi",
+            "spawn('mpi', ...) starts the ranks on this host through mpirun, which connects them "
+            "itself; for several hosts run `mpirun -np N -H host1:n1,host2:n2 python script.py` "
+            "(Parallel(backend='mpi') then only initialises)",
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            init_method=init_method,
+            start_method=start_method,
+        )
         from ..launch import worker_threads_env
         from ._mpirun import launch as mpirun_launch
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import json
 import logging
 import os
 import pickle
@@ -734,14 +733,12 @@ def _run_here(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
     out: dict[str, Any] = {}
 
+    from ..launch import call_worker_fn
+
     def body(index: int) -> None:
         _tls.launched = True
         try:
-            out["result"] = fn(0, *args, **kwargs)
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
-            out["result"] = None
+            out["result"] = call_worker_fn(fn, 0, args, kwargs)
         finally:
             _tls.launched = False
 
@@ -782,6 +779,8 @@ def _worker(
     """
     import torch_xla.runtime as xr
 
+    from ..launch import call_worker_fn, write_failure_report, write_result
+
     _tls.launched = True
     rank, local_rank = int(xr.global_ordinal()), int(xr.local_ordinal())
     try:
@@ -793,14 +792,11 @@ def _worker(
                 nproc,
                 f"1 or {devices}, the number of XLA devices on this host (PJRT_DEVICE={xr.device_type()})",
             )
-        try:
-            result = fn(local_rank, *args, **kwargs)
-        except SystemExit as e:
-            if e.code not in (0, None):
-                raise
-            result = None
+        result = call_worker_fn(fn, local_rank, args, kwargs)
     except BaseException as e:
-        _write_report(report_dir, local_rank, rank, e)
+        write_failure_report(
+            e, report_dir, rank, local_rank, name=f"failure-{local_rank}.json", announce=False
+        )
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -809,38 +805,7 @@ def _worker(
         os._exit(1)
     finally:
         _tls.launched = False
-    try:
-        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        logger.warning(
-            "onedist.spawn: the return value of local rank %d cannot be pickled (%s); returning None",
-            local_rank,
-            e,
-        )
-        payload = pickle.dumps(None)
-    path = os.path.join(report_dir, f"result-{local_rank}.pkl")
-    with open(path + ".tmp", "wb") as f:
-        f.write(payload)
-    os.replace(path + ".tmp", path)
-
-
-def _write_report(report_dir: str, local_rank: int, rank: int, exc: BaseException) -> None:
-    report = {
-        "rank": rank,
-        "local_rank": local_rank,
-        "pid": os.getpid(),
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": traceback.format_exc(),
-    }
-    path = os.path.join(report_dir, f"failure-{local_rank}.json")
-    try:
-        with open(path + ".tmp", "w") as f:
-            json.dump(report, f)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
+    write_result(os.path.join(report_dir, f"result-{local_rank}.pkl"), result, rank)
 
 
 def _results(report_dir: str, nproc: int) -> list[Any]:
