@@ -308,7 +308,7 @@ def _reports(
 ) -> dict[int, dict[str, Any]]:
     """The JSON reports stored under ``key_format.format(rank)`` by the ranks of ``ranks``."""
     store = _store()
-    if store is None:
+    if store is None or _server_gone(store):  # asking a store whose host exited prints C++ noise
         return {}
     found: dict[int, dict[str, Any]] = {}
     for r in ranks:
@@ -439,10 +439,16 @@ def start_watch() -> None:
     )
     thread.start()
     _guard.watcher, _guard.watch_stop = thread, stop
+    # and at exit, for a program that never calls finalize: the interpreter kills a daemon thread
+    # that is inside torch's C++ code (a store call) as it finalizes, which aborts the process
+    import atexit
+
+    atexit.unregister(stop_watch)
+    atexit.register(stop_watch)
 
 
 def stop_watch() -> None:
-    """Stop the failure watcher (called by finalize)."""
+    """Stop the failure watcher (called by finalize, and at exit)."""
     if _guard.watcher is not None:
         _guard.watch_stop.set()
         _guard.watcher.join(timeout=_WATCH_S + 1)
@@ -579,7 +585,7 @@ def _timeout_error(
     mine = {"rank": rank, "call": name, "site": site, "group": list(ranks), "time": now}
     store = _store()
     reports: dict[int, dict[str, Any]] = {}
-    if store is not None:
+    if store is not None and not _server_gone(store):
         try:
             store.set(_STUCK_KEY.format(rank), json.dumps(mine))
             others = [r for r in ranks if r != rank]
