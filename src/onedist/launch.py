@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
 from .environments import detect, launched_externally
@@ -158,12 +158,7 @@ def _worker_main(
 
         publish_failure(e)  # the other ranks' collectives raise with this error, not "connection closed"
         _report(conn, ("error", time.time(), type(e).__name__, str(e), traceback.format_exc()))
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(1)
+        exit_failed()
     try:
         payload = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
@@ -414,6 +409,35 @@ def write_failure_report(
         sys.stdout.flush()
     except Exception:
         pass
+
+
+def reported_failure_error(
+    reports: list[str], finished: Callable[[int], bool] = lambda rank: False
+) -> Optional[WorkerFailedError]:
+    """The WorkerFailedError of workers started by a backend's own launcher, from their JSON
+    reports (``reports[rank]``: rank's path), or None when none reported. A rank that neither
+    reported nor ``finished`` is listed as stopped after the failure."""
+    failures = reported_failures(reports)
+    if not failures:
+        return None
+    reported = {f.rank for f in failures}
+    failures += [
+        _Failure(r, r, None, time.time(), stopped=True)
+        for r in range(len(reports))
+        if r not in reported and not finished(r)
+    ]
+    return failure_error(failures)
+
+
+def exit_failed() -> NoReturn:
+    """End a failed worker at once, output flushed: its peers may be blocked in a collective that
+    will never complete, and exiting normally would wait for them (or for MPI_Finalize)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(1)
 
 
 def failure_error(failures: list[_Failure]) -> WorkerFailedError:

@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
@@ -64,7 +63,7 @@ def launch(
     order (see the module docstring)."""
     import multiprocessing.spawn
 
-    from ..launch import _Failure, check_picklable, failure_error, reported_failures
+    from ..launch import check_picklable, reported_failure_error
 
     check_picklable(fn, "spawn('mpi')")  # each rank imports fn, as a 'spawn' child would
     mpirun, open_mpi = _launcher()
@@ -96,13 +95,9 @@ def launch(
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise
-        failures = reported_failures([os.path.join(job_dir, f"rank-{r}.json") for r in range(nproc)])
-        if failures:
-            reported = {f.rank for f in failures}
-            failures += [
-                _Failure(r, r, None, time.time(), stopped=True) for r in range(nproc) if r not in reported
-            ]
-            raise failure_error(failures)
+        reported = reported_failure_error([os.path.join(job_dir, f"rank-{r}.json") for r in range(nproc)])
+        if reported is not None:
+            raise reported
         results = []
         for rank in range(nproc):
             path = os.path.join(job_dir, f"result-{rank}.pkl")
@@ -133,7 +128,7 @@ def _main(job_dir: str) -> None:
         os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", str(rank)))
     )
     from ..context import finalize, get_local_rank, initialize
-    from ..launch import call_worker_fn, write_failure_report, write_result
+    from ..launch import call_worker_fn, exit_failed, write_failure_report, write_result
 
     try:
         with open(os.path.join(job_dir, _JOB), "rb") as f:
@@ -143,7 +138,7 @@ def _main(job_dir: str) -> None:
         finalize()
     except BaseException as e:
         write_failure_report(e, job_dir, rank, local_rank)
-        os._exit(1)  # not MPI_Finalize, which would wait for the others (see _guard)
+        exit_failed()  # not MPI_Finalize, which would wait for the others (see _guard)
     write_result(os.path.join(job_dir, f"result-{rank}.pkl"), result, rank)
 
 

@@ -1077,7 +1077,7 @@ def _worker(
     if "OMP_NUM_THREADS" in cfg["env"]:
         torch.set_num_threads(int(cfg["env"]["OMP_NUM_THREADS"]))
     from ..context import finalize, get_local_rank, initialize
-    from ..launch import call_worker_fn
+    from ..launch import call_worker_fn, exit_failed
 
     try:
         initialize(_NAME, timeout=cfg["timeout"])
@@ -1085,7 +1085,7 @@ def _worker(
         finalize()
     except BaseException as e:
         _report_failure(e, cfg["report_dir"])
-        os._exit(1)
+        exit_failed()
     try:
         import importlib
 
@@ -1132,10 +1132,12 @@ def _horovod_run(payload: bytes, nproc: int, conn: Any) -> None:
 
 def _launch_failure(report_dir: str, nproc: int, error: RuntimeError) -> WorkerFailedError:
     """WorkerFailedError from the workers' reports (the failing rank's traceback first)."""
-    from ..launch import _Failure, failure_error, reported_failures
+    from ..launch import reported_failure_error
 
-    failures = reported_failures([os.path.join(report_dir, f"rank-{rank}.json") for rank in range(nproc)])
-    if not failures:
+    reported = reported_failure_error(
+        [os.path.join(report_dir, f"rank-{rank}.json") for rank in range(nproc)]
+    )
+    if reported is None:
         return WorkerFailedError(
             f"onedist.spawn: a horovod worker failed before onedist could run your function:\n{error}\n"
             "(its output above shows why)",
@@ -1144,8 +1146,4 @@ def _launch_failure(report_dir: str, nproc: int, error: RuntimeError) -> WorkerF
             None,
             None,
         )
-    reported = {f.rank for f in failures}
-    for rank in range(nproc):
-        if rank not in reported:
-            failures.append(_Failure(rank, rank, None, time.time(), stopped=True))
-    return failure_error(failures)
+    return reported

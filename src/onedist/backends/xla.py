@@ -779,7 +779,7 @@ def _worker(
     """
     import torch_xla.runtime as xr
 
-    from ..launch import call_worker_fn, write_failure_report, write_result
+    from ..launch import call_worker_fn, exit_failed, write_failure_report, write_result
 
     _tls.launched = True
     rank, local_rank = int(xr.global_ordinal()), int(xr.local_ordinal())
@@ -797,12 +797,7 @@ def _worker(
         write_failure_report(
             e, report_dir, rank, local_rank, name=f"failure-{local_rank}.json", announce=False
         )
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(1)
+        exit_failed()
     finally:
         _tls.launched = False
     write_result(os.path.join(report_dir, f"result-{local_rank}.pkl"), result, rank)
@@ -818,10 +813,13 @@ def _results(report_dir: str, nproc: int) -> list[Any]:
 
 def _launch_failure(report_dir: str, nproc: int, error: BaseException) -> WorkerFailedError:
     """WorkerFailedError from the workers' reports (the failing rank's traceback first)."""
-    from ..launch import _Failure, failure_error, reported_failures
+    from ..launch import reported_failure_error
 
-    failures = reported_failures([os.path.join(report_dir, f"failure-{r}.json") for r in range(nproc)])
-    if not failures:
+    reported = reported_failure_error(
+        [os.path.join(report_dir, f"failure-{r}.json") for r in range(nproc)],
+        finished=lambda r: os.path.exists(os.path.join(report_dir, f"result-{r}.pkl")),
+    )
+    if reported is None:
         return WorkerFailedError(
             "onedist.spawn: the XLA worker process ended before its devices finished "
             f"({type(error).__name__}: {error}); its output above shows why.\n"
@@ -834,10 +832,4 @@ def _launch_failure(report_dir: str, nproc: int, error: BaseException) -> Worker
             None,
             None,
         )
-    reported = {f.local_rank for f in failures}
-    for local_rank in range(nproc):
-        if local_rank not in reported and not os.path.exists(
-            os.path.join(report_dir, f"result-{local_rank}.pkl")
-        ):
-            failures.append(_Failure(local_rank, local_rank, None, time.time(), stopped=True))
-    return failure_error(failures)
+    return reported
