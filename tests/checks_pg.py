@@ -31,6 +31,10 @@ OPS = {
     "MAX": dist.ReduceOp.MAX,
     "MIN": dist.ReduceOp.MIN,
     "PRODUCT": dist.ReduceOp.PRODUCT,
+    "AVG": dist.ReduceOp.AVG,  # floating point only (gloo refuses integers)
+    "BAND": dist.ReduceOp.BAND,  # the bitwise ops: integers only
+    "BOR": dist.ReduceOp.BOR,
+    "BXOR": dist.ReduceOp.BXOR,
 }
 TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -90,13 +94,17 @@ def _compare(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 def check_all_reduce_equals_gloo() -> int:
-    """Every dtype gloo reduces x SUM/MAX/MIN/PRODUCT x sizes from 0 to several slots."""
+    """Every dtype gloo reduces x every op it takes on that dtype x sizes from 0 to several slots."""
     pg, rank = _pg(), od.get_rank()
     done = 0
     for dtype in INT_DTYPES + FLOAT_DTYPES:
         for name, op in OPS.items():
             if name == "PRODUCT" and dtype.is_floating_point:
                 continue  # float products of randn overflow/underflow alike; covered by ints
+            if name == "AVG" and not dtype.is_floating_point:
+                continue  # gloo averages floats only
+            if name in ("BAND", "BOR", "BXOR") and dtype.is_floating_point:
+                continue  # and the bitwise ops take integers only
             for n in _sizes(dtype):
                 x = _data(n, dtype, name, seed=1000 * rank + n)
                 ours, ref = x.clone(), x.clone()
@@ -167,6 +175,9 @@ def check_copy_collectives_equal_gloo() -> None:
             full = x.clone()
             _gloo(pg).allreduce([full]).wait()
             _compare(out, full[rank * n : (rank + 1) * n], f"reduce_scatter {dtype} n={n}")
+            if dtype.is_floating_point:
+                dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.AVG)
+                _compare(out, full[rank * n : (rank + 1) * n] / world, f"reduce_scatter AVG n={n}")
 
 
 def _step_input(step: int, rank: int, n: int) -> torch.Tensor:
@@ -236,6 +247,10 @@ def check_reduce_and_barrier_and_gloo_ops() -> None:
         dist.reduce(t, dst=root)
         if rank == root:
             assert torch.all(t == world * (world + 1) / 2)
+        t = torch.full((7,), float(rank + 1))
+        dist.reduce(t, dst=root, op=dist.ReduceOp.AVG)
+        if rank == root:  # the others' tensors are undefined after a reduce (gloo writes into them)
+            assert torch.all(t == (world + 1) / 2), (root, t)
     for _ in range(50):
         dist.barrier()
     # shm delegates these to its gloo group: gather, scatter, all_to_all, send/recv
@@ -304,7 +319,7 @@ def check_ddp_equals_gloo() -> float:
 def _expect_all(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     acc = xs[0].clone()
     for x in xs[1:]:
-        if op == "SUM":
+        if op in ("SUM", "AVG"):
             acc = acc | x if acc.dtype == torch.bool else acc + x
         elif op == "PRODUCT":
             acc = acc & x if acc.dtype == torch.bool else acc * x
@@ -318,7 +333,7 @@ def _expect_all(xs: list[torch.Tensor], op: str) -> torch.Tensor:
             acc = acc | x
         elif op == "BXOR":
             acc = acc ^ x
-    return acc
+    return acc / len(xs) if op == "AVG" else acc
 
 
 def _rank_data(rank: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -339,12 +354,12 @@ def check_mpi_every_dtype_and_op_exact() -> int:
     bitwise = ["BAND", "BOR", "BXOR"]
     cases = {
         torch.bool: ["SUM", "PRODUCT", "MIN", "MAX", *bitwise],
-        torch.complex64: ["SUM"],  # torch refuses the other ops on complex tensors
-        torch.complex128: ["SUM"],
-        torch.float16: ["SUM", "MIN", "MAX"],
-        torch.bfloat16: ["SUM", "MIN", "MAX"],
-        torch.float32: ["SUM", "PRODUCT", "MIN", "MAX"],
-        torch.float64: ["SUM", "MIN", "MAX"],
+        torch.complex64: ["SUM", "AVG"],  # torch refuses the other ops on complex tensors
+        torch.complex128: ["SUM", "AVG"],
+        torch.float16: ["SUM", "AVG", "MIN", "MAX"],
+        torch.bfloat16: ["SUM", "AVG", "MIN", "MAX"],
+        torch.float32: ["SUM", "AVG", "PRODUCT", "MIN", "MAX"],
+        torch.float64: ["SUM", "AVG", "MIN", "MAX"],
     }
     for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
         cases[dtype] = ["SUM", "PRODUCT", "MIN", "MAX", *bitwise]
@@ -426,14 +441,39 @@ def check_mpi_exchanges() -> None:
         assert t.item() == sum(members)
 
 
-def check_mpi_bad_op_names_it() -> str:
-    t = torch.ones(3)
-    try:
-        dist.all_reduce(t, dist.ReduceOp.AVG)
-    except Exception as e:
-        assert "AVG" in str(e) and "SUM, PRODUCT, MIN, MAX" in str(e), str(e)
-        return "raised"
-    return "no error"
+def check_bad_arguments_raise_and_leave_the_group_usable() -> int:
+    """Each call gloo refuses raises on every rank, naming what is wrong, before anything moves:
+    the next collective on the same group still gives the right result. Without the checks a
+    wrong size read or wrote past a tensor's part (all_gather_into_tensor, on mpi: silently), and
+    an op a dtype cannot take failed halfway and broke the shm group."""
+    rank, world = od.get_rank(), od.get_world_size()
+    big = _slot() // 4 + 5  # the chunked path too
+    R, ones = dist.ReduceOp, torch.ones
+    cases = [
+        ("needs an integer", lambda: dist.all_reduce(ones(4), R.BAND)),
+        ("needs an integer", lambda: dist.all_reduce(ones(big), R.BXOR)),
+        ("needs a floating-point", lambda: dist.all_reduce(ones(4, dtype=torch.int64), R.AVG)),
+        ("needs an integer", lambda: dist.reduce(ones(4), 0, R.BOR)),
+        ("needs an integer", lambda: dist.reduce_scatter_tensor(ones(2), ones(2 * world), R.BAND)),
+        ("PREMUL_SUM is not supported", lambda: dist.all_reduce(ones(4), dist._make_nccl_premul_sum(2.0))),
+        ("world size", lambda: dist.all_gather_into_tensor(ones(world * 2 + 1), ones(2))),
+        ("one per rank", lambda: dist.all_gather([ones(2)] * (world + 1), ones(2))),
+        ("tensor 0 is torch.float32 with 3 elements", lambda: dist.all_gather([ones(3)] * world, ones(2))),
+        ("world size", lambda: dist.reduce_scatter_tensor(ones(3), ones(3 * world + 1))),
+        (f"root rank {world + 2} is not in the group", lambda: dist.broadcast(ones(2), src=world + 2)),
+        ("one per rank", lambda: dist.reduce_scatter(ones(3), [ones(3)] * (world + 1))),
+    ]
+    for needle, call in cases:
+        try:
+            call()
+        except (ValueError, RuntimeError) as e:
+            assert needle in str(e) and "onedist" in str(e), (needle, str(e))
+        else:
+            raise AssertionError(f"no error: {needle}")
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)  # the group still works, and every rank is in step
+        assert t.tolist() == [world * (world + 1) / 2] * 3, (needle, t)
+    return len(cases)
 
 
 def check_shm_hierarchy() -> list[list[int]]:

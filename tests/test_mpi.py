@@ -90,8 +90,8 @@ def test_exchanges_p2p_and_sub_groups(n):
     mpi_world(n).run(checks_pg.check_sub_groups)
 
 
-def test_unsupported_op_raises_on_every_rank_naming_it():
-    assert mpi_world(3).run(checks_pg.check_mpi_bad_op_names_it) == ["raised"] * 3
+def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable():
+    assert mpi_world(3).run(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [12] * 3
 
 
 def test_ddp_equals_ddp_on_gloo():

@@ -82,6 +82,10 @@ def test_split_over_helper_threads_equals_gloo(world_size):
     assert max(run(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
 
 
+def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable(shm):
+    assert shm(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [12] * shm.world_size
+
+
 def test_non_contiguous_inputs(shm):
     shm(checks_pg.check_non_contiguous_and_views)
 

@@ -9,6 +9,8 @@ torch lets Python register a process group backend; ``DistributedDataParallel`` 
   nothing is queued, else on the group's thread (a Work that completes later), so that DDP's
   backward goes on computing while large gradient buckets are reduced, as with gloo's threads.
 * flat, stride-1 views of the tensors a collective is given (:func:`flat`).
+* the argument checks every rank makes before anything moves (:class:`ArgCheck`): a wrong
+  root or tensor size raises a ValueError naming it, and the group stays usable, as gloo's does.
 """
 
 from __future__ import annotations
@@ -17,13 +19,24 @@ import atexit
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["OrderedGroup", "PyWork", "all_cpu", "done", "flat", "for_each", "opts_or", "register"]
+__all__ = [
+    "ArgCheck",
+    "OrderedGroup",
+    "PyWork",
+    "all_cpu",
+    "done",
+    "flat",
+    "for_each",
+    "op_name",
+    "opts_or",
+    "register",
+]
 
 _Work: Any = dist.distributed_c10d.Work
 # torch's stubs type ProcessGroup's methods with overloads a Python override cannot match one by one
@@ -182,3 +195,58 @@ def flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
             view = view.as_strided((view.numel(),), (1,))
         return view, False
     return t.contiguous().resolve_conj().resolve_neg().view(-1), True
+
+
+def op_name(op: Any) -> str:
+    """``"SUM"`` for ``ReduceOp.SUM``, its RedOpType or the options' ``reduceOp``."""
+    return str(getattr(op, "op", op)).rsplit(".", 1)[-1]
+
+
+class ArgCheck:
+    """Argument checks of a collective ``call`` on a group of ``size`` ranks, made on every rank
+    before anything moves: each raises ``ValueError("onedist <backend>: <call>: ...")`` naming
+    the argument, its value and what it needs. Without them a wrong size reads or writes past a
+    tensor's part (or hangs a peer) instead of failing.
+
+    >>> ArgCheck("shm", "broadcast", 2).root(1)
+    >>> ArgCheck("shm", "broadcast", 2).root(5)
+    Traceback (most recent call last):
+    ValueError: onedist shm: broadcast: root rank 5 is not in the group (its ranks are 0 to 1)
+    """
+
+    def __init__(self, backend: str, call: str, size: int) -> None:
+        self.backend, self.call, self.size = backend, call, size
+
+    def fail(self, what: str) -> ValueError:
+        return ValueError(f"onedist {self.backend}: {self.call}: {what}")
+
+    def root(self, root: int) -> None:
+        if not 0 <= root < self.size:
+            raise self.fail(f"root rank {root} is not in the group (its ranks are 0 to {self.size - 1})")
+
+    def lists(self, lists: Sequence[Any], tensors: Sequence[torch.Tensor], kind: str) -> None:
+        """One ``kind`` list per tensor of the other side."""
+        if len(lists) != len(tensors):
+            raise self.fail(f"{len(lists)} {kind} lists for {len(tensors)} tensors; one per tensor is needed")
+
+    def parts(self, parts: Sequence[torch.Tensor], like: torch.Tensor, kind: str) -> None:
+        """``parts`` (the ``kind`` list): one tensor per rank, each with ``like``'s dtype and
+        number of elements."""
+        if len(parts) != self.size:
+            raise self.fail(f"the {kind} list has {len(parts)} tensors; it needs one per rank ({self.size})")
+        other = "input" if kind == "output" else "output"
+        for i, t in enumerate(parts):
+            if t.dtype != like.dtype or t.numel() != like.numel():
+                raise self.fail(
+                    f"{kind} tensor {i} is {t.dtype} with {t.numel()} elements; it needs {like.dtype} with "
+                    f"{like.numel()}, like the {other}"
+                )
+
+    def whole(self, whole: torch.Tensor, part: torch.Tensor, kind: str) -> None:
+        """``whole`` (the ``kind`` tensor) holds one ``part`` per rank: ``size`` times its elements."""
+        need = self.size * part.numel()
+        if whole.dtype != part.dtype or whole.numel() != need:
+            raise self.fail(
+                f"the {kind} tensor is {whole.dtype} with {whole.numel()} elements; it needs {part.dtype} "
+                f"with world size ({self.size}) x {part.numel()} = {need}"
+            )

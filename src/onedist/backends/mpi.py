@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import _pygroup
-from ._pygroup import OrderedGroup, PyWork, all_cpu, for_each
+from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, for_each, op_name
 from ._pygroup import flat as _flat
 
 #: torch.distributed's name of this backend (``dist.get_backend()`` reports it)
@@ -105,6 +105,13 @@ def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
     MPI = _mpi()
     R = dist.ReduceOp
     kind = getattr(op, "op", op)  # a ReduceOp (options) or its RedOpType
+    if kind == R.AVG:  # MPI has no average: a SUM, divided by the group size after it (_averages)
+        if not (dtype.is_floating_point or dtype.is_complex):
+            raise MpiError(
+                f"onedist mpi: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
+                "(an integer average is not an integer: use SUM and divide)"
+            )
+        kind = R.SUM
     if dtype == torch.bool:
         table = {R.SUM: MPI.MAX, R.MAX: MPI.MAX, R.BOR: MPI.BOR, R.PRODUCT: MPI.MIN, R.MIN: MPI.MIN}
         table[R.BAND] = MPI.BAND
@@ -123,19 +130,28 @@ def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
         found = table[kind]
     except (KeyError, TypeError):
         raise MpiError(
-            f"onedist mpi: reduce op {kind} is not supported; SUM, PRODUCT, MIN, MAX, BAND, BOR, BXOR are"
+            f"onedist mpi: reduce op {op_name(kind)} is not supported; SUM, AVG, PRODUCT, MIN, MAX, BAND, "
+            "BOR, BXOR are"
         ) from None
     if dtype.is_complex and kind in (R.MIN, R.MAX):
-        raise MpiError(f"onedist mpi: reduce op {kind} is not defined for complex dtype {dtype}")
+        raise MpiError(f"onedist mpi: reduce op {op_name(kind)} is not defined for complex dtype {dtype}")
     if dtype.is_floating_point and kind in (R.BAND, R.BOR, R.BXOR):
-        raise MpiError(f"onedist mpi: bitwise reduce op {kind} is not defined for dtype {dtype}")
+        raise MpiError(
+            f"onedist mpi: reduce op {op_name(kind)} needs an integer or bool tensor; got dtype {dtype}"
+        )
     return found
+
+
+def _averages(op: Any) -> bool:
+    """True for ReduceOp.AVG (reduced as SUM, then divided by the group size)."""
+    return bool(getattr(op, "op", op) == dist.ReduceOp.AVG)
 
 
 def _wire(t: torch.Tensor, op: Any = None) -> tuple[torch.Tensor, Any, bool]:
     """``(tensor for MPI, its MPI datatype, True when it is a copy to write back)`` for reduction ``op``."""
     wide = _WIDEN.get(t.dtype)
-    if wide is None and getattr(op, "op", op) in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT):
+    R = dist.ReduceOp
+    if wide is None and getattr(op, "op", op) in (R.SUM, R.PRODUCT, R.AVG):
         wide = _WIDEN_ARITH.get(t.dtype)
     if wide is not None:
         return t.reshape(-1).to(wide), _datatypes()[wide], True
@@ -247,6 +263,12 @@ class MpiProcessGroup(OrderedGroup):
     @staticmethod
     def _check_cpu(what: str, tensors: list[torch.Tensor]) -> None:
         if not all_cpu(tensors):
+            sparse = sorted({str(t.layout) for t in tensors if t.layout != torch.strided})
+            if sparse:
+                raise MpiError(
+                    f"onedist mpi: {what} takes dense tensors (mpi4py moves memory), got layout "
+                    f"{', '.join(sparse)}; call .to_dense() first, or use gloo, which reduces sparse tensors"
+                )
             devices = sorted({str(t.device) for t in tensors})
             raise MpiError(
                 f"onedist mpi: {what} takes dense CPU tensors (mpi4py moves host memory), got {devices}; "
@@ -263,6 +285,7 @@ class MpiProcessGroup(OrderedGroup):
         return self._reduce_each(tensors, op, None)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        ArgCheck("mpi", "reduce", self._size).root(opts.rootRank)
         return self._reduce_each(tensors, opts.reduceOp, opts.rootRank)
 
     def _reduce_each(self, tensors: list[torch.Tensor], op: Any, root: Optional[int]) -> Any:
@@ -287,6 +310,8 @@ class MpiProcessGroup(OrderedGroup):
             self._call("reduce", self._comm.Reduce, MPI.IN_PLACE, spec, mop, root)
         else:
             self._call("reduce", self._comm.Reduce, spec, None, mop, root)
+        if _averages(op) and (root is None or root == self._rank):
+            wire.div_(self._size)  # in the wide type, when float16 travels as float32: one rounding
         if copied and (root is None or root == self._rank):
             t.copy_(wire.view(t.dtype).view(t.shape) if t.dtype == torch.bool else wire.view(t.shape))
 
@@ -295,6 +320,10 @@ class MpiProcessGroup(OrderedGroup):
     ) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self._check_cpu("reduce_scatter", outputs + [t for ts in inputs for t in ts])
+        check = ArgCheck("mpi", "reduce_scatter", self._size)
+        check.lists(inputs, outputs, "input")
+        for out, ins in zip(outputs, inputs):
+            check.parts(ins, out, "input")
         stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
         for out in outputs:
             _mpi_op(op, out.dtype)
@@ -304,6 +333,7 @@ class MpiProcessGroup(OrderedGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self._check_cpu("reduce_scatter", [output, input])
+        ArgCheck("mpi", "reduce_scatter_tensor", self._size).whole(input, output, "input")
         _mpi_op(op, output.dtype)
         return self._run(partial(self._reduce_scatter_one, output, input, op), [input], output)
 
@@ -326,6 +356,8 @@ class MpiProcessGroup(OrderedGroup):
             _buf(dst, n, datatype),
             _mpi_op(op, output.dtype),
         )
+        if _averages(op):
+            dst.div_(self._size)
         if copied:
             output.copy_(
                 dst.view(output.dtype).view(output.shape)
@@ -337,6 +369,7 @@ class MpiProcessGroup(OrderedGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         self._check_cpu("broadcast", tensors)
+        ArgCheck("mpi", "broadcast", self._size).root(root)
         return self._run(
             partial(for_each, partial(self._broadcast_one, root=root), tensors), tensors, tensors
         )
@@ -353,6 +386,10 @@ class MpiProcessGroup(OrderedGroup):
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
         self._check_cpu("all_gather", inputs + [t for ts in outputs for t in ts])
+        check = ArgCheck("mpi", "all_gather", self._size)
+        check.lists(outputs, inputs, "output")
+        for outs, inp in zip(outputs, inputs):
+            check.parts(outs, inp, "output")
         return self._run(partial(for_each, self._gather_into_list, outputs, inputs), inputs, outputs)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
@@ -360,6 +397,7 @@ class MpiProcessGroup(OrderedGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self._check_cpu("all_gather", [output, input])
+        ArgCheck("mpi", "all_gather_into_tensor", self._size).whole(output, input, "output")
         return self._run(partial(self._gather_into, output, input), [input], output)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:

@@ -55,7 +55,7 @@ import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
 from . import _pygroup
-from ._pygroup import OrderedGroup, all_cpu, for_each, opts_or
+from ._pygroup import ArgCheck, OrderedGroup, all_cpu, for_each, op_name, opts_or
 from ._pygroup import flat as _flat
 
 logger = logging.getLogger("onedist")
@@ -138,11 +138,35 @@ _REDUCE: dict[Any, Callable[..., Any]] = {}
 
 
 def _reduce_fn(op: Any, dtype: Optional[torch.dtype] = None) -> Callable[..., Any]:
-    """The elementwise function of reduce op ``op`` (for bool tensors: SUM is or, PRODUCT is and)."""
+    """The elementwise function of reduce op ``op`` on ``dtype`` (for bool tensors: SUM is or,
+    PRODUCT is and; AVG is SUM, divided by the group size afterwards, see :func:`_averages`).
+
+    Raises ValueError for an op the backend lacks, or one ``dtype`` cannot take (a bitwise op on
+    floats, AVG on integers: gloo refuses both too). Every rank checks before anything moves, so
+    the group stays usable after the error, as gloo's does."""
     fn = _reduce_op(op)
+    if dtype is None:
+        return fn
+    name = op_name(op)
+    integral = dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
+    if fn in (torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor) and not integral:
+        raise ValueError(
+            f"onedist shm: reduce op {name} needs an integer or bool tensor; got dtype {dtype} "
+            "(gloo refuses it too)"
+        )
+    if _averages(op) and integral:
+        raise ValueError(
+            f"onedist shm: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
+            "(an integer average is not an integer: use SUM and divide)"
+        )
     if dtype == torch.bool and fn in (torch.add, torch.mul):
         return torch.logical_or if fn is torch.add else torch.logical_and
     return fn
+
+
+def _averages(op: Any) -> bool:
+    """True for ReduceOp.AVG: summed like SUM, then each result divided by the group size."""
+    return bool(getattr(op, "op", op) == dist.ReduceOp.AVG)
 
 
 def _reduce_into(fn: Callable[..., Any], dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
@@ -161,6 +185,7 @@ def _reduce_op(op: Any) -> Callable[..., Any]:
         _REDUCE.update(
             {
                 R.SUM: torch.add,
+                R.AVG: torch.add,
                 R.PRODUCT: torch.mul,
                 R.MIN: torch.minimum,
                 R.MAX: torch.maximum,
@@ -173,8 +198,8 @@ def _reduce_op(op: Any) -> Callable[..., Any]:
         return _REDUCE[getattr(op, "op", op)]  # a ReduceOp (options) or its RedOpType
     except (KeyError, TypeError):
         raise ValueError(
-            f"onedist shm: reduce op {getattr(op, 'op', op)} is not supported; SUM, PRODUCT, MIN, MAX, "
-            "BAND, BOR, BXOR are"
+            f"onedist shm: reduce op {op_name(op)} is not supported; SUM, AVG, PRODUCT, MIN, "
+            "MAX, BAND, BOR, BXOR are"
         ) from None
 
 
@@ -309,12 +334,17 @@ class ShmProcessGroup(OrderedGroup):
         flat, writeback = _flat(t)
         if flat.numel() == 0:
             return
+        average = _averages(op)
+        if average:  # summed through both levels, divided by the whole group's size at the end
+            op = dist.ReduceOp.SUM
         self._in_local(ShmProcessGroup._all_reduce_one, flat, op, 0)
         if self._leaders is not None:
             opts = _c10d.AllreduceOptions()
             opts.reduceOp = op
             self._leaders.allreduce([flat], opts).wait()
         self._in_local(ShmProcessGroup._broadcast_one, flat, 0)
+        if average:
+            flat.div_(self._size)
         if writeback:
             t.copy_(flat.view(t.shape))
 
@@ -514,38 +544,46 @@ class ShmProcessGroup(OrderedGroup):
     # ------------------------------------------------------------------ collectives
     @_poison_on_error
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in tensors:  # an op the dtype cannot take raises here, on every rank, before anything moves
+            _reduce_fn(op, t.dtype)
         if self._hierarchical and all_cpu(tensors):
-            op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-            _reduce_fn(op)
             job = partial(for_each, partial(self._hier_all_reduce, op=op), tensors)
             return self._run(job, tensors, tensors)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.allreduce(tensors, opts_or(_c10d.AllreduceOptions, opts))
-        return self._reduce_each(tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, None)
+        return self._reduce_each(tensors, op, None)
 
     @_poison_on_error
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if self._hierarchical:
             return self.allreduce(tensors, opts)
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        for t in tensors:
+            _reduce_fn(op, t.dtype)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.allreduce_coalesced(tensors, opts or _c10d.AllreduceCoalescedOptions())
-        return self._reduce_each(tensors, opts.reduceOp if opts is not None else dist.ReduceOp.SUM, None)
+        return self._reduce_each(tensors, op, None)
 
     @_poison_on_error
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        ArgCheck(NAME, "reduce", self._size).root(opts.rootRank)
+        for t in tensors:
+            _reduce_fn(opts.reduceOp, t.dtype)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.reduce(tensors, opts)
         return self._reduce_each(tensors, opts.reduceOp, opts.rootRank)
 
     def _reduce_each(self, tensors: list[torch.Tensor], op: Any, root: Optional[int]) -> Any:
-        """all_reduce (``root`` None) or reduce to ``root`` of each tensor, in order."""
-        _reduce_fn(op)  # an unsupported op raises here, on every rank, before anything moves
+        """all_reduce (``root`` None) or reduce to ``root`` of each tensor, in order (their ops
+        and dtypes checked)."""
         return self._run(
             partial(for_each, partial(self._all_reduce_one, op=op, root=root), tensors), tensors, tensors
         )
 
     def _all_reduce_one(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
         fn = _reduce_fn(op, tensor.dtype)
+        average = _averages(op)
         seg = self._seg
         assert seg is not None
         flat, writeback = _flat(tensor)
@@ -554,6 +592,8 @@ class ShmProcessGroup(OrderedGroup):
             return
         if n * flat.element_size() <= _SMALL_BYTES:
             self._all_reduce_small(flat, fn, root)
+            if average and root in (None, self._rank):
+                flat.div_(self._size)
             if writeback and root in (None, self._rank):
                 tensor.copy_(flat.view(tensor.shape))
             return
@@ -583,7 +623,10 @@ class ShmProcessGroup(OrderedGroup):
 
         def copy_out(k: int, bank: _Bank) -> None:
             part, c, _, _ = span(k)
-            self._copy(part, bank.out.view(dtype)[:c])
+            if average:  # the division on the way out, not one more pass over the tensor
+                self._split(lambda d, s: torch.div(s, size, out=d), part, bank.out.view(dtype)[:c])
+            else:
+                self._copy(part, bank.out.view(dtype)[:c])
 
         copies_out = root is None or root == me
         stages = [copy_in, reduce, copy_out if copies_out else None]
@@ -609,13 +652,13 @@ class ShmProcessGroup(OrderedGroup):
 
     @_poison_on_error
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        ArgCheck(NAME, "broadcast", self._size).root(root)
         if self._hierarchical and all_cpu(tensors):
-            root = opts.rootRank if opts is not None else 0
             job = partial(for_each, partial(self._hier_broadcast, root=root), tensors)
             return self._run(job, tensors, tensors)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.broadcast(tensors, opts_or(_c10d.BroadcastOptions, opts))
-        root = opts.rootRank if opts is not None else 0
         return self._run(
             partial(for_each, partial(self._broadcast_one, root=root), tensors), tensors, tensors
         )
@@ -644,6 +687,7 @@ class ShmProcessGroup(OrderedGroup):
 
     @_poison_on_error
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        ArgCheck(NAME, "all_gather_into_tensor", self._size).whole(output, input, "output")
         if self._seg is None or not all_cpu([output, input]):
             return self._gloo._allgather_base(output, input, opts or _c10d.AllgatherOptions())
         n = input.numel()
@@ -657,6 +701,10 @@ class ShmProcessGroup(OrderedGroup):
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
+        check = ArgCheck(NAME, "all_gather", self._size)
+        check.lists(outputs, inputs, "output")
+        for outs, inp in zip(outputs, inputs):
+            check.parts(outs, inp, "output")
         if self._seg is None or not all_cpu(inputs + [t for ts in outputs for t in ts]):
             return self._gloo.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
         return self._run(partial(for_each, self._gather_into, outputs, inputs), inputs, outputs)
@@ -689,10 +737,11 @@ class ShmProcessGroup(OrderedGroup):
 
     @_poison_on_error
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        _reduce_fn(op, input.dtype)
+        ArgCheck(NAME, "reduce_scatter_tensor", self._size).whole(input, output, "input")
         if self._seg is None or not all_cpu([output, input]):
             return self._gloo._reduce_scatter_base(output, input, opts or _c10d.ReduceScatterOptions())
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        _reduce_fn(op)
         rows = input.reshape(self._size, -1)
         return self._run(partial(self._reduce_scatter, output, rows, op), [input], output)
 
@@ -703,10 +752,14 @@ class ShmProcessGroup(OrderedGroup):
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        check = ArgCheck(NAME, "reduce_scatter", self._size)
+        check.lists(inputs, outputs, "input")
+        for out, ins in zip(outputs, inputs):
+            _reduce_fn(op, out.dtype)
+            check.parts(ins, out, "input")
         if self._seg is None or not all_cpu(outputs + [t for ts in inputs for t in ts]):
             return self._gloo.reduce_scatter(outputs, inputs, opts or _c10d.ReduceScatterOptions())
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        _reduce_fn(op)
         stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
         return self._run(
             partial(for_each, partial(self._reduce_scatter, op=op), outputs, stacked),
@@ -742,6 +795,8 @@ class ShmProcessGroup(OrderedGroup):
             self._reduce(fn, out_flat[lo : lo + c], sources)
 
         self._phases(-(-n // per), [put, reduce], "reduce_scatter")
+        if _averages(op):
+            out_flat.div_(size)
         if writeback:
             output.copy_(out_flat.view(output.shape))
 
