@@ -448,7 +448,7 @@ def check_bad_arguments_raise_and_leave_the_group_usable() -> int:
     an op a dtype cannot take failed halfway and broke the shm group."""
     rank, world = od.get_rank(), od.get_world_size()
     big = _slot() // 4 + 5  # the chunked path too
-    R, ones = dist.ReduceOp, torch.ones
+    R, ones, last = dist.ReduceOp, torch.ones, world - 1
     cases = [
         ("needs an integer", lambda: dist.all_reduce(ones(4), R.BAND)),
         ("needs an integer", lambda: dist.all_reduce(ones(big), R.BXOR)),
@@ -462,14 +462,28 @@ def check_bad_arguments_raise_and_leave_the_group_usable() -> int:
         ("world size", lambda: dist.reduce_scatter_tensor(ones(3), ones(3 * world + 1))),
         (f"root rank {world + 2} is not in the group", lambda: dist.broadcast(ones(2), src=world + 2)),
         ("one per rank", lambda: dist.reduce_scatter(ones(3), [ones(3)] * (world + 1))),
+        ("does not split into world size", lambda: dist.all_to_all_single(ones(world + 1), ones(world + 1))),
+        ("add up to", lambda: dist.all_to_all_single(ones(world), ones(world), [2] * world, [1] * world)),
+        ("one per rank", lambda: dist.all_to_all([ones(1)] * world, [ones(1)] * (world + 1))),
+        ("root rank -1 is not in the group", lambda: dist.gather(ones(2), None, dst=-1)),
+        # what only the root can check: it raises after its part (a gather's peers are done) or
+        # tells the others first (a scatter's peers raise too): nobody is left waiting
+        (
+            "one per rank" if rank == last else None,
+            lambda: dist.gather(ones(2), [ones(2)] * last if rank == last else None, dst=last),
+        ),
+        (
+            "input tensor 0 is torch.float32 with 3" if rank == 0 else "the root, rank 0, refused",
+            lambda: dist.scatter(ones(2), [ones(3)] * world if rank == 0 else None, src=0),
+        ),
     ]
     for needle, call in cases:
         try:
             call()
         except (ValueError, RuntimeError) as e:
-            assert needle in str(e) and "onedist" in str(e), (needle, str(e))
+            assert needle is not None and needle in str(e) and "onedist" in str(e), (needle, str(e))
         else:
-            raise AssertionError(f"no error: {needle}")
+            assert needle is None, f"no error: {needle}"
         t = torch.full((3,), float(rank + 1))
         dist.all_reduce(t)  # the group still works, and every rank is in step
         assert t.tolist() == [world * (world + 1) / 2] * 3, (needle, t)

@@ -91,7 +91,7 @@ def test_exchanges_p2p_and_sub_groups(n):
 
 
 def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable():
-    assert mpi_world(3).run(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [12] * 3
+    assert mpi_world(3).run(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [18] * 3
 
 
 def test_ddp_equals_ddp_on_gloo():

@@ -83,7 +83,7 @@ def test_split_over_helper_threads_equals_gloo(world_size):
 
 
 def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable(shm):
-    assert shm(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [12] * shm.world_size
+    assert shm(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [18] * shm.world_size
 
 
 def test_non_contiguous_inputs(shm):

@@ -220,6 +220,31 @@ class ArgCheck:
     def fail(self, what: str) -> ValueError:
         return ValueError(f"onedist {self.backend}: {self.call}: {what}")
 
+    def at_root(
+        self,
+        root: int,
+        rank: int,
+        lists: Sequence[Sequence[torch.Tensor]],
+        tensors: Sequence[torch.Tensor],
+        kind: str,
+    ) -> Optional[ValueError]:
+        """Check ``root`` (raises on every rank); then, on the root, return what is wrong with its
+        ``kind`` lists (a gather's outputs, a scatter's inputs), else None. Only the root can
+        check them, and raising at once would leave the others waiting for it: the caller takes
+        its part first, or tells the others (see :meth:`refused`)."""
+        self.root(root)
+        if rank != root:
+            return None
+        try:
+            self.per_rank(lists, tensors, kind)
+        except ValueError as e:
+            return e
+        return None
+
+    def refused(self, root: int) -> ValueError:
+        """What the other ranks raise when the root of a scatter refused its arguments."""
+        return self.fail(f"the root, rank {root}, refused its arguments (its own error says why)")
+
     def root(self, root: int) -> None:
         if not 0 <= root < self.size:
             raise self.fail(f"root rank {root} is not in the group (its ranks are 0 to {self.size - 1})")
@@ -229,11 +254,19 @@ class ArgCheck:
         if len(lists) != len(tensors):
             raise self.fail(f"{len(lists)} {kind} lists for {len(tensors)} tensors; one per tensor is needed")
 
+    def per_rank(
+        self, lists: Sequence[Sequence[torch.Tensor]], tensors: Sequence[torch.Tensor], kind: str
+    ) -> None:
+        """For each of ``tensors``, a ``kind`` list of one tensor per rank like it (all_gather's
+        outputs, reduce_scatter's and scatter's inputs, gather's outputs)."""
+        self.lists(lists, tensors, kind)
+        for parts, like in zip(lists, tensors):
+            self.parts(parts, like, kind)
+
     def parts(self, parts: Sequence[torch.Tensor], like: torch.Tensor, kind: str) -> None:
         """``parts`` (the ``kind`` list): one tensor per rank, each with ``like``'s dtype and
         number of elements."""
-        if len(parts) != self.size:
-            raise self.fail(f"the {kind} list has {len(parts)} tensors; it needs one per rank ({self.size})")
+        self.count(parts, kind)
         other = "input" if kind == "output" else "output"
         for i, t in enumerate(parts):
             if t.dtype != like.dtype or t.numel() != like.numel():
@@ -241,6 +274,29 @@ class ArgCheck:
                     f"{kind} tensor {i} is {t.dtype} with {t.numel()} elements; it needs {like.dtype} with "
                     f"{like.numel()}, like the {other}"
                 )
+
+    def count(self, tensors: Sequence[torch.Tensor], kind: str) -> None:
+        """One ``kind`` tensor per rank."""
+        if len(tensors) != self.size:
+            raise self.fail(
+                f"the {kind} list has {len(tensors)} tensors; it needs one per rank ({self.size})"
+            )
+
+    def splits(self, t: torch.Tensor, splits: Sequence[int], kind: str) -> None:
+        """``splits`` of ``t``'s first dimension, one per rank (empty: equal parts)."""
+        rows = t.shape[0] if t.dim() else t.numel()
+        if not splits:
+            if rows % self.size:
+                raise self.fail(
+                    f"the {kind} tensor's first dimension ({rows}) does not split into world size "
+                    f"({self.size}) equal parts; pass {kind}_split_sizes"
+                )
+            return
+        if len(splits) != self.size or any(s < 0 for s in splits) or sum(splits) != rows:
+            raise self.fail(
+                f"{kind}_split_sizes={list(splits)} is not allowed; it needs {self.size} sizes (one per "
+                f"rank), none negative, that add up to the {kind} tensor's first dimension ({rows})"
+            )
 
     def whole(self, whole: torch.Tensor, part: torch.Tensor, kind: str) -> None:
         """``whole`` (the ``kind`` tensor) holds one ``part`` per rank: ``size`` times its elements."""

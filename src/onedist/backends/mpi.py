@@ -321,9 +321,7 @@ class MpiProcessGroup(OrderedGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self._check_cpu("reduce_scatter", outputs + [t for ts in inputs for t in ts])
         check = ArgCheck("mpi", "reduce_scatter", self._size)
-        check.lists(inputs, outputs, "input")
-        for out, ins in zip(outputs, inputs):
-            check.parts(ins, out, "input")
+        check.per_rank(inputs, outputs, "input")
         stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
         for out in outputs:
             _mpi_op(op, out.dtype)
@@ -387,9 +385,7 @@ class MpiProcessGroup(OrderedGroup):
     ) -> Any:
         self._check_cpu("all_gather", inputs + [t for ts in outputs for t in ts])
         check = ArgCheck("mpi", "all_gather", self._size)
-        check.lists(outputs, inputs, "output")
-        for outs, inp in zip(outputs, inputs):
-            check.parts(outs, inp, "output")
+        check.per_rank(outputs, inputs, "output")
         return self._run(partial(for_each, self._gather_into_list, outputs, inputs), inputs, outputs)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
@@ -421,6 +417,10 @@ class MpiProcessGroup(OrderedGroup):
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Any:
         root = opts.rootRank
         self._check_cpu("gather", inputs + [t for ts in outputs for t in ts])
+        check = ArgCheck("mpi", "gather", self._size)
+        bad = check.at_root(root, self._rank, outputs, inputs, "output")
+        if bad is not None:  # the peers' parts land in scratch tensors, then the root raises
+            outputs = [[torch.empty_like(inp) for _ in range(self._size)] for inp in inputs]
 
         def job() -> None:
             for i, inp in enumerate(inputs):
@@ -435,13 +435,24 @@ class MpiProcessGroup(OrderedGroup):
                 else:
                     self._call("gather", self._comm.Gather, _buf(src), None, root)
 
-        return self._run(job, inputs, outputs)
+        work = self._run(job, inputs, outputs)
+        if bad is not None:
+            work.wait()
+            raise bad
+        return work
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Any:
         root = opts.rootRank
         self._check_cpu("scatter", outputs + [t for ts in inputs for t in ts])
+        check = ArgCheck("mpi", "scatter", self._size)
+        bad = check.at_root(root, self._rank, inputs, outputs, "input")
 
         def job() -> None:
+            # the root's verdict on its inputs first, so that every rank raises or none does
+            ok = torch.tensor([bad is None], dtype=torch.uint8)
+            self._call("scatter", self._comm.Bcast, _buf(ok), root)
+            if not ok.item():
+                raise bad if bad is not None else check.refused(root)
             for i, out in enumerate(outputs):
                 dst, copied = _bytes(out)
                 if self._rank == root:
@@ -458,6 +469,9 @@ class MpiProcessGroup(OrderedGroup):
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         self._check_cpu("all_to_all", outputs + inputs)
+        check = ArgCheck("mpi", "all_to_all", self._size)
+        check.count(inputs, "input")
+        check.count(outputs, "output")
 
         def job() -> None:
             send = torch.cat([_bytes(t)[0] for t in inputs]) if inputs else _SCRATCH[:0]
@@ -481,6 +495,9 @@ class MpiProcessGroup(OrderedGroup):
         opts: Any = None,
     ) -> Any:
         self._check_cpu("all_to_all_single", [output, input])
+        check = ArgCheck("mpi", "all_to_all_single", self._size)
+        check.splits(input, in_splits, "input")
+        check.splits(output, out_splits, "output")
 
         def counts(t: torch.Tensor, splits: list[int]) -> list[int]:
             row = (t.numel() // t.shape[0] if t.dim() and t.shape[0] else 0) * t.element_size()

@@ -701,10 +701,7 @@ class ShmProcessGroup(OrderedGroup):
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        check = ArgCheck(NAME, "all_gather", self._size)
-        check.lists(outputs, inputs, "output")
-        for outs, inp in zip(outputs, inputs):
-            check.parts(outs, inp, "output")
+        ArgCheck(NAME, "all_gather", self._size).per_rank(outputs, inputs, "output")
         if self._seg is None or not all_cpu(inputs + [t for ts in outputs for t in ts]):
             return self._gloo.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
         return self._run(partial(for_each, self._gather_into, outputs, inputs), inputs, outputs)
@@ -753,11 +750,9 @@ class ShmProcessGroup(OrderedGroup):
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        check = ArgCheck(NAME, "reduce_scatter", self._size)
-        check.lists(inputs, outputs, "input")
-        for out, ins in zip(outputs, inputs):
+        ArgCheck(NAME, "reduce_scatter", self._size).per_rank(inputs, outputs, "input")
+        for out in outputs:
             _reduce_fn(op, out.dtype)
-            check.parts(ins, out, "input")
         if self._seg is None or not all_cpu(outputs + [t for ts in inputs for t in ts]):
             return self._gloo.reduce_scatter(outputs, inputs, opts or _c10d.ReduceScatterOptions())
         stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
@@ -809,18 +804,43 @@ class ShmProcessGroup(OrderedGroup):
         return self._run(partial(self._barrier, "barrier"), [], None)
 
     # ------------------------------------------------------------------ the rest: gloo
+    # (checked first as the shm collectives are: gloo names less, hangs a peer on some wrong
+    # lists, and silently drops the rest of an all_to_all_single that does not split evenly)
     def gather(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+        root = opts.rootRank
+        check = ArgCheck(NAME, "gather", self._size)
+        bad = check.at_root(root, self._rank, outputs, inputs, "output")
+        if bad is not None:  # the peers' parts land in scratch tensors, then the root raises
+            scratch = [[torch.empty_like(i) for _ in range(self._size)] for i in inputs]
+            self._gloo.gather(scratch, inputs, opts).wait()
+            raise bad
         return self._gloo.gather(outputs, inputs, opts)
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Any:
+        root = opts.rootRank
+        check = ArgCheck(NAME, "scatter", self._size)
+        bad = check.at_root(root, self._rank, inputs, outputs, "input")
+        # the root's verdict on its inputs first, so that every rank raises or none does
+        ok = torch.tensor([bad is None], dtype=torch.uint8)
+        verdict = _c10d.BroadcastOptions()
+        verdict.rootRank = root
+        self._gloo.broadcast([ok], verdict).wait()
+        if not ok.item():
+            raise bad if bad is not None else check.refused(root)
         return self._gloo.scatter(outputs, inputs, opts)
 
     def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        check = ArgCheck(NAME, "all_to_all", self._size)
+        check.count(inputs, "input")
+        check.count(outputs, "output")
         return self._gloo.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions())
 
     def all_to_all_single(
         self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None
     ) -> Any:
+        check = ArgCheck(NAME, "all_to_all_single", self._size)
+        check.splits(input, in_splits, "input")
+        check.splits(output, out_splits, "output")
         return self._gloo.alltoall_base(output, input, out_splits, in_splits, opts or _c10d.AllToAllOptions())
 
     def alltoall_base(
