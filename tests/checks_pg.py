@@ -315,6 +315,49 @@ def check_ddp_equals_gloo() -> float:
     return diff
 
 
+def check_fsdp2_and_functional_collectives_equal_gloo() -> float:
+    """What torch's newer parallelism runs on: the group's name (DeviceMesh and the functional
+    collectives find a group by it), the functional collectives, which call the coalesced forms
+    from C++, and FSDP2 (fully_shard) training, against the same on a gloo group."""
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    pg, rank, world = dist.group.WORLD, od.get_rank(), od.get_world_size()
+    assert pg.group_name and dist.distributed_c10d._resolve_process_group(pg.group_name) is pg
+    x = torch.arange(6, dtype=torch.float32) + 10 * rank
+    every = torch.cat([torch.arange(6, dtype=torch.float32) + 10 * r for r in range(world)])
+    assert torch.equal(fc.all_gather_tensor(x, 0, pg).wait(), every)
+    assert torch.equal(fc.all_reduce(x, "sum", pg).wait(), every.view(world, 6).sum(0))
+    total = torch.arange(6 * world, dtype=torch.float32) * world
+    assert torch.equal(
+        fc.reduce_scatter_tensor(torch.arange(6 * world, dtype=torch.float32), "sum", 0, pg).wait(),
+        total[6 * rank : 6 * (rank + 1)],
+    )
+    pair = fc.all_gather_into_tensor_coalesced([x, x * 2], pg)
+    assert torch.equal(pair[0].wait(), every) and torch.equal(pair[1].wait(), every * 2)
+
+    def train(group) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 32, generator=g)).square().mean().backward()
+            opt.step()
+        return torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
+
+    diff = float((train(pg) - train(dist.new_group(backend="gloo"))).abs().max())
+    assert diff < 1e-5, diff
+    return diff
+
+
 # ---------------------------------------------------------------------------- mpi (mpi4py) only
 def _expect_all(xs: list[torch.Tensor], op: str) -> torch.Tensor:
     acc = xs[0].clone()

@@ -94,6 +94,12 @@ def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable():
     assert mpi_world(3).run(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [18] * 3
 
 
+def test_fsdp2_and_functional_collectives_equal_gloo():
+    assert (
+        max(mpi_world(2).run(checks_pg.check_fsdp2_and_functional_collectives_equal_gloo, timeout=120)) < 1e-5
+    )
+
+
 def test_ddp_equals_ddp_on_gloo():
     assert max(mpi_world(3).run(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
 

@@ -86,6 +86,10 @@ def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable(shm):
     assert shm(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [18] * shm.world_size
 
 
+def test_fsdp2_and_functional_collectives_equal_gloo(shm):
+    assert max(shm(checks_pg.check_fsdp2_and_functional_collectives_equal_gloo, timeout=120)) < 1e-5
+
+
 def test_non_contiguous_inputs(shm):
     shm(checks_pg.check_non_contiguous_and_views)
 

@@ -97,6 +97,45 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
         self._queue: Optional[queue.SimpleQueue[Any]] = None
         self._thread: Optional[threading.Thread] = None
 
+    # torch names a group through its backends' ids (ProcessGroup::getGroupName), and a Python
+    # group has none: without these, ``group.group_name`` raised "ProcessGroup name not set",
+    # and so did DeviceMesh, FSDP2 and the functional collectives, which find groups by name
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    # the coalesced forms (FSDP, DTensor and the functional collectives call them from C++,
+    # where a Python group without them failed with "No backend type associated with device
+    # type cpu"): each pair in call order, one Work over them all
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._each(self.all_gather_single, outputs, inputs, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._each(self.reduce_scatter_single, outputs, inputs, opts)
+
+    # torch's names for them before 2.13
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _each(self, call: Callable[..., Any], outputs: Any, inputs: Any, opts: Any) -> PyWork:
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"onedist {self.getBackendName()}: {len(outputs)} output tensors for {len(inputs)} inputs; "
+                "a coalesced collective takes one output per input"
+            )
+        works = [call(o, i, opts) for o, i in zip(outputs, inputs)]
+        return PyWork(torch.futures.collect_all([w.get_future() for w in works]))
+
     def _execute(self, job: Callable[[], Any]) -> Any:
         """Run one queued job on the group's thread (a subclass adds its failure handling)."""
         return job()
