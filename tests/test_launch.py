@@ -51,6 +51,9 @@ def test_a_failing_worker_stops_the_others_and_is_reported_first(how, headline):
     if how == "raise":
         assert "Traceback of rank 1" in str(err) and "in fail_on" in str(err)
         assert 'raise ValueError(f"boom on rank {bad_rank}")' in err.remote_traceback
+        # it starts at the user's function, as mp.spawn's would without its wrapper frame
+        first_frame = err.remote_traceback.splitlines()[1]
+        assert first_frame.startswith(f'  File "{workers.__file__}"'), err.remote_traceback
     else:
         assert err.exitcode == (3 if how == "exit" else -9)
     assert "rank 0:" in str(err) and "rank 2:" in str(err)  # the others are accounted for

@@ -159,6 +159,73 @@ def test_onedist_run_forwards_sigterm(tmp_path):
             os.kill(info["pid"], 0)
 
 
+RAISES_IN_A_COLLECTIVE_LOOP = """
+import os, sys, time, torch, torch.distributed as dist, onedist as od
+od.initialize("gloo")
+open(os.path.join(sys.argv[1], f"{od.get_rank()}.pid"), "w").write(str(os.getpid()))
+def step():
+    if od.get_rank() == 1 and os.environ.get("FAIL"):
+        raise ValueError("rank 1 raised on purpose")
+    dist.all_reduce(torch.ones(4))
+while True:
+    step()
+"""
+
+
+def test_worker_traceback_starts_at_the_script_with_one_rank_prefix(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(RAISES_IN_A_COLLECTIVE_LOOP)
+    proc = subprocess.run(
+        _onedist("-n", "2", str(script), str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(FAIL="1"),
+    )
+    assert proc.returncode == 1, proc.stderr
+    own = [line for line in proc.stderr.splitlines() if line.startswith("[rank1]:")]
+    # as `python loop.py` prints it: from the script's frame, not the launcher's runpy frames, and
+    # torch's own "[rank1]:" prefix (its excepthook) is not prefixed a second time
+    assert own[0] == "[rank1]: Traceback (most recent call last):", own
+    assert own[1].startswith(f'[rank1]:   File "{script}", line 10, in <module>'), own
+    assert own[-1] == "[rank1]: ValueError: rank 1 raised on purpose", own
+    assert "_bootstrap" not in proc.stderr and "runpy" not in proc.stderr
+    assert "[rank1]: [rank1]:" not in proc.stderr and "[rank0]: [rank0]:" not in proc.stderr
+    summary = proc.stderr[proc.stderr.index("onedist run: worker rank 1") :]
+    assert "Traceback of rank 1:\nTraceback (most recent call last):\n  File" in summary
+
+
+def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
+    """Ctrl-C sends SIGINT to the terminal's foreground process group: the launcher, which
+    forwards it to the workers (they run in their own session)."""
+    script = tmp_path / "loop.py"
+    script.write_text(RAISES_IN_A_COLLECTIVE_LOOP)
+    proc = subprocess.Popen(
+        _onedist("-n", "2", str(script), str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        start_new_session=True,  # its own process group, as a shell's foreground job is
+    )
+    deadline = time.time() + 120
+    while not all((tmp_path / f"{r}.pid").exists() for r in range(2)):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(1.0)  # in the all_reduce loop
+    pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - t0 < 5.0
+    assert proc.returncode == 128 + signal.SIGINT, err
+    for rank, pid in enumerate(pids):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert f"[rank{rank}]: KeyboardInterrupt" in err, err  # where each rank was, to debug a hang
+    assert "_bootstrap" not in err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
+
+from .errors import user_traceback
 
 __all__ = ["main", "run_target"]
 
@@ -54,12 +57,20 @@ def main() -> None:
         run_target(sys.argv[1:])
     except SystemExit as e:
         if error_file and e.code not in (0, None):
-            _write_error(error_file, e)
+            _write_error(error_file, e.with_traceback(user_traceback(e.__traceback__)))
         raise
     except BaseException as e:
+        e = e.with_traceback(user_traceback(e.__traceback__))
         if error_file:
             _write_error(error_file, e)
-        raise
+        # printed here, as Python would (through torch's "[rank<N>]:" hook once a group exists),
+        # so that the launcher's frames stay out of it
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.stderr.flush()
+        if isinstance(e, KeyboardInterrupt):  # end as Python does: killed by SIGINT (status 130)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import os
 import socket
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from types import FrameType, TracebackType
@@ -42,6 +41,7 @@ from .errors import (
     OnedistRuntimeError,
     OnedistTimeoutError,
     RemoteRankError,
+    format_user_traceback,
 )
 
 __all__ = [
@@ -220,7 +220,7 @@ def publish_failure(exc: BaseException, tb: Optional[TracebackType] = None) -> N
         store = _store() if world > 1 else None
         if store is None or _server_gone(store):  # the rank hosting it already exited
             return
-        text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+        text = format_user_traceback(exc, tb)
         report = {
             "type": type(exc).__name__,
             "message": str(exc),
@@ -292,7 +292,7 @@ def report_and_release(exc: BaseException, tb: Optional[TracebackType]) -> None:
         return
     publish_failure(exc, tb)
     try:
-        sys.stderr.write("".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__)))
+        sys.stderr.write(format_user_traceback(exc, tb))
         sys.stderr.flush()
         exc._onedist_printed = True  # type: ignore[attr-defined]
     except Exception:

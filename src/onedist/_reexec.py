@@ -51,7 +51,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from subprocess import _args_from_interpreter_flags  # type: ignore[attr-defined]
@@ -61,7 +60,7 @@ from typing import Any, Optional, cast
 from ._bootstrap import _write_error
 from ._net import STORE_FD_ENV, discard_store_fd, rendezvous_port
 from .environments import TORCHRUN_VARS
-from .errors import OnedistRuntimeError, WorkerFailedError, bad_value
+from .errors import OnedistRuntimeError, WorkerFailedError, bad_value, format_user_traceback
 from .launch import (
     GRACE_S,
     TERM_S,
@@ -503,7 +502,7 @@ class _Launch:
             when,
             exc_type=type(exc).__name__,
             message=str(exc),
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            traceback=format_user_traceback(exc),
         )
         # collect the children's failures that arrive within the grace period; when this error is
         # only a consequence of another rank's ("connection closed by peer"), wait longer for it

@@ -18,7 +18,10 @@ Example:
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections.abc import Iterable
+from types import TracebackType
 from typing import Any, Optional
 
 __all__ = [
@@ -127,3 +130,27 @@ def bad_type(func: str, arg: str, value: Any, allowed: str, hint: Optional[str] 
     if hint:
         msg += f"\nHINT: {hint}"
     return OnedistTypeError(msg)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_traceback(tb: Optional[TracebackType]) -> Optional[TracebackType]:
+    """``tb`` without its leading frames of onedist and runpy: the launcher code that called the
+    user's function or script. A worker's traceback then starts where the user's code does, as
+    ``python train.py`` prints it. An error raised by onedist itself keeps every frame."""
+    head = tb
+    while head is not None and _launcher_frame(head.tb_frame.f_code.co_filename):
+        head = head.tb_next
+    return head if head is not None else tb
+
+
+def _launcher_frame(filename: str) -> bool:
+    runpy = filename == "<frozen runpy>" or filename.endswith(f"{os.sep}runpy.py")
+    return runpy or filename.startswith(_PACKAGE)
+
+
+def format_user_traceback(exc: BaseException, tb: Optional[TracebackType] = None) -> str:
+    """The traceback of ``exc`` as Python prints it, from the user's first frame (see
+    :func:`user_traceback`)."""
+    return "".join(traceback.format_exception(type(exc), exc, user_traceback(tb or exc.__traceback__)))

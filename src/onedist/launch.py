@@ -25,7 +25,6 @@ import pickle
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -33,7 +32,7 @@ from typing import Any, NoReturn, Optional
 
 from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
 from .environments import detect, launched_externally
-from .errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value
+from .errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value, format_user_traceback
 
 __all__ = ["Parallel", "spawn"]
 
@@ -157,7 +156,7 @@ def _worker_main(
         from ._guard import publish_failure
 
         publish_failure(e)  # the other ranks' collectives raise with this error, not "connection closed"
-        _report(conn, ("error", time.time(), type(e).__name__, str(e), traceback.format_exc()))
+        _report(conn, ("error", time.time(), type(e).__name__, str(e), format_user_traceback(e)))
         exit_failed()
     try:
         payload = pickle.dumps(("ok", result), protocol=pickle.HIGHEST_PROTOCOL)
@@ -384,7 +383,7 @@ def write_failure_report(
         from ._guard import publish_failure
 
         publish_failure(exc)
-    text = traceback.format_exc()
+    text = format_user_traceback(exc)
     report = {
         "rank": rank,
         "local_rank": local_rank,

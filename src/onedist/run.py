@@ -137,10 +137,13 @@ def _die_with_launcher() -> None:  # runs in the child between fork and exec
 
 
 def _pump(stream: IO[bytes], out: IO[bytes], prefix: bytes, show: bool, lock: threading.Lock) -> None:
+    # torch prefixes the lines of an uncaught exception's traceback with the same "[rank<N>]:"
+    # (its excepthook once the process group exists): those lines keep theirs only
+    own = prefix.rstrip()
     for line in iter(stream.readline, b""):
         if show:
             with lock:
-                out.write(prefix + line)
+                out.write(line if own and line.startswith(own) else prefix + line)
                 out.flush()
     stream.close()
 
