@@ -161,6 +161,14 @@ def test_spawn_failure_names_the_rank_and_its_traceback():
     assert time.monotonic() - start < 60
 
 
+def test_spawn_failure_does_not_list_ranks_that_had_finished_as_stopped():
+    import workers
+
+    with pytest.raises(od.WorkerFailedError, match="late failure on rank 1") as e:
+        od.spawn("mpi", workers.fail_on_rank_1_after_the_others_return, nproc_per_node=3)
+    assert "stopped" not in str(e.value), str(e.value)  # ranks 0 and 2 had returned their results
+
+
 SCRIPT_FN = """
 import onedist as od
 

@@ -123,6 +123,13 @@ def mpi_report(local_rank: int, x: int) -> tuple:
     )
 
 
+def fail_on_rank_1_after_the_others_return(local_rank: int) -> int:
+    if od.get_rank() == 1:
+        time.sleep(1.5)
+        raise ValueError("late failure on rank 1")
+    return od.get_rank()
+
+
 def fail_on_rank_1(local_rank: int) -> None:
     if od.get_rank() == 1:
         raise ValueError("bad input on rank 1")

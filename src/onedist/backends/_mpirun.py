@@ -95,7 +95,10 @@ def launch(
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise
-        reported = reported_failure_error([os.path.join(job_dir, f"rank-{r}.json") for r in range(nproc)])
+        reported = reported_failure_error(
+            [os.path.join(job_dir, f"rank-{r}.json") for r in range(nproc)],
+            finished=lambda r: os.path.exists(os.path.join(job_dir, f"result-{r}.pkl")),  # not "stopped"
+        )
         if reported is not None:
             raise reported
         results = []
