@@ -143,25 +143,33 @@ def _reduce_fn(op: Any, dtype: Optional[torch.dtype] = None) -> Callable[..., An
 
     Raises ValueError for an op the backend lacks, or one ``dtype`` cannot take (a bitwise op on
     floats, AVG on integers: gloo refuses both too). Every rank checks before anything moves, so
-    the group stays usable after the error, as gloo's does."""
-    fn = _reduce_op(op)
-    if dtype is None:
-        return fn
-    name = op_name(op)
-    integral = dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
-    if fn in (torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor) and not integral:
-        raise ValueError(
-            f"onedist shm: reduce op {name} needs an integer or bool tensor; got dtype {dtype} "
-            "(gloo refuses it too)"
-        )
-    if _averages(op) and integral:
-        raise ValueError(
-            f"onedist shm: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
-            "(an integer average is not an integer: use SUM and divide)"
-        )
-    if dtype == torch.bool and fn in (torch.add, torch.mul):
-        return torch.logical_or if fn is torch.add else torch.logical_and
+    the group stays usable after the error, as gloo's does. Answers are cached: a small
+    collective's time is its Python calls."""
+    kind = getattr(op, "op", op)  # a ReduceOp (options) or its RedOpType
+    try:
+        return _FNS[(kind, dtype)]
+    except (KeyError, TypeError):
+        pass
+    fn = _reduce_op(kind)
+    if dtype is not None:
+        integral = dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
+        if fn in (torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor) and not integral:
+            raise ValueError(
+                f"onedist shm: reduce op {op_name(kind)} needs an integer or bool tensor; got dtype "
+                f"{dtype} (gloo refuses it too)"
+            )
+        if _averages(kind) and integral:
+            raise ValueError(
+                f"onedist shm: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
+                "(an integer average is not an integer: use SUM and divide)"
+            )
+        if dtype == torch.bool and fn in (torch.add, torch.mul):
+            fn = torch.logical_or if fn is torch.add else torch.logical_and
+    _FNS[(kind, dtype)] = fn
     return fn
+
+
+_FNS: dict[tuple[Any, Optional[torch.dtype]], Callable[..., Any]] = {}
 
 
 def _averages(op: Any) -> bool:
