@@ -146,17 +146,18 @@ print("leaving", flush=True)
 """
 
 
+def _onedist_run(tmp_path, text: str, n: int) -> subprocess.CompletedProcess:
+    """``onedist run -n n`` of a script with this text; its output."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    cmd = [sys.executable, "-m", "onedist", "run", "-n", str(n), str(script)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
 def test_script_that_exits_during_a_collective_exits_cleanly(tmp_path):
     # no wait, no finalize: at exit the group's thread is still inside the collective (torch code);
     # onedist finishes it before the interpreter finalizes (1 run in 3 aborted before)
-    script = tmp_path / "no_wait.py"
-    script.write_text(NO_WAIT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "onedist", "run", "-n", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _onedist_run(tmp_path, NO_WAIT, 2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "terminate called" not in proc.stderr
     assert proc.stdout.count("leaving") == 2
@@ -258,7 +259,7 @@ def _bare_rank(rank: int, port: int, q, killed_at) -> None:
         while True:
             od.all_reduce(big, inplace=True)
     except Exception as e:
-        q.put((rank, f"{type(e).__name__}: {e}", time.time()))
+        q.put((rank, f"{type(e).__name__}: {e}", time.time(), getattr(e, "rank", None)))
 
 
 def test_peers_of_a_killed_rank_raise_within_5_s_without_a_launcher():
@@ -276,8 +277,8 @@ def test_peers_of_a_killed_rank_raise_within_5_s_without_a_launcher():
     try:
         got = {}
         while len(got) < 2:
-            rank, what, when = q.get(timeout=60)
-            got[rank] = (what, when)
+            rank, what, when, blamed = q.get(timeout=60)
+            got[rank] = (what, when, blamed)
     finally:
         for p in procs:
             p.join(10)
@@ -285,6 +286,35 @@ def test_peers_of_a_killed_rank_raise_within_5_s_without_a_launcher():
                 p.kill()
     assert procs[1].exitcode == -signal.SIGKILL
     for rank in (0, 2):
-        what, when = got[rank]
+        what, when, blamed = got[rank]
         assert what.startswith("RemoteRankError") and "rank 1 (pid" in what and "exited" in what, what
+        assert "rank 1 of group [0, 1, 2] exited" in what and blamed == 1, what  # named, not "another rank"
         assert when - killed_at.value < 5.0, (rank, when - killed_at.value)
+
+
+HOST_RANK_EXITS = """
+import os, sys, onedist as od
+os.environ["ONEDIST_SHM_HOST"] = "host-" + "ab"[int(os.environ["RANK"]) % 2]  # hosts [0, 2] and [1, 3]
+od.initialize("shm")
+od.all_reduce(1)
+if od.get_rank() == 2:
+    sys.exit(0)  # leaves without an error, in the middle of the job
+try:
+    od.all_reduce(1)
+except od.RemoteRankError as e:
+    print(f"blamed {e.rank}: {str(e).splitlines()[0]}", flush=True)
+"""
+
+
+@pytest.mark.launcher
+def test_a_rank_that_exits_is_named_across_the_two_levels(tmp_path):
+    """Over two simulated hosts: rank 0 (rank 2's host) learns from the host's segment that rank 2
+    exited, and names it as a rank of the whole group, not of the host's group (where it is rank
+    1). Ranks 1 and 3 only see their leader's connection go: they blame nobody, rather than the
+    rank 1 that failed as a consequence."""
+    proc = _onedist_run(tmp_path, HOST_RANK_EXITS, 4)
+    said = dict(line.split(": blamed ", 1) for line in proc.stdout.splitlines() if ": blamed " in line)
+    assert said["[rank0]"].startswith("2: ") and "rank 2 of group [0, 1, 2, 3] exited" in said["[rank0]"], (
+        said
+    )
+    assert said["[rank1]"].startswith("-1: ") and said["[rank3]"].startswith("-1: "), said

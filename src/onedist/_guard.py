@@ -546,11 +546,16 @@ def _explain(name: str, e: BaseException, group: Any, started: float) -> BaseExc
             time.sleep(0.05)
         # a consequence, not a cause: marked as such, so this rank does not publish it as its own
         # failure (launchers and error files would blame it) and reports treat it as secondary
+        culprit = getattr(e, "culprit", None)  # shm knows which group rank exited
+        if getattr(e, "exited", False) and isinstance(culprit, int) and 0 <= culprit < len(ranks):
+            gone, who = ranks[culprit], f"rank {ranks[culprit]} of group {list(ranks)} exited"
+        else:
+            gone, who = -1, f"another rank of group {list(ranks)} closed its connection"
         return RemoteRankError(
-            f"onedist.{name} (rank {rank}, at {site}): another rank of group {list(ranks)} closed its "
-            "connection without reporting an error (it exited or was killed).\n"
+            f"onedist.{name} (rank {rank}, at {site}): {who} without reporting an error (it returned, "
+            "exited or was killed).\n"
             f"(backend: {text.strip()[:300]})",
-            -1,
+            gone,
         )
     return e
 

@@ -125,13 +125,16 @@ def _host_id() -> str:
 class ShmError(RuntimeError):
     """A shm collective could not complete (a peer exited, or the timeout passed).
 
-    ``culprit``: the rank that exited, when that is the cause (marked in the segment for the
-    other peers, so that every rank names the rank that died, not the first to notice it).
+    ``culprit``: the group rank that exited (``exited``) or failed inside a collective, when that
+    is the cause (marked in the segment for the other peers, so that every rank names the rank
+    that died, not the first to notice it; onedist's collectives name a rank that exited in their
+    RemoteRankError).
     """
 
-    def __init__(self, message: str, culprit: Optional[int] = None) -> None:
+    def __init__(self, message: str, culprit: Optional[int] = None, exited: bool = False) -> None:
         super().__init__(message)
         self.culprit = culprit
+        self.exited = exited
 
 
 _REDUCE: dict[Any, Callable[..., Any]] = {}
@@ -331,7 +334,12 @@ class ShmProcessGroup(OrderedGroup):
     def _in_local(self, method: Callable[..., Any], *args: Any) -> None:
         """One step on this host's shm group (a failure marks its segment for the host's peers)."""
         if self._local is not None:
-            self._local._poisoning(method.__get__(self._local), *args)
+            try:
+                self._local._poisoning(method.__get__(self._local), *args)
+            except ShmError as e:
+                if e.culprit is not None:  # the host group's rank, as a rank of this group
+                    e.culprit = self._hosts[self._host_of(self._rank)][e.culprit]
+                raise
 
     def _host_of(self, rank: int) -> int:
         return next(i for i, h in enumerate(self._hosts) if rank in h)
@@ -442,7 +450,9 @@ class ShmProcessGroup(OrderedGroup):
         else:
             cause = f"rank {j} failed inside a collective, so the group cannot be used any more"
         return ShmError(
-            f"onedist shm: {what} on rank {self._rank}: {cause} (Connection closed by peer)", culprit=j
+            f"onedist shm: {what} on rank {self._rank}: {cause} (Connection closed by peer)",
+            culprit=j,
+            exited=bool(seg.abort_exited.value),
         )
 
     def _block(self, j: int, g: int, what: str) -> None:
@@ -468,6 +478,7 @@ class ShmProcessGroup(OrderedGroup):
                     f"onedist shm: {what} on rank {self._rank}: rank {j} (pid {pid}) exited "
                     "(Connection closed by peer)",
                     culprit=j,
+                    exited=True,
                 )
             if time.monotonic() > deadline:
                 raise ShmError(
