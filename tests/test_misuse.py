@@ -74,6 +74,7 @@ def test_without_debug_the_timeout_names_the_ranks_and_their_calls(scenario, tmp
     results = _run(tmp_path, scenario, debug=False, timeout_s=3.0)
     for rank, r in enumerate(results):
         assert r.get("error") == "OnedistTimeoutError", results
+        assert not r["chained"] and r["backend_error"] == "RuntimeError", r  # gloo's, kept aside
         assert r["elapsed"] < 3.0 + 7.0  # the timeout, plus at most the report exchange (3 s + receipts)
         other = 1 - rank
         assert f"on rank {rank} (group [0, 1]" in r["message"]
@@ -87,6 +88,7 @@ def test_a_crashed_rank_s_error_reaches_its_peers(tmp_path):
     assert r["error"] == "RemoteRankError", r
     assert "rank 1 failed" in r["message"] and "ValueError: rank 1 failed on purpose" in r["message"]
     assert r["elapsed"] < 5.0
+    assert not r["chained"], r  # no "Connection closed by peer" traceback above the explanation
 
 
 _JOIN = """

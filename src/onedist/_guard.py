@@ -822,7 +822,9 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
                     _guard.explaining -= 1
                 if err is e:
                     raise
-                raise err from e
+                if isinstance(err, OnedistError):
+                    err.backend_error = e
+                raise err from None  # the explanation stands alone (see OnedistError.backend_error)
 
         return wrapper  # type: ignore[return-value]
 

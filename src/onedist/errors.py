@@ -38,7 +38,16 @@ __all__ = [
 
 
 class OnedistError(Exception):
-    """Base class of every exception raised by onedist."""
+    """Base class of every exception raised by onedist.
+
+    Attributes:
+        backend_error: when onedist's collective translated a backend's exception into this one
+            (a peer's failure, a timeout), that exception, else None. It is kept here rather than
+            chained, so that a traceback shows the user's call and onedist's explanation, not
+            the backend's internals ("Connection closed by peer").
+    """
+
+    backend_error: Optional[BaseException] = None
 
 
 class OnedistValueError(OnedistError, ValueError):

@@ -54,6 +54,8 @@ def main(local_rank: int, out_dir: str, name: str) -> None:
         result = {"error": None}
     except Exception as e:
         result = {"error": type(e).__name__, "message": str(e)}
+        result["chained"] = e.__cause__ is not None  # onedist's explanations stand alone
+        result["backend_error"] = type(getattr(e, "backend_error", None)).__name__
         if name == "crash" and od.get_rank() == 1:
             raise
     result["elapsed"] = time.time() - start
