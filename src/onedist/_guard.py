@@ -517,7 +517,9 @@ def _explain(name: str, e: BaseException, group: Any, started: float) -> BaseExc
         waited = time.monotonic() - started
         since = time.time() - waited - 1.0
         store = _store()
-        if store is not None:  # where this rank waited, for a timed-out peer's report
+        # where this rank waited, for a timed-out peer's report (not to a store whose host, rank
+        # 0, has exited: torch prints a C++ stack trace for that, before rank k's own error)
+        if store is not None and not _server_gone(store):
             mine = {
                 "rank": rank,
                 "call": name,
