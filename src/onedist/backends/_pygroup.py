@@ -30,6 +30,7 @@ __all__ = [
     "OrderedGroup",
     "PyWork",
     "all_cpu",
+    "averages",
     "done",
     "flat",
     "for_each",
@@ -234,6 +235,12 @@ def flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
             view = view.as_strided((view.numel(),), (1,))
         return view, False
     return t.contiguous().resolve_conj().resolve_neg().view(-1), True
+
+
+def averages(op: Any) -> bool:
+    """True for ``ReduceOp.AVG`` (its RedOpType, or options holding it): neither shm's kernels nor
+    MPI average, so both reduce it as SUM and divide by the group size."""
+    return bool(getattr(op, "op", op) == dist.ReduceOp.AVG)
 
 
 def op_name(op: Any) -> str:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import _pygroup
-from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, for_each, op_name
+from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, averages, for_each, op_name
 from ._pygroup import flat as _flat
 
 #: torch.distributed's name of this backend (``dist.get_backend()`` reports it)
@@ -105,7 +105,7 @@ def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
     MPI = _mpi()
     R = dist.ReduceOp
     kind = getattr(op, "op", op)  # a ReduceOp (options) or its RedOpType
-    if kind == R.AVG:  # MPI has no average: a SUM, divided by the group size after it (_averages)
+    if kind == R.AVG:  # MPI has no average: a SUM, divided by the group size after it (_pygroup.averages)
         if not (dtype.is_floating_point or dtype.is_complex):
             raise MpiError(
                 f"onedist mpi: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
@@ -140,11 +140,6 @@ def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
             f"onedist mpi: reduce op {op_name(kind)} needs an integer or bool tensor; got dtype {dtype}"
         )
     return found
-
-
-def _averages(op: Any) -> bool:
-    """True for ReduceOp.AVG (reduced as SUM, then divided by the group size)."""
-    return bool(getattr(op, "op", op) == dist.ReduceOp.AVG)
 
 
 def _wire(t: torch.Tensor, op: Any = None) -> tuple[torch.Tensor, Any, bool]:
@@ -310,7 +305,7 @@ class MpiProcessGroup(OrderedGroup):
             self._call("reduce", self._comm.Reduce, MPI.IN_PLACE, spec, mop, root)
         else:
             self._call("reduce", self._comm.Reduce, spec, None, mop, root)
-        if _averages(op) and (root is None or root == self._rank):
+        if averages(op) and (root is None or root == self._rank):
             wire.div_(self._size)  # in the wide type, when float16 travels as float32: one rounding
         if copied and (root is None or root == self._rank):
             t.copy_(wire.view(t.dtype).view(t.shape) if t.dtype == torch.bool else wire.view(t.shape))
@@ -354,7 +349,7 @@ class MpiProcessGroup(OrderedGroup):
             _buf(dst, n, datatype),
             _mpi_op(op, output.dtype),
         )
-        if _averages(op):
+        if averages(op):
             dst.div_(self._size)
         if copied:
             output.copy_(

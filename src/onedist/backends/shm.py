@@ -55,7 +55,7 @@ import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
 from . import _pygroup
-from ._pygroup import ArgCheck, OrderedGroup, all_cpu, for_each, op_name, opts_or
+from ._pygroup import ArgCheck, OrderedGroup, all_cpu, averages, for_each, op_name, opts_or
 from ._pygroup import flat as _flat
 
 logger = logging.getLogger("onedist")
@@ -142,7 +142,7 @@ _REDUCE: dict[Any, Callable[..., Any]] = {}
 
 def _reduce_fn(op: Any, dtype: Optional[torch.dtype] = None) -> Callable[..., Any]:
     """The elementwise function of reduce op ``op`` on ``dtype`` (for bool tensors: SUM is or,
-    PRODUCT is and; AVG is SUM, divided by the group size afterwards, see :func:`_averages`).
+    PRODUCT is and; AVG is SUM, divided by the group size afterwards, see :func:`._pygroup.averages`).
 
     Raises ValueError for an op the backend lacks, or one ``dtype`` cannot take (a bitwise op on
     floats, AVG on integers: gloo refuses both too). Every rank checks before anything moves, so
@@ -161,7 +161,7 @@ def _reduce_fn(op: Any, dtype: Optional[torch.dtype] = None) -> Callable[..., An
                 f"onedist shm: reduce op {op_name(kind)} needs an integer or bool tensor; got dtype "
                 f"{dtype} (gloo refuses it too)"
             )
-        if _averages(kind) and integral:
+        if averages(kind) and integral:
             raise ValueError(
                 f"onedist shm: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
                 "(an integer average is not an integer: use SUM and divide)"
@@ -175,9 +175,11 @@ def _reduce_fn(op: Any, dtype: Optional[torch.dtype] = None) -> Callable[..., An
 _FNS: dict[tuple[Any, Optional[torch.dtype]], Callable[..., Any]] = {}
 
 
-def _averages(op: Any) -> bool:
-    """True for ReduceOp.AVG: summed like SUM, then each result divided by the group size."""
-    return bool(getattr(op, "op", op) == dist.ReduceOp.AVG)
+def _check_op(op: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """Raise, on every rank and before anything moves, when ``op`` cannot reduce one of
+    ``tensors`` (see :func:`_reduce_fn`)."""
+    for t in tensors:
+        _reduce_fn(op, t.dtype)
 
 
 def _reduce_into(fn: Callable[..., Any], dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
@@ -350,7 +352,7 @@ class ShmProcessGroup(OrderedGroup):
         flat, writeback = _flat(t)
         if flat.numel() == 0:
             return
-        average = _averages(op)
+        average = averages(op)
         if average:  # summed through both levels, divided by the whole group's size at the end
             op = dist.ReduceOp.SUM
         self._in_local(ShmProcessGroup._all_reduce_one, flat, op, 0)
@@ -564,8 +566,7 @@ class ShmProcessGroup(OrderedGroup):
     @_poison_on_error
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        for t in tensors:  # an op the dtype cannot take raises here, on every rank, before anything moves
-            _reduce_fn(op, t.dtype)
+        _check_op(op, tensors)
         if self._hierarchical and all_cpu(tensors):
             job = partial(for_each, partial(self._hier_all_reduce, op=op), tensors)
             return self._run(job, tensors, tensors)
@@ -578,8 +579,7 @@ class ShmProcessGroup(OrderedGroup):
         if self._hierarchical:
             return self.allreduce(tensors, opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        for t in tensors:
-            _reduce_fn(op, t.dtype)
+        _check_op(op, tensors)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.allreduce_coalesced(tensors, opts or _c10d.AllreduceCoalescedOptions())
         return self._reduce_each(tensors, op, None)
@@ -587,8 +587,7 @@ class ShmProcessGroup(OrderedGroup):
     @_poison_on_error
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         ArgCheck(NAME, "reduce", self._size).root(opts.rootRank)
-        for t in tensors:
-            _reduce_fn(opts.reduceOp, t.dtype)
+        _check_op(opts.reduceOp, tensors)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.reduce(tensors, opts)
         return self._reduce_each(tensors, opts.reduceOp, opts.rootRank)
@@ -602,7 +601,7 @@ class ShmProcessGroup(OrderedGroup):
 
     def _all_reduce_one(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
         fn = _reduce_fn(op, tensor.dtype)
-        average = _averages(op)
+        average = averages(op)
         seg = self._seg
         assert seg is not None
         flat, writeback = _flat(tensor)
@@ -770,8 +769,7 @@ class ShmProcessGroup(OrderedGroup):
     ) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         ArgCheck(NAME, "reduce_scatter", self._size).per_rank(inputs, outputs, "input")
-        for out in outputs:
-            _reduce_fn(op, out.dtype)
+        _check_op(op, outputs)
         if self._seg is None or not all_cpu(outputs + [t for ts in inputs for t in ts]):
             return self._gloo.reduce_scatter(outputs, inputs, opts or _c10d.ReduceScatterOptions())
         stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
@@ -809,7 +807,7 @@ class ShmProcessGroup(OrderedGroup):
             self._reduce(fn, out_flat[lo : lo + c], sources)
 
         self._phases(-(-n // per), [put, reduce], "reduce_scatter")
-        if _averages(op):
+        if averages(op):
             out_flat.div_(size)
         if writeback:
             output.copy_(out_flat.view(output.shape))
