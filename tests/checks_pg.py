@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from typing import Any
 
 import torch
 import torch._C._distributed_c10d as _c10d
@@ -531,6 +532,100 @@ def check_bad_arguments_raise_and_leave_the_group_usable() -> int:
         dist.all_reduce(t)  # the group still works, and every rank is in step
         assert t.tolist() == [world * (world + 1) / 2] * 3, (needle, t)
     return len(cases)
+
+
+def check_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable() -> int:
+    """shm: ranks that call different collectives, or one on different sizes, dtypes, ops or
+    roots, raise CollectiveMismatchError at the first barrier, every rank alike, naming each
+    rank's call; the next collective is right. gloo hangs on most of these, and returns garbage
+    on some (an all_reduce of 1000 against 999 elements, a barrier against a small all_reduce)."""
+    from onedist.errors import CollectiveMismatchError
+
+    rank, world = od.get_rank(), od.get_world_size()
+    big = _slot() // 4 * 3 + 5  # several chunks
+    R, ones, odd = dist.ReduceOp, torch.ones, rank == world - 1
+
+    def pick(last: object, others: object) -> Any:  # the last rank's argument, everyone else's
+        return last if odd else others
+
+    def gather(last: int) -> tuple[str, str, Any]:  # the last rank gathers `last` floats, the others 2
+        call = lambda: dist.all_gather_into_tensor(ones(world * pick(last, 2)), ones(pick(last, 2)))  # noqa: E731
+        return f"all_gather() of {4 * last} bytes", "all_gather() of 8 bytes", call
+
+    f32, f64 = torch.float32, torch.float64
+    cases = [
+        # (what the last rank's call reads as, what the others' does, the call)
+        ("all_reduce(SUM) of 999 torch.float32", "of 1000", lambda: dist.all_reduce(ones(pick(999, 1000)))),
+        ("of 5 torch.float32", "of 4 torch.float32", lambda: dist.all_reduce(ones(pick(5, 4)))),
+        (f"of {big + 1} torch.float32", f"of {big} torch.float32", lambda: dist.all_reduce(ones(big + odd))),
+        (
+            "4 torch.float64 elements",
+            "4 torch.float32",
+            lambda: dist.all_reduce(ones(4, dtype=pick(f64, f32))),
+        ),
+        ("all_reduce(MAX)", "all_reduce(SUM)", lambda: dist.all_reduce(ones(4), pick(R.MAX, R.SUM))),
+        ("barrier()", "all_reduce(SUM) of 4", lambda: dist.barrier() if odd else dist.all_reduce(ones(4))),
+        ("broadcast(root=1) of 16 bytes", "(root=0) of 16", lambda: dist.broadcast(ones(4), int(odd))),
+        ("broadcast(root=0) of 20 bytes", "(root=0) of 16", lambda: dist.broadcast(ones(pick(5, 4)), 0)),
+        gather(3),
+        (
+            "reduce_scatter(SUM) of 3",
+            "reduce_scatter(SUM) of 2",
+            lambda: dist.reduce_scatter_tensor(ones(pick(3, 2)), ones(world * pick(3, 2))),
+        ),
+        ("reduce(SUM, root=1)", "reduce(SUM, root=0)", lambda: dist.reduce(ones(4), int(odd))),
+        # an empty tensor moves nothing, but its call still meets the others'
+        ("all_reduce(SUM) of 0 torch.float32", "of 4 torch", lambda: dist.all_reduce(ones(pick(0, 4)))),
+        ("broadcast(root=0) of 0 bytes", "(root=0) of 16", lambda: dist.broadcast(ones(pick(0, 4)), 0)),
+        gather(0),
+        (
+            "broadcast(root=0)",
+            "all_reduce(SUM) of",
+            lambda: dist.broadcast(ones(big), 0) if odd else dist.all_reduce(ones(big)),
+        ),
+    ]
+    for theirs, ours, call in cases:
+        try:
+            call()
+        except CollectiveMismatchError as e:
+            text = str(e)
+            last = text.split(f"rank {world - 1}: ")
+            assert len(last) == 2 and theirs in last[1], (theirs, text)
+            assert ours in text.split("rank 0: ")[1].split("\n")[0], (ours, text)
+            assert "No tensor was changed, and the group is still usable" in text
+        else:
+            raise AssertionError(f"no CollectiveMismatchError: {theirs} against {ours}")
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)  # the group still works, and every rank is in step
+        assert t.tolist() == [world * (world + 1) / 2] * 3, (theirs, t)
+    # empty tensors on every rank: nothing to compare against, nothing raised
+    empty = torch.ones(0)
+    dist.all_reduce(empty)
+    dist.broadcast(empty, 0)
+    dist.all_gather_into_tensor(torch.ones(0), empty)
+    dist.reduce_scatter_tensor(torch.ones(0), torch.ones(0))
+    dist.barrier()
+    return len(cases)
+
+
+def check_mismatch_on_one_host_names_the_group_ranks() -> str:
+    """shm over several hosts: a call that differs among one host's ranks raises there, naming them
+    by their ranks in the whole group, without claiming that the group is still usable (the other
+    hosts' ranks may be waiting in the cross-host step)."""
+    from onedist.errors import CollectiveMismatchError
+
+    rank, pg = od.get_rank(), _pg()
+    mine = next(h for h in pg._hosts if rank in h)
+    try:
+        dist.all_reduce(torch.ones(5 if rank == mine[-1] else 4))  # every host's last rank differs
+    except CollectiveMismatchError as e:
+        text = str(e)
+        assert f"the group's ranks {mine} (this host) called different collectives" in text, text
+        assert f"rank {mine[-1]}: reduce(SUM, root=0) of 5 torch.float32 elements" in text, text
+        assert f"rank {mine[0]}: reduce(SUM, root=0) of 4 torch.float32 elements" in text, text
+        assert "still usable" not in text, text
+        return text.splitlines()[0]
+    raise AssertionError("no CollectiveMismatchError")
 
 
 def check_shm_hierarchy() -> list[list[int]]:

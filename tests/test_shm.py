@@ -86,6 +86,12 @@ def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable(shm):
     assert shm(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [18] * shm.world_size
 
 
+def test_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable(shm):
+    assert shm(checks_pg.check_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable) == [15] * (
+        shm.world_size
+    )
+
+
 def test_fsdp2_and_functional_collectives_equal_gloo(shm):
     assert max(shm(checks_pg.check_fsdp2_and_functional_collectives_equal_gloo, timeout=120)) < 1e-5
 
@@ -123,6 +129,8 @@ def test_hierarchical_over_two_simulated_hosts_equals_gloo(world_size):
         pool.run(checks_pg.check_reduce_and_barrier_and_gloo_ops)
         pool.run(checks_pg.check_non_contiguous_and_views)
         assert max(pool.run(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
+        if world_size == 4:  # each host has two ranks: the mismatch is the same on both, and no rank waits
+            pool.run(checks_pg.check_mismatch_on_one_host_names_the_group_ranks)
     finally:
         pool.close()
 

@@ -813,6 +813,8 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
                     group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
                     _debug_check(name, args, kwargs, group, spec)
                 return fn(*args, **kwargs)
+            except CollectiveMismatchError as e:  # the ranks' calls tell it all, not onedist's frames
+                raise e.with_traceback(None) from None
             except OnedistError:
                 raise
             except RuntimeError as e:

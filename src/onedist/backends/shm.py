@@ -24,9 +24,16 @@ file), and rank 0 closes its descriptor once all have mapped it. The memory is t
 free when the last rank unmaps it or dies, whatever the way it dies: nothing can leak.
 
 Ordering: barriers are per-rank generation counters (one writer each) in the segment, waited on
-with ``futex(2)`` after a short spin. x86-64 keeps stores in order (TSO), which the protocol needs
-between the data a rank writes and the counter it bumps after it: :func:`supported` is False on
-other architectures and ``backend="shm"`` is refused there.
+with ``futex(2)`` after a short spin. Beside its counter, in the same cache line, each rank writes
+what it is calling (collective, reduce op, root, dtype, size, step) before every barrier, and
+reads its peers' after it: ranks that called different collectives, or the same one on different
+sizes, dtypes, ops or roots, all raise :class:`~onedist.errors.CollectiveMismatchError` at that
+barrier, naming each rank's call, and the group stays usable. With gloo such a program hangs, or
+silently returns garbage; here it costs about a microsecond per collective, so it is always on.
+
+x86-64 keeps stores in order (TSO), which the protocol needs between the data a rank writes and
+the counter it bumps after it: :func:`supported` is False on other architectures and
+``backend="shm"`` is refused there.
 
 A group whose ranks are not all on one host, or whose ranks cannot open each other's memfd
 (different PID namespaces), runs every collective on its gloo group: ``shm`` is never wrong, at
@@ -54,6 +61,7 @@ import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
+from ..errors import CollectiveMismatchError
 from . import _pygroup
 from ._pygroup import ArgCheck, OrderedGroup, all_cpu, averages, for_each, op_name, opts_or
 from ._pygroup import flat as _flat
@@ -73,6 +81,60 @@ _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _WAIT_SLICE_S = 0.05  # between liveness checks while blocked in futex_wait
 _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
+#: what a rank is calling at a barrier (see ShmProcessGroup._barrier): kind, reduce op, root,
+#: dtype, count (elements, or bytes where the dtype does not matter), step within the call
+_CALL = struct.Struct("<iiiiqi")
+_STEP = struct.Struct("<i")  # the record's last field
+#: where, in a rank's counter line, its call for a barrier of even / odd generation goes: a peer
+#: reads it after that barrier, and the rank cannot write the slot again before the barrier after next
+_CALL_AT = (8, 8 + _CALL.size)
+assert _CALL_AT[1] + _CALL.size <= 64
+_KIND_ALL_REDUCE, _KIND_REDUCE, _KIND_BROADCAST, _KIND_ALL_GATHER = 1, 2, 3, 4
+_KIND_REDUCE_SCATTER, _KIND_BARRIER = 5, 6
+_KINDS = {
+    _KIND_ALL_REDUCE: "all_reduce",
+    _KIND_REDUCE: "reduce",
+    _KIND_BROADCAST: "broadcast",
+    _KIND_ALL_GATHER: "all_gather",
+    _KIND_REDUCE_SCATTER: "reduce_scatter",
+    _KIND_BARRIER: "barrier",
+}
+_DTYPES: list[torch.dtype] = []  # code - 1 -> dtype: every torch dtype, sorted by name (see _dtypes)
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def _dtypes() -> list[torch.dtype]:
+    """Every torch dtype, in an order that is the same in every process running this torch."""
+    if not _DTYPES:
+        _DTYPES.extend(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+        _DTYPE_CODES.update({d: i + 1 for i, d in enumerate(_DTYPES)})
+    return _DTYPES
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A number for ``dtype`` that is the same in every process running this torch (from 1)."""
+    _dtypes()
+    return _DTYPE_CODES.get(dtype, -1)
+
+
+def _describe(call: tuple[int, ...]) -> str:
+    """One rank's call (a _CALL record), as a user would write it."""
+    kind, op, root, dtype, count, step = call
+    name = _KINDS.get(kind)
+    if name is None:
+        return "nothing onedist knows (its shared memory was written by something else)"
+    if name == "barrier":
+        return "barrier()"
+    args = []
+    if op >= 0:
+        args.append(op_name(dist.ReduceOp.RedOpType(op)))
+    if root >= 0:
+        args.append(f"root={root}")
+    what = f"{count} {_dtypes()[dtype - 1]} elements" if 0 < dtype <= len(_dtypes()) else f"{count} bytes"
+    later = f", step {step}" if step else ""
+    return f"{name}({', '.join(args)}) of {what}{later}"
+
+
 #: collectives of at least this many bytes run on the group's thread (see ShmProcessGroup._run)
 _ASYNC_BYTES = 1 << 20
 #: an all_reduce of at most this many bytes is one step (every rank reduces all of it, after one
@@ -140,39 +202,46 @@ class ShmError(RuntimeError):
 _REDUCE: dict[Any, Callable[..., Any]] = {}
 
 
-def _reduce_fn(op: Any, dtype: Optional[torch.dtype] = None) -> Callable[..., Any]:
-    """The elementwise function of reduce op ``op`` on ``dtype`` (for bool tensors: SUM is or,
-    PRODUCT is and; AVG is SUM, divided by the group size afterwards, see :func:`._pygroup.averages`).
+def _reduce_fn(op: Any, dtype: torch.dtype) -> Callable[..., Any]:
+    """The elementwise function of reduce op ``op`` on ``dtype`` (see :func:`_reduction`)."""
+    return _reduction(op, dtype)[0]
+
+
+def _reduction(op: Any, dtype: torch.dtype) -> tuple[Callable[..., Any], int, bool, int]:
+    """Reduce op ``op`` on ``dtype``: its elementwise function (for bool tensors: SUM is or,
+    PRODUCT is and; AVG is SUM, divided by the group size afterwards, see
+    :func:`._pygroup.averages`), the op's number and the dtype's (for the call check, see
+    ShmProcessGroup._begin), and whether it averages.
 
     Raises ValueError for an op the backend lacks, or one ``dtype`` cannot take (a bitwise op on
     floats, AVG on integers: gloo refuses both too). Every rank checks before anything moves, so
-    the group stays usable after the error, as gloo's does. Answers are cached: a small
-    collective's time is its Python calls."""
+    the group stays usable after the error, as gloo's does. Answers are cached, and one lookup
+    serves the whole call: a small collective's time is its Python calls (reading ``op.op`` off
+    torch's ReduceOp alone takes 0.3 µs)."""
     kind = getattr(op, "op", op)  # a ReduceOp (options) or its RedOpType
     try:
         return _FNS[(kind, dtype)]
     except (KeyError, TypeError):
         pass
     fn = _reduce_op(kind)
-    if dtype is not None:
-        integral = dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
-        if fn in (torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor) and not integral:
-            raise ValueError(
-                f"onedist shm: reduce op {op_name(kind)} needs an integer or bool tensor; got dtype "
-                f"{dtype} (gloo refuses it too)"
-            )
-        if averages(kind) and integral:
-            raise ValueError(
-                f"onedist shm: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
-                "(an integer average is not an integer: use SUM and divide)"
-            )
-        if dtype == torch.bool and fn in (torch.add, torch.mul):
-            fn = torch.logical_or if fn is torch.add else torch.logical_and
-    _FNS[(kind, dtype)] = fn
-    return fn
+    integral = dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex)
+    if fn in (torch.bitwise_and, torch.bitwise_or, torch.bitwise_xor) and not integral:
+        raise ValueError(
+            f"onedist shm: reduce op {op_name(kind)} needs an integer or bool tensor; got dtype "
+            f"{dtype} (gloo refuses it too)"
+        )
+    if averages(kind) and integral:
+        raise ValueError(
+            f"onedist shm: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
+            "(an integer average is not an integer: use SUM and divide)"
+        )
+    if dtype == torch.bool and fn in (torch.add, torch.mul):
+        fn = torch.logical_or if fn is torch.add else torch.logical_and
+    answer = _FNS[(kind, dtype)] = (fn, int(kind), averages(kind), _dtype_code(dtype))
+    return answer
 
 
-_FNS: dict[tuple[Any, Optional[torch.dtype]], Callable[..., Any]] = {}
+_FNS: dict[tuple[Any, torch.dtype], tuple[Callable[..., Any], int, bool, int]] = {}
 
 
 def _check_op(op: Any, tensors: Sequence[torch.Tensor]) -> None:
@@ -240,8 +309,9 @@ class _Segment:
 
     def __init__(self, mm: mmap.mmap, size: int, chunk: int) -> None:
         self.chunk = chunk
+        self.mm = mm
         self.data = torch.frombuffer(mm, dtype=torch.uint8)  # shares the mapping
-        ctrl = _HEADER
+        ctrl = self.ctrl = _HEADER
         self.counters = (ctypes.c_int32 * (size * _LINE // 4)).from_buffer(mm, ctrl)
         self.base = ctypes.addressof(self.counters)
         self.pids = (ctypes.c_int64 * size).from_buffer(mm, 64)
@@ -294,6 +364,11 @@ class ShmProcessGroup(OrderedGroup):
         self._gen = 0
         self._bank = 0  # the bank the next collective's first chunk goes through (see _phases)
         self._mail = 0  # the mailbox of the next small all_reduce (see _all_reduce_small)
+        self._record = _CALL.pack(_KIND_BARRIER, -1, -1, 0, 0, 0)  # what this rank calls (see _begin)
+        #: this group's ranks as ranks of the group that holds it (one host's part of a group over
+        #: several hosts), for errors; None: a group of its own
+        self._shown_as: Optional[list[int]] = None
+        self._step = 0
         self._others = [r for r in range(size) if r != rank]
         self._spin = 2000 if size <= (os.cpu_count() or 1) else 20
         self._helpers = _helper_pool(size)
@@ -319,6 +394,7 @@ class ShmProcessGroup(OrderedGroup):
         if len(mine) > 1:
             local_store = _c10d.PrefixStore(f"onedist-shm/host-{index}", store)
             self._local = ShmProcessGroup(local_store, mine.index(self._rank), len(mine), timeout)
+            self._local._shown_as = mine
         if self._rank == mine[0]:
             leader_store = _c10d.PrefixStore("onedist-shm/leaders", store)
             self._leaders = dist.ProcessGroupGloo(leader_store, index, len(hosts), timeout)
@@ -350,7 +426,8 @@ class ShmProcessGroup(OrderedGroup):
         """Reduce to each host's first rank over shm, all_reduce among those over gloo, then
         broadcast back over shm: every rank gets the same bits."""
         flat, writeback = _flat(t)
-        if flat.numel() == 0:
+        if flat.numel() == 0:  # the host's ranks still meet (see _all_reduce_one); nothing crosses hosts
+            self._in_local(ShmProcessGroup._all_reduce_one, flat, op, None)
             return
         average = averages(op)
         if average:  # summed through both levels, divided by the whole group's size at the end
@@ -368,7 +445,8 @@ class ShmProcessGroup(OrderedGroup):
 
     def _hier_broadcast(self, t: torch.Tensor, root: int) -> None:
         flat, writeback = _flat(t)
-        if flat.numel() == 0:
+        if flat.numel() == 0:  # the host's ranks still meet (see _phases); nothing crosses hosts
+            self._in_local(ShmProcessGroup._broadcast_one, flat, 0)
             return
         source_host = self._host_of(root)
         home = source_host == self._host_of(self._rank)
@@ -384,10 +462,10 @@ class ShmProcessGroup(OrderedGroup):
             t.copy_(flat.view(t.shape))
 
     def _hier_barrier(self) -> None:
-        self._in_local(ShmProcessGroup._barrier, "barrier")
+        self._in_local(ShmProcessGroup._barrier_call)
         if self._leaders is not None:
             self._leaders.barrier(_c10d.BarrierOptions()).wait()
-        self._in_local(ShmProcessGroup._barrier, "barrier")
+        self._in_local(ShmProcessGroup._barrier_call)
 
     def _poisoning(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``call(*args, **kwargs)``, marking the segment when it fails (see _poison_on_error)."""
@@ -400,6 +478,8 @@ class ShmProcessGroup(OrderedGroup):
             raise
         except ShmError as e:
             self._mark(e.culprit)
+            raise
+        except CollectiveMismatchError:  # every rank raises it at the same barrier: no harm
             raise
         except BaseException:
             self.abort()
@@ -420,14 +500,26 @@ class ShmProcessGroup(OrderedGroup):
         return self._seg is not None or (self._local is not None and self._local.uses_shared_memory)
 
     # ------------------------------------------------------------------ synchronisation
+    def _begin(self, kind: int, count: int, dtype: int = 0, op: int = -1, root: int = -1) -> None:
+        """What this rank calls now, for the check at each of the call's barriers (see _barrier):
+        ``count`` elements of the dtype numbered ``dtype`` (see _reduction), or bytes where the
+        dtype does not matter (0); ``op``, ``root``: -1 where the call has none."""
+        self._record = _CALL.pack(kind, op, root, dtype, count, 0)
+        self._step = 0
+
     def _barrier(self, what: str) -> None:
+        """Wait until every rank has reached this barrier; raise CollectiveMismatchError on every
+        rank when they are not all at the same step of the same call (see _begin)."""
         seg = self._seg
         assert seg is not None
         if seg.abort.value:
             raise self._aborted(what)
         self._gen = g = (self._gen + 1) & _MASK
-        counters = seg.counters
+        counters, mm = seg.counters, seg.mm
         stride = _LINE // 4
+        at = seg.ctrl + _CALL_AT[g & 1]
+        mine = self._record if not self._step else self._record[:-4] + _STEP.pack(self._step)
+        mm[at + self._rank * _LINE : at + self._rank * _LINE + _CALL.size] = mine  # before the counter
         counters[self._rank * stride] = g - (1 << 32) if g >= _HALF else g
         syscall = _futex()
         syscall(
@@ -442,6 +534,39 @@ class ShmProcessGroup(OrderedGroup):
                     break
             else:
                 self._block(j, g, what)
+        self._step += 1
+        for j in self._others:
+            if mm[at + j * _LINE : at + j * _LINE + _CALL.size] != mine:
+                raise self._mismatch(at)
+
+    def _mismatch(self, at: int) -> CollectiveMismatchError:
+        """Every rank's call at this barrier (whose records start at ``at``), as an error that every
+        rank raises alike. At the first barrier of their calls, the ranks have written only to the
+        segment, and the group stays usable; later (ranks out of step since an earlier call, which
+        only a zero-size call can do), it is marked failed."""
+        seg = self._seg
+        assert seg is not None
+        calls = [_CALL.unpack_from(seg.mm, at + j * _LINE) for j in range(self._size)]
+        usable = not any(c[-1] for c in calls)
+        if not usable:
+            self._mark(None)
+        ranks = self._shown_as or list(range(self._size))
+        if self._shown_as is None:
+            lines = [f"onedist shm: the {self._size} ranks of the group called different collectives:"]
+        else:  # one host's part of the call: the other hosts' ranks may be waiting for this one's
+            lines = [
+                f"onedist shm: the group's ranks {ranks} (this host) called different collectives (over "
+                "several hosts, an all_reduce runs on each host as a reduce to its first rank, then a "
+                "broadcast):"
+            ]
+            usable = False
+        lines += [f"  rank {r}: {_describe(call)}" for r, call in zip(ranks, calls)]
+        lines.append(
+            "HINT: every rank of a group must call the same collectives, in the same order, with tensors "
+            "of the same size and dtype (and the same op and root); ONEDIST_DEBUG=1 also names each "
+            "rank's file:line." + (" No tensor was changed, and the group is still usable." if usable else "")
+        )
+        return CollectiveMismatchError("\n".join(lines))
 
     def _aborted(self, what: str) -> ShmError:
         seg = self._seg
@@ -543,7 +668,8 @@ class ShmProcessGroup(OrderedGroup):
         """
         seg = self._seg
         assert seg is not None and n >= 0
-        if n == 0:
+        if n == 0:  # nothing moves, but the ranks meet: a peer's non-empty call fails here, not later
+            self._barrier(what)
             return
         first, depth = self._bank, len(stages)
         stride = 1 if overlap else 2
@@ -600,13 +726,20 @@ class ShmProcessGroup(OrderedGroup):
         )
 
     def _all_reduce_one(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
-        fn = _reduce_fn(op, tensor.dtype)
-        average = averages(op)
+        fn, code, average, dtype_code = _reduction(op, tensor.dtype)
         seg = self._seg
         assert seg is not None
         flat, writeback = _flat(tensor)
         n = flat.numel()
-        if n == 0:
+        self._begin(
+            _KIND_ALL_REDUCE if root is None else _KIND_REDUCE,
+            n,
+            dtype_code,
+            code,
+            -1 if root is None else root,
+        )
+        if n == 0:  # nothing moves, but the ranks meet: a peer's non-empty call fails here, not later
+            self._barrier("all_reduce")
             return
         if n * flat.element_size() <= _SMALL_BYTES:
             self._all_reduce_small(flat, fn, root)
@@ -688,6 +821,7 @@ class ShmProcessGroup(OrderedGroup):
         flat, writeback = _flat(t)
         raw = flat.view(torch.uint8)
         n, cap = raw.numel(), seg.chunk * self._size  # a broadcast chunk fills a bank's slots
+        self._begin(_KIND_BROADCAST, n, root=root)
 
         def put(k: int, bank: _Bank) -> None:
             c = min(cap, n - k * cap)
@@ -731,6 +865,7 @@ class ShmProcessGroup(OrderedGroup):
         flat, _ = _flat(inp)
         raw = flat.view(torch.uint8)
         n, cap = raw.numel(), seg.chunk
+        self._begin(_KIND_ALL_GATHER, n)
         targets = [(o, *_flat(o)) for o in outs]
         raws = [of.view(torch.uint8) for _, of, _ in targets]
 
@@ -781,13 +916,14 @@ class ShmProcessGroup(OrderedGroup):
 
     def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, op: Any) -> None:
         """``rows`` [size, n]: row r is this rank's contribution to rank r's output."""
-        fn = _reduce_fn(op, rows.dtype)
+        fn, code, average, dtype_code = _reduction(op, rows.dtype)
         seg = self._seg
         assert seg is not None
         out_flat, writeback = _flat(output)
         n = out_flat.numel()
         size, me = self._size, self._rank
         per = seg.chunk // rows.element_size() // size
+        self._begin(_KIND_REDUCE_SCATTER, n, dtype_code, code)
 
         def grid(bank: _Bank, j: int) -> torch.Tensor:
             return bank.slots[j].view(rows.dtype)[: per * size].view(size, per)
@@ -807,7 +943,7 @@ class ShmProcessGroup(OrderedGroup):
             self._reduce(fn, out_flat[lo : lo + c], sources)
 
         self._phases(-(-n // per), [put, reduce], "reduce_scatter")
-        if averages(op):
+        if average:
             out_flat.div_(size)
         if writeback:
             output.copy_(out_flat.view(output.shape))
@@ -818,7 +954,11 @@ class ShmProcessGroup(OrderedGroup):
             return self._run(self._hier_barrier, [], None)
         if self._seg is None:
             return self._gloo.barrier(opts or _c10d.BarrierOptions())
-        return self._run(partial(self._barrier, "barrier"), [], None)
+        return self._run(self._barrier_call, [], None)
+
+    def _barrier_call(self) -> None:
+        self._begin(_KIND_BARRIER, 0)
+        self._barrier("barrier")
 
     # ------------------------------------------------------------------ the rest: gloo
     # (checked first as the shm collectives are: gloo names less, hangs a peer on some wrong
