@@ -23,14 +23,18 @@ raises at once, naming the line. Debug mode costs one extra small collective per
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import json
 import linecache
 import os
+import re
 import socket
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import FrameType, TracebackType
 from typing import Any, Optional, TypeVar
@@ -193,6 +197,76 @@ class _ServerProbe:
             self._sock = None
 
 
+#: the first line of torch's C++ warning (with its stack trace) for a store request that failed
+#: because the store's server is gone, e.g. ``[rank2]:[W1123 18:11:03.646544557 TCPStore.cpp:125]
+#: [c10d] recvValue failed on SocketImpl(...): Connection reset by peer``
+_STORE_NOISE = re.compile(r"^(\[rank\d+\]:)?\[[WE]\d{4} [\d:.]+ TCPStore\.cpp:\d+\] \[c10d\] ")
+_STORE_NOISE_TAIL = ("Exception raised from ", "frame #", "<omitting python frames>")
+_holding_stderr = threading.Lock()
+
+
+def without_store_noise(text: str) -> str:
+    """``text`` without torch's C++ warnings about store requests whose server is gone (each a
+    line, an "Exception raised from" line and a C++ stack trace, then a blank line).
+
+    >>> noise = "[W1123 18:11:03.6 TCPStore.cpp:125] [c10d] recvValue failed\\nframe #0: f\\n\\n"
+    >>> without_store_noise("mine\\n" + noise + "mine too\\n")
+    'mine\\nmine too\\n'
+    """
+    kept: list[str] = []
+    skipping = False
+    for line in text.splitlines(keepends=True):
+        if _STORE_NOISE.match(line):
+            skipping = True
+            continue
+        if skipping:
+            if line.startswith(_STORE_NOISE_TAIL):
+                continue
+            skipping = False
+            if not line.strip():
+                continue
+        kept.append(line)
+    return "".join(kept)
+
+
+@contextlib.contextmanager
+def _store_noise_held_back() -> Iterator[None]:
+    """Hold back what this process writes to stderr (fd 2: Python and C++ alike) meanwhile, and
+    write it afterwards without torch's warnings about a store whose server is gone.
+
+    The explanation of a failure asks the rendezvous store for the other ranks' reports; the store's
+    host (rank 0 under spawn and ``onedist run``) may exit between onedist's check that it is there
+    and the request, and torch then prints a 20-line C++ stack trace before this rank's error,
+    which reads as if this rank had failed first. The request itself raises, and onedist handles
+    that. Nested or concurrent uses hold back once."""
+    if not _holding_stderr.acquire(blocking=False):
+        yield
+        return
+    try:
+        try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):
+            yield
+            return
+        with tempfile.TemporaryFile() as held:
+            os.dup2(held.fileno(), 2)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(Exception):
+                    sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+                held.seek(0)
+                text = without_store_noise(held.read().decode(errors="replace"))
+                if text:
+                    with contextlib.suppress(OSError):
+                        os.write(2, text.encode())
+    finally:
+        _holding_stderr.release()
+
+
 def _server_gone(store: Any) -> bool:
     """True when ``store`` is a TCP store whose server no longer accepts connections."""
     address = _server_address(store)
@@ -220,21 +294,26 @@ def publish_failure(exc: BaseException, tb: Optional[TracebackType] = None) -> N
         store = _store() if world > 1 else None
         if store is None or _server_gone(store):  # the rank hosting it already exited
             return
-        text = format_user_traceback(exc, tb)
-        report = {
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": text[-8000:],
-            "time": time.time(),
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        }
-        store.set(_FAILED_KEY.format(rank), json.dumps(report))
-        _guard.published = True
-        store.add(_FAILED_COUNT, 1)
-        _torchelastic_error_file(exc, text)
+        with _store_noise_held_back():
+            _publish(store, rank, exc, tb)
     except Exception:
         pass
+
+
+def _publish(store: Any, rank: int, exc: BaseException, tb: Optional[TracebackType]) -> None:
+    text = format_user_traceback(exc, tb)
+    report = {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": text[-8000:],
+        "time": time.time(),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    store.set(_FAILED_KEY.format(rank), json.dumps(report))
+    _guard.published = True
+    store.add(_FAILED_COUNT, 1)
+    _torchelastic_error_file(exc, text)
 
 
 def _torchelastic_error_file(exc: BaseException, text: str) -> None:
@@ -821,7 +900,8 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
                 group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
                 _guard.explaining += 1
                 try:
-                    err = _explain(name, e, group, started)
+                    with _store_noise_held_back():
+                        err = _explain(name, e, group, started)
                 finally:
                     _guard.explaining -= 1
                 if err is e:
