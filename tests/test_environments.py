@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from onedist.environments import (
@@ -233,6 +235,18 @@ def test_mpich_intel_pmi_and_mvapich():
         }
     )
     assert mv is not None and mv.name == "mvapich" and mv.nnodes == 1 and mv.master_addr == "127.0.0.1"
+
+
+def test_mpich_hydra_without_a_job_name():
+    """What MPICH 4.0.2's mpiexec.hydra -n 2 set here (no PMI_KVSNAME): on one node the port comes
+    from the ranks' parent, the hydra proxy (the same for every rank of the node)."""
+    hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    env = detect(hydra)
+    assert env is not None and (env.name, env.rank, env.world_size, env.nnodes) == ("mpich", 1, 2, 1)
+    assert env.master_addr == "127.0.0.1" and env.master_port_derived
+    assert env.master_port == 20000 + os.getppid() % 20000
+    two_nodes = detect({**hydra, "PMI_SIZE": "4"})  # several nodes: each has its own proxy
+    assert two_nodes is not None and two_nodes.master_port is None and two_nodes.master_addr is None
 
 
 def test_horovodrun():

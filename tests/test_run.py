@@ -332,3 +332,22 @@ def test_open_mpi_mpirun(via, n, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _check_agree(tmp_path, n)
+
+
+@pytest.mark.skipif(
+    shutil.which("mpiexec.hydra") is None,
+    reason="needs MPICH's mpiexec.hydra (apt-get install --no-install-recommends mpich)",
+)
+@pytest.mark.parametrize("via, n", [("python", 2), ("onedist run", 3)])
+def test_mpich_hydra_mpiexec(via, n, tmp_path):
+    """MPICH 4's launcher names no job and no port (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID and
+    MPI_LOCALNRANKS only): on one node the ranks derive the port from their common parent, the
+    hydra proxy. Before, initialize asked for MASTER_PORT. mpi4py here is Open MPI's, which warns
+    under MPICH ("suspicious MPI execution environment"): onedist does not ask it."""
+    runner = [sys.executable] if via == "python" else _onedist()
+    cmd = ["mpiexec.hydra", "-n", str(n), *runner, SCRIPT, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "suspicious MPI" not in proc.stderr, proc.stderr
+    infos = _check_agree(tmp_path, n)
+    assert all(i["backend"] in ("gloo", "shm") for i in infos)

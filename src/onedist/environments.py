@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
 from collections.abc import Mapping
@@ -271,6 +272,10 @@ class _Mpi(Environment):
         local_rank, local_size = _int(environ, *cls.LOCAL_RANK), _int(environ, *cls.LOCAL_SIZE)
         single_node = local_size is not None and local_size == world
         job = next((environ[k] for k in cls.JOB_ID if environ.get(k)), None)
+        if job is None and single_node:
+            # MPICH's hydra (4.x) names no job, but on one node every rank is a child of the same
+            # process, its proxy: the port comes from that process's pid
+            job = f"parent {os.getppid()}"
         port, derived = _port(environ, job)
         return ClusterEnv(
             cls.name,

@@ -770,13 +770,19 @@ def _agree_master(cluster: ClusterEnv) -> ClusterEnv:
     one MPI broadcast settles both. Without mpi4py the derived values (or MASTER_ADDR/PORT) stand.
     """
     if cluster.name not in _MPI_ENVIRONMENTS or not (
-        cluster.master_addr is None or cluster.master_port_derived
+        cluster.master_addr is None or cluster.master_port is None or cluster.master_port_derived
     ):
         return cluster
-    try:
-        from mpi4py import MPI
-    except ImportError:
-        return cluster
+    import warnings
+
+    with warnings.catch_warnings():
+        # mpi4py built for another MPI than the launcher's (Open MPI's under MPICH's mpiexec): it
+        # warns "suspicious MPI execution environment", and MPI there would be a singleton anyway
+        warnings.filterwarnings("error", "suspicious MPI execution environment", RuntimeWarning)
+        try:
+            from mpi4py import MPI
+        except (ImportError, RuntimeWarning):
+            return cluster
     comm = MPI.COMM_WORLD
     if comm.Get_size() != cluster.world_size:
         return cluster
