@@ -187,3 +187,66 @@ def test_worker_error_under_python_script_exits_nonzero_with_rank_traceback(tmp_
     assert proc.returncode != 0
     assert "WorkerFailedError: onedist: worker rank 1 (local rank 1" in proc.stderr
     assert "RuntimeError: disk full on rank 1" in proc.stderr
+
+
+_LOOP = """
+import os, sys
+import torch
+import onedist as od
+
+
+def training(local_rank, out):
+    t = torch.ones(4)
+    od.all_reduce(t)
+    with open(os.path.join(out, f"{od.get_rank()}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        od.all_reduce(t)
+
+
+if __name__ == "__main__":
+    with od.Parallel(backend="gloo", nproc_per_node=2) as parallel:
+        parallel.run(training, sys.argv[1])
+"""
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("to", ["process group", "parent only"])
+def test_ctrl_c_shows_where_each_worker_was_and_stops_them(to, tmp_path):
+    """Ctrl-C on a terminal sends SIGINT to the whole foreground process group (the parent and its
+    workers); ``kill -INT <parent>`` to the parent alone. Either way every worker is gone, and the
+    parent prints each worker's traceback with its rank (mp.spawn prints each child's; before,
+    onedist printed only the parent's, 8 frames of launch.py and selectors)."""
+    import signal
+
+    script = tmp_path / "loop.py"
+    script.write_text(_LOOP)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell's foreground job is
+    )
+    deadline = time.time() + 120
+    while not all((tmp_path / f"{r}.pid").exists() for r in range(2)):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(0.5)  # in the all_reduce loop
+    pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
+    t0 = time.time()
+    if to == "process group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert time.time() - t0 < 5.0, err
+    assert proc.returncode == -signal.SIGINT, err
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert "onedist.spawn: interrupted; where each worker was:" in err, err
+    for rank in range(2):
+        assert f"[rank{rank}]: KeyboardInterrupt" in err, err
+        assert f'[rank{rank}]:   File "{script}", line 13, in training' in err, err  # the loop's all_reduce
+    assert "selectors.py" not in err and "in _watch" not in err, err  # the parent's frames end at spawn

@@ -229,6 +229,15 @@ def without_store_noise(text: str) -> str:
     return "".join(kept)
 
 
+class _Held:
+    """fd 2 while :func:`_store_noise_held_back` holds it: the real stderr's duplicate, and the
+    file that receives what is written meanwhile."""
+
+    lock = threading.Lock()
+    saved: Optional[int] = None
+    file: Any = None
+
+
 @contextlib.contextmanager
 def _store_noise_held_back() -> Iterator[None]:
     """Hold back what this process writes to stderr (fd 2: Python and C++ alike) meanwhile, and
@@ -238,33 +247,48 @@ def _store_noise_held_back() -> Iterator[None]:
     host (rank 0 under spawn and ``onedist run``) may exit between onedist's check that it is there
     and the request, and torch then prints a 20-line C++ stack trace before this rank's error,
     which reads as if this rank had failed first. The request itself raises, and onedist handles
-    that. Nested or concurrent uses hold back once."""
+    that. Nested or concurrent uses hold back once; a thread that ends the process meanwhile calls
+    :func:`release_stderr` first."""
     if not _holding_stderr.acquire(blocking=False):
         yield
         return
     try:
-        try:
-            sys.stderr.flush()
-            saved = os.dup(2)
-        except (OSError, ValueError, AttributeError):
-            yield
-            return
-        with tempfile.TemporaryFile() as held:
-            os.dup2(held.fileno(), 2)
+        with _Held.lock:
             try:
-                yield
-            finally:
-                with contextlib.suppress(Exception):
-                    sys.stderr.flush()
-                os.dup2(saved, 2)
-                os.close(saved)
-                held.seek(0)
-                text = without_store_noise(held.read().decode(errors="replace"))
-                if text:
-                    with contextlib.suppress(OSError):
-                        os.write(2, text.encode())
+                sys.stderr.flush()
+                saved = os.dup(2)
+            except (OSError, ValueError, AttributeError):
+                saved = None
+            if saved is not None:
+                _Held.file = tempfile.TemporaryFile()  # noqa: SIM115 (release_stderr closes it)
+                os.dup2(_Held.file.fileno(), 2)
+                _Held.saved = saved
+        try:
+            yield
+        finally:
+            release_stderr()
     finally:
         _holding_stderr.release()
+
+
+def release_stderr() -> None:
+    """Give fd 2 back now, with what was held back (see :func:`_store_noise_held_back`); nothing
+    when it is not held. Call it before ``os._exit``, which would lose what is held."""
+    with _Held.lock:
+        if _Held.saved is None:
+            return
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(_Held.saved, 2)
+        os.close(_Held.saved)
+        _Held.saved = None
+        held, _Held.file = _Held.file, None
+        with contextlib.suppress(OSError):
+            held.seek(0)
+            text = without_store_noise(held.read().decode(errors="replace"))
+            if text:
+                os.write(2, text.encode())
+        held.close()
 
 
 def _server_gone(store: Any) -> bool:
@@ -430,6 +454,7 @@ def _exit_without_mpi_finalize() -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    release_stderr()
     os._exit(1)
 
 
@@ -477,6 +502,7 @@ def _poll(stop: Any, store: Any, probe: _ServerProbe, rank: int, world: int, mai
         if stop.wait(_WATCH_GRACE_S):
             return
         try:
+            release_stderr()
             sys.stderr.write(message + f"\n(rank {rank} was blocked outside Python; ending it)\n")
             sys.stderr.flush()
         finally:

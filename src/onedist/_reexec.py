@@ -200,6 +200,9 @@ def _write_stderr(text: str) -> None:
             stream.flush()
         except Exception:
             pass
+    from ._guard import release_stderr
+
+    release_stderr()  # the main thread may be holding stderr back (and this process may end next)
     try:
         os.write(2, text.encode(errors="replace"))
     except OSError:

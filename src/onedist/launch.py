@@ -41,6 +41,7 @@ logger = logging.getLogger("onedist")
 _START_METHODS = ("spawn", "fork", "forkserver")
 # failure policy of spawn and `onedist run` alike:
 GRACE_S = 0.3  # wait this long after the first failure for near-simultaneous reports
+INTERRUPT_S = 2.0  # on Ctrl-C, how long the workers get to say where they were
 TERM_S = 3.0  # then SIGTERM, and SIGKILL whoever is left after this long
 # messages of errors that are only the consequence of a peer's death
 _PEER_LOST = (
@@ -155,6 +156,8 @@ def _worker_main(
     except BaseException as e:
         from ._guard import publish_failure
 
+        if isinstance(e, KeyboardInterrupt):  # a second SIGINT (see _interrupted) must not cut the report
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         publish_failure(e)  # the other ranks' collectives raise with this error, not "connection closed"
         _report(conn, ("error", time.time(), type(e).__name__, str(e), format_user_traceback(e)))
         exit_failed()
@@ -259,6 +262,46 @@ def _read(w: _Worker) -> None:
         w.failure = _Failure(
             w.rank, w.local_rank, w.process.pid, when, exc_type=exc_type, message=message, traceback=tb
         )
+
+
+def _interrupted(workers: list[_Worker]) -> None:
+    """Ctrl-C in the parent: give the workers ``INTERRUPT_S`` to say where they were, stop those
+    left, and print each one's traceback, prefixed with its rank, as ``onedist run`` does (to see
+    where a job hung, Ctrl-C it).
+
+    A terminal sends SIGINT to its whole foreground process group, workers included; a worker that
+    has not reported after a moment (SIGINT sent to the parent alone) gets one from here."""
+    pending = [w for w in workers if not w.reported and w.process.is_alive()]
+    start = time.monotonic()
+    nudged = False
+    try:
+        while pending and time.monotonic() < start + INTERRUPT_S:
+            if not nudged and time.monotonic() >= start + INTERRUPT_S / 4:
+                nudged = True
+                for w in pending:
+                    try:
+                        os.kill(w.process.pid, signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
+            waitables = [w.conn for w in pending] + [w.process.sentinel for w in pending]
+            multiprocessing.connection.wait(waitables, INTERRUPT_S / 8)
+            for w in list(pending):
+                _read(w)
+                if w.reported or not w.process.is_alive():
+                    _read(w)
+                    pending.remove(w)
+    finally:
+        _stop(workers)
+    lines: list[str] = []
+    for w in workers:
+        f = w.failure
+        if f is not None and f.traceback:
+            lines += [f"[rank{w.rank}]: {line}" for line in f.traceback.rstrip().splitlines()]
+        elif w.failure is None and not w.reported:
+            lines.append(f"[rank{w.rank}]: (no traceback: busy outside Python, stopped)")
+    if lines:
+        sys.stderr.write("onedist.spawn: interrupted; where each worker was:\n" + "\n".join(lines) + "\n")
+        sys.stderr.flush()
 
 
 def _stop(workers: list[_Worker]) -> None:
@@ -436,6 +479,9 @@ def exit_failed() -> NoReturn:
             stream.flush()
         except Exception:
             pass
+    from ._guard import release_stderr
+
+    release_stderr()
     os._exit(1)
 
 
@@ -729,6 +775,9 @@ def spawn(
                 store_sock.close()
                 store_sock = None
         return _watch(workers)
+    except KeyboardInterrupt as e:
+        _interrupted(workers)
+        raise e.with_traceback(None) from None  # the workers' tracebacks tell where it was
     except BaseException:
         _stop(workers)
         raise
