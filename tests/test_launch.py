@@ -219,21 +219,11 @@ def test_ctrl_c_shows_where_each_worker_was_and_stops_them(to, tmp_path):
     onedist printed only the parent's, 8 frames of launch.py and selectors)."""
     import signal
 
+    from test_run import start_looping
+
     script = tmp_path / "loop.py"
     script.write_text(_LOOP)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a shell's foreground job is
-    )
-    deadline = time.time() + 120
-    while not all((tmp_path / f"{r}.pid").exists() for r in range(2)):
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    time.sleep(0.5)  # in the all_reduce loop
-    pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
+    proc, pids = start_looping([sys.executable, str(script), str(tmp_path)], tmp_path, 2, settle=0.5)
     t0 = time.time()
     if to == "process group":
         os.killpg(proc.pid, signal.SIGINT)

@@ -195,25 +195,27 @@ def test_worker_traceback_starts_at_the_script_with_one_rank_prefix(tmp_path):
     assert "Traceback of rank 1:\nTraceback (most recent call last):\n  File" in summary
 
 
+def start_looping(cmd: list[str], out: Path, n: int, settle: float) -> tuple[subprocess.Popen, list[int]]:
+    """Start ``cmd`` in a process group of its own, as a shell's foreground job is, wait until its
+    ``n`` ranks have written ``out/<rank>.pid`` (they then loop in collectives), then ``settle``
+    seconds more; its process and the ranks' pids."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
+    )
+    deadline = time.time() + 120
+    while not all((out / f"{r}.pid").exists() for r in range(n)):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(settle)
+    return proc, [int((out / f"{r}.pid").read_text()) for r in range(n)]
+
+
 def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
     """Ctrl-C sends SIGINT to the terminal's foreground process group: the launcher, which
     forwards it to the workers (they run in their own session)."""
     script = tmp_path / "loop.py"
     script.write_text(RAISES_IN_A_COLLECTIVE_LOOP)
-    proc = subprocess.Popen(
-        _onedist("-n", "2", str(script), str(tmp_path)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        start_new_session=True,  # its own process group, as a shell's foreground job is
-    )
-    deadline = time.time() + 120
-    while not all((tmp_path / f"{r}.pid").exists() for r in range(2)):
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    time.sleep(1.0)  # in the all_reduce loop
-    pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
+    proc, pids = start_looping(_onedist("-n", "2", str(script), str(tmp_path)), tmp_path, 2, settle=1.0)
     t0 = time.time()
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=30)

@@ -311,7 +311,7 @@ class _Segment:
         self.chunk = chunk
         self.mm = mm
         self.data = torch.frombuffer(mm, dtype=torch.uint8)  # shares the mapping
-        ctrl = self.ctrl = _HEADER
+        ctrl = _HEADER
         self.counters = (ctypes.c_int32 * (size * _LINE // 4)).from_buffer(mm, ctrl)
         self.base = ctypes.addressof(self.counters)
         self.pids = (ctypes.c_int64 * size).from_buffer(mm, 64)
@@ -517,7 +517,7 @@ class ShmProcessGroup(OrderedGroup):
         self._gen = g = (self._gen + 1) & _MASK
         counters, mm = seg.counters, seg.mm
         stride = _LINE // 4
-        at = seg.ctrl + _CALL_AT[g & 1]
+        at = _HEADER + _CALL_AT[g & 1]
         mine = self._record if not self._step else self._record[:-4] + _STEP.pack(self._step)
         mm[at + self._rank * _LINE : at + self._rank * _LINE + _CALL.size] = mine  # before the counter
         counters[self._rank * stride] = g - (1 << 32) if g >= _HALF else g
@@ -542,8 +542,9 @@ class ShmProcessGroup(OrderedGroup):
     def _mismatch(self, at: int) -> CollectiveMismatchError:
         """Every rank's call at this barrier (whose records start at ``at``), as an error that every
         rank raises alike. At the first barrier of their calls, the ranks have written only to the
-        segment, and the group stays usable; later (ranks out of step since an earlier call, which
-        only a zero-size call can do), it is marked failed."""
+        segment, and the group stays usable. A difference at a later step would mean ranks out of
+        step since an earlier call, which the size in the record and the barrier of empty calls
+        rule out; should it happen, the group is marked failed."""
         seg = self._seg
         assert seg is not None
         calls = [_CALL.unpack_from(seg.mm, at + j * _LINE) for j in range(self._size)]
