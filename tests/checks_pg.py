@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -179,6 +180,67 @@ def check_copy_collectives_equal_gloo() -> None:
             if dtype.is_floating_point:
                 dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.AVG)
                 _compare(out, full[rank * n : (rank + 1) * n] / world, f"reduce_scatter AVG n={n}")
+
+
+def _block(src: int, dst: int, rows: int, dtype: torch.dtype, width: int = 3) -> torch.Tensor:
+    """What rank ``src`` sends rank ``dst`` in the exchange checks: known to both."""
+    x = torch.arange(rows * width).reshape(rows, width) + 1000 * src + 100 * dst
+    return (x % 2 == 1) if dtype == torch.bool else x.to(dtype)
+
+
+def check_gather_scatter_all_to_all_exact() -> int:
+    """gather and scatter from every root, all_to_all_single (equal and uneven splits) and the list
+    all_to_all: every rank gets exactly what was sent, for sizes from nothing to several slots (a
+    gather or scatter goes in chunks; an all_to_all where some rank sends more than a slot goes to
+    gloo, on every rank), several dtypes, non-contiguous inputs and outputs."""
+    rank, world = od.get_rank(), od.get_world_size()
+    done = 0
+    for dtype in [torch.uint8, torch.int64, torch.bfloat16, torch.float64, torch.bool, torch.complex64]:
+        row = 3 * torch.empty(0, dtype=dtype).element_size()  # bytes per row of a block
+        big = _slot() // row + 2  # rows: more than one slot
+        for rows in [0, 1, 5, big, 2 * big + 1]:
+            for root in range(world):
+                outs = [torch.empty(rows, 3, dtype=dtype) for _ in range(world)] if rank == root else None
+                dist.gather(_block(rank, root, rows, dtype).t().contiguous().t(), outs, dst=root)
+                if outs is not None:
+                    for q, o in enumerate(outs):
+                        assert torch.equal(o, _block(q, root, rows, dtype)), ("gather", dtype, rows, root, q)
+                got = torch.empty(3, rows, dtype=dtype).t()  # non-contiguous output
+                pieces = [_block(root, q, rows, dtype) for q in range(world)] if rank == root else None
+                dist.scatter(got, pieces, src=root)
+                assert torch.equal(got, _block(root, rank, rows, dtype)), ("scatter", dtype, rows, root)
+                done += 2
+        # all_to_all_single, equal splits
+        for rows in [0, 2, big]:
+            inp = torch.cat([_block(rank, q, rows, dtype) for q in range(world)])
+            out = torch.empty(world * rows, 3, dtype=dtype)
+            dist.all_to_all_single(out, inp)
+            assert torch.equal(out, torch.cat([_block(q, rank, rows, dtype) for q in range(world)])), (
+                "all_to_all_single",
+                dtype,
+                rows,
+            )
+            done += 1
+        # uneven: rank p sends rank q sizes[p][q] rows; in the last round rank 0 alone sends more
+        # than a slot, so every rank goes to gloo
+        for scale in [1, 7, big]:
+            sizes = [
+                [((q + 3 * p) % 4) * (scale if p == 0 else min(scale, 7)) for q in range(world)]
+                for p in range(world)
+            ]
+            inp = torch.cat([_block(rank, q, sizes[rank][q], dtype) for q in range(world)])
+            inp = inp.t().contiguous().t()  # non-contiguous
+            out_splits = [sizes[p][rank] for p in range(world)]
+            out = torch.empty(3, sum(out_splits), dtype=dtype).t()
+            dist.all_to_all_single(out, inp, out_splits, sizes[rank])
+            expect = torch.cat([_block(p, rank, sizes[p][rank], dtype) for p in range(world)])
+            assert torch.equal(out, expect), ("all_to_all_single uneven", dtype, scale)
+            outs = [torch.empty(sizes[p][rank], 3, dtype=dtype) for p in range(world)]
+            dist.all_to_all(outs, [_block(rank, q, sizes[rank][q], dtype) for q in range(world)])
+            for p, o in enumerate(outs):
+                assert torch.equal(o, _block(p, rank, sizes[p][rank], dtype)), ("all_to_all", dtype, scale, p)
+            done += 2
+    return done
 
 
 def _step_input(step: int, rank: int, n: int) -> torch.Tensor:
@@ -552,6 +614,20 @@ def check_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable() -> i
         call = lambda: dist.all_gather_into_tensor(ones(world * pick(last, 2)), ones(pick(last, 2)))  # noqa: E731
         return f"all_gather() of {4 * last} bytes", "all_gather() of 8 bytes", call
 
+    def gathers(n: int, dst: int) -> Any:  # a gather of n floats to dst, as the rank sees it
+        return dist.gather(ones(n), [ones(n) for _ in range(world)] if rank == dst else None, dst=dst)
+
+    def to_all(dtype: torch.dtype) -> Any:
+        return dist.all_to_all_single(torch.zeros(world, dtype=dtype), torch.ones(world, dtype=dtype))
+
+    def coalesced() -> list[list[torch.Tensor]]:
+        outs = [[torch.empty(2)] for _ in range(world)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated by torch, still a collective
+            dist.all_gather_coalesced(outs, [torch.full((2,), float(rank))])
+        return outs
+
+    assert [o[0].tolist() for o in coalesced()] == [[float(r)] * 2 for r in range(world)]
     f32, f64 = torch.float32, torch.float64
     cases = [
         # (what the last rank's call reads as, what the others' does, the call)
@@ -583,6 +659,33 @@ def check_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable() -> i
             "all_reduce(SUM) of",
             lambda: dist.broadcast(ones(big), 0) if odd else dist.all_reduce(ones(big)),
         ),
+        # the collectives gloo runs for shm, checked at a barrier before gloo (where they hang)
+        (
+            "gather(root=1) of 2 torch.float32",
+            "gather(root=0) of 2 torch.float32",
+            lambda: gathers(2, int(odd)),
+        ),
+        ("gather(root=0) of 3 torch.float32", "gather(root=0) of 2", lambda: gathers(pick(3, 2), 0)),
+        (
+            "scatter(root=0) of 4 torch.float32",
+            "all_reduce(SUM) of 4",
+            lambda: dist.scatter(ones(4), None, src=0) if odd else dist.all_reduce(ones(4)),
+        ),
+        (
+            "all_to_all() of torch.int64 tensors",
+            "gather(root=0) of 2",
+            lambda: to_all(torch.int64) if odd else gathers(2, 0),
+        ),
+        (
+            "all_to_all() of torch.float64 tensors",
+            "all_to_all() of torch.float32 tensors",
+            lambda: to_all(pick(f64, f32)),
+        ),
+        (  # gloo runs it, after the ranks' calls meet at one barrier
+            "all_gather_coalesced() of 2 torch.float32",
+            "all_reduce(SUM) of 2",
+            lambda: coalesced() if odd else dist.all_reduce(ones(2)),
+        ),
     ]
     for theirs, ours, call in cases:
         try:
@@ -598,12 +701,34 @@ def check_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable() -> i
         t = torch.full((3,), float(rank + 1))
         dist.all_reduce(t)  # the group still works, and every rank is in step
         assert t.tolist() == [world * (world + 1) / 2] * 3, (theirs, t)
+    # an all_to_all whose ranks disagree on a split: rank 0 expects 2 rows from the last rank and
+    # none from itself, every rank sends 1 row to each: all raise, naming both pairs
+    for rows in (1, _slot()):  # in one step, and in rounds
+        out_splits = [0] + [1] * (world - 2) + [2] if rank == 0 else [1] * world
+        try:
+            dist.all_to_all_single(
+                torch.empty(world * rows, dtype=torch.uint8),
+                torch.ones(world * rows, dtype=torch.uint8),
+                [s * rows for s in out_splits],
+                [rows] * world,
+            )
+        except CollectiveMismatchError as e:
+            text = str(e)
+            assert f"rank {world - 1} sends rank 0 {rows} bytes; rank 0 expects {2 * rows}" in text, text
+            assert f"rank 0 sends rank 0 {rows} bytes; rank 0 expects 0" in text, text
+            assert "still usable" in text and text.count("sends rank") == 2, text
+        else:
+            raise AssertionError("no CollectiveMismatchError for all_to_all splits that disagree")
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)
+        assert t.tolist() == [world * (world + 1) / 2] * 3, t
     # empty tensors on every rank: nothing to compare against, nothing raised
     empty = torch.ones(0)
     dist.all_reduce(empty)
     dist.broadcast(empty, 0)
     dist.all_gather_into_tensor(torch.ones(0), empty)
     dist.reduce_scatter_tensor(torch.ones(0), torch.ones(0))
+    dist.all_to_all_single(torch.ones(0), torch.ones(0))
     dist.barrier()
     return len(cases)
 

@@ -87,7 +87,7 @@ def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable(shm):
 
 
 def test_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable(shm):
-    assert shm(checks_pg.check_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable) == [15] * (
+    assert shm(checks_pg.check_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable) == [21] * (
         shm.world_size
     )
 
@@ -102,6 +102,10 @@ def test_non_contiguous_inputs(shm):
 
 def test_all_gather_broadcast_reduce_scatter_equal_gloo(shm):
     shm(checks_pg.check_copy_collectives_equal_gloo, timeout=120)
+
+
+def test_gather_scatter_all_to_all_exact(shm):
+    shm(checks_pg.check_gather_scatter_all_to_all_exact, timeout=120)
 
 
 # Two "hosts" on this one machine: ONEDIST_SHM_HOST gives each rank the host identity it would get

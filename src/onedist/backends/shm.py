@@ -8,9 +8,13 @@ shared-memory segment per group instead of loopback TCP:
   reduces slice ``r`` of the chunk over all slots, in rank order, into the result area; after the
   next barrier every rank copies the result out. Each element is reduced by exactly one rank,
   always in rank order, so every rank gets the same bits, run after run.
-* **all_gather / broadcast / reduce_scatter / reduce / barrier**: the same slots and barriers.
-* everything else (gather, scatter, all_to_all, send/recv, CUDA tensors) goes to a gloo group
-  made beside it on the same store, so the backend is complete.
+* **all_gather / broadcast / reduce_scatter / reduce / barrier / gather / scatter**: the same
+  slots and barriers.
+* **all_to_all**: each rank writes a head (where its parts start, what it expects from each rank)
+  and, when they fit, its parts into its slot; after a barrier every rank reads every head and
+  takes its parts; larger ones go in rounds of a slot per rank (``_exchange``).
+* everything else (send/recv, the deprecated all_gather_coalesced, CUDA tensors) goes to a gloo
+  group made beside it on the same store, so the backend is complete.
 
 Tensors larger than a slot go in chunks. The segment has two banks (slots and result area each)
 and two small mailboxes: a broadcast alternates chunks between the banks, the root writing one
@@ -91,6 +95,8 @@ _CALL_AT = (8, 8 + _CALL.size)
 assert _CALL_AT[1] + _CALL.size <= 64
 _KIND_ALL_REDUCE, _KIND_REDUCE, _KIND_BROADCAST, _KIND_ALL_GATHER = 1, 2, 3, 4
 _KIND_REDUCE_SCATTER, _KIND_BARRIER = 5, 6
+# the collectives shm hands to its gloo group, checked at one barrier before gloo runs them
+_KIND_GATHER, _KIND_SCATTER, _KIND_ALL_TO_ALL, _KIND_ALL_GATHER_COALESCED = 7, 8, 9, 10
 _KINDS = {
     _KIND_ALL_REDUCE: "all_reduce",
     _KIND_REDUCE: "reduce",
@@ -98,6 +104,10 @@ _KINDS = {
     _KIND_ALL_GATHER: "all_gather",
     _KIND_REDUCE_SCATTER: "reduce_scatter",
     _KIND_BARRIER: "barrier",
+    _KIND_GATHER: "gather",
+    _KIND_SCATTER: "scatter",
+    _KIND_ALL_TO_ALL: "all_to_all",
+    _KIND_ALL_GATHER_COALESCED: "all_gather_coalesced",
 }
 _DTYPES: list[torch.dtype] = []  # code - 1 -> dtype: every torch dtype, sorted by name (see _dtypes)
 _DTYPE_CODES: dict[torch.dtype, int] = {}
@@ -130,7 +140,11 @@ def _describe(call: tuple[int, ...]) -> str:
         args.append(op_name(dist.ReduceOp.RedOpType(op)))
     if root >= 0:
         args.append(f"root={root}")
-    what = f"{count} {_dtypes()[dtype - 1]} elements" if 0 < dtype <= len(_dtypes()) else f"{count} bytes"
+    known = 0 < dtype <= len(_dtypes())
+    if count < 0:  # a call whose size may differ between ranks (all_to_all)
+        what = f"{_dtypes()[dtype - 1]} tensors" if known else "tensors"
+    else:
+        what = f"{count} {_dtypes()[dtype - 1]} elements" if known else f"{count} bytes"
     later = f", step {step}" if step else ""
     return f"{name}({', '.join(args)}) of {what}{later}"
 
@@ -293,6 +307,7 @@ class _Bank:
         self.slot_area = data[: size * chunk]
         self.slots = [data[i * chunk : (i + 1) * chunk] for i in range(size)]
         self.out = data[size * chunk : (size + 1) * chunk]  # empty in a mailbox
+        self.at: list[int] = []  # each slot's offset in the segment (see _Segment)
         self._typed: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def typed_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -328,6 +343,8 @@ class _Segment:
         self.mailboxes = [
             _Bank(self.data[mail0 + i * box : mail0 + (i + 1) * box], size, _SMALL_BYTES) for i in (0, 1)
         ]
+        for b in self.banks + self.mailboxes:
+            b.at = [s.data_ptr() - self.data.data_ptr() for s in b.slots]
 
     @staticmethod
     def nbytes(size: int, chunk: int) -> int:
@@ -364,6 +381,8 @@ class ShmProcessGroup(OrderedGroup):
         self._gen = 0
         self._bank = 0  # the bank the next collective's first chunk goes through (see _phases)
         self._mail = 0  # the mailbox of the next small all_reduce (see _all_reduce_small)
+        # an all_to_all's head: where a rank's parts start (and end), and what it expects from each
+        self._heads = struct.Struct(f"<{2 * size + 1}q")
         self._record = _CALL.pack(_KIND_BARRIER, -1, -1, 0, 0, 0)  # what this rank calls (see _begin)
         #: this group's ranks as ranks of the group that holds it (one host's part of a group over
         #: several hosts), for errors; None: a group of its own
@@ -961,37 +980,160 @@ class ShmProcessGroup(OrderedGroup):
         self._begin(_KIND_BARRIER, 0)
         self._barrier("barrier")
 
-    # ------------------------------------------------------------------ the rest: gloo
-    # (checked first as the shm collectives are: gloo names less, hangs a peer on some wrong
-    # lists, and silently drops the rest of an all_to_all_single that does not split evenly)
+    # ------------------------------------------------------------------ gather, scatter, all_to_all
+    # (arguments checked first as for the others: gloo names less, hangs a peer on some wrong
+    # lists, and silently drops the rest of an all_to_all_single that does not split evenly).
+    # Through gloo a small one took 200-500 us here and, unchecked, hung until the timeout when
+    # the ranks called different collectives.
+    def _agree(self, kind: int, tensors: Sequence[torch.Tensor], root: int = -1, sized: bool = True) -> None:
+        """Before gloo runs a collective for this group (all_gather_coalesced): check at one barrier
+        that every rank calls it (see _barrier), with the same dtype, root and, when ``sized``, the
+        same number of elements of ``tensors``; gloo would wait until the timeout when one rank
+        calls it and another an all_reduce. Collectives queued before this one finish first.
+        Without a segment (over several hosts, or no shared memory) gloo runs it unchecked."""
+        if self._seg is None:
+            return
+        dtypes = {t.dtype for t in tensors}
+        dtype = _dtype_code(tensors[0].dtype) if len(dtypes) == 1 else 0  # 0: count in bytes
+        if not sized:
+            count = -1
+        else:
+            count = sum(t.numel() * (1 if dtype else t.element_size()) for t in tensors)
+
+        def check() -> None:
+            self._begin(kind, count, dtype, -1, root)
+            self._barrier(_KINDS[kind])
+
+        self._poisoning(lambda: self._run(check, [], None).wait())
+
     def gather(self, outputs: Any, inputs: Any, opts: Any) -> Any:
         root = opts.rootRank
         check = ArgCheck(NAME, "gather", self._size)
         bad = check.at_root(root, self._rank, outputs, inputs, "output")
-        if bad is not None:  # the peers' parts land in scratch tensors, then the root raises
-            scratch = [[torch.empty_like(i) for _ in range(self._size)] for i in inputs]
-            self._gloo.gather(scratch, inputs, opts).wait()
+        if self._seg is None or not all_cpu(inputs + [t for ts in outputs for t in ts]):
+            if bad is not None:  # the peers' parts land in scratch tensors, then the root raises
+                scratch = [[torch.empty_like(i) for _ in range(self._size)] for i in inputs]
+                self._gloo.gather(scratch, inputs, opts).wait()
+                raise bad
+            return self._gloo.gather(outputs, inputs, opts)
+        lists = outputs if self._rank == root and bad is None else [None] * len(inputs)
+        job = partial(for_each, partial(self._gather_one, root=root), lists, inputs)
+        work = self._poisoning(self._run, job, inputs, outputs)
+        if bad is not None:  # the root took no part in, but the others' parts moved: all in step
+            work.wait()
             raise bad
-        return self._gloo.gather(outputs, inputs, opts)
+        return work
+
+    def _gather_one(self, outs: Optional[list[torch.Tensor]], inp: torch.Tensor, root: int) -> None:
+        """``inp`` of every rank into ``outs`` on the root (None: this rank takes nothing)."""
+        seg, me = self._seg, self._rank
+        assert seg is not None
+        raw, cap = _bytes_of(inp)[0], seg.chunk
+        self._begin(_KIND_GATHER, inp.numel(), _dtype_code(inp.dtype), root=root)
+        targets = [(o, *_bytes_of(o)) for o in outs] if outs is not None else []
+
+        def put(k: int, bank: _Bank) -> None:
+            lo = k * cap
+            self._copy(bank.slots[me][: min(cap, raw.numel() - lo)], raw[lo : lo + cap])
+
+        def take(k: int, bank: _Bank) -> None:
+            lo = k * cap
+            for j, (_, dst, _, _) in enumerate(targets):
+                c = min(cap, raw.numel() - lo)
+                self._copy(dst[lo : lo + c], raw[lo : lo + c] if j == me else bank.slots[j][:c])
+
+        self._phases(
+            -(-raw.numel() // cap), [None if me == root else put, take if targets else None], "gather"
+        )
+        for o, _, flat, writeback in targets:
+            if writeback:
+                o.copy_(flat.view(o.shape))
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Any:
         root = opts.rootRank
         check = ArgCheck(NAME, "scatter", self._size)
         bad = check.at_root(root, self._rank, inputs, outputs, "input")
-        # the root's verdict on its inputs first, so that every rank raises or none does
-        ok = torch.tensor([bad is None], dtype=torch.uint8)
-        verdict = _c10d.BroadcastOptions()
-        verdict.rootRank = root
-        self._gloo.broadcast([ok], verdict).wait()
-        if not ok.item():
+        if self._seg is None or not all_cpu(outputs + [t for ts in inputs for t in ts]):
+            # the root's verdict on its inputs first, so that every rank raises or none does
+            ok = torch.tensor([bad is None], dtype=torch.uint8)
+            verdict = _c10d.BroadcastOptions()
+            verdict.rootRank = root
+            self._gloo.broadcast([ok], verdict).wait()
+            if not ok.item():
+                raise bad if bad is not None else check.refused(root)
+            return self._gloo.scatter(outputs, inputs, opts)
+        refused = [False]
+
+        def ask() -> None:
+            refused[0] = self._root_refuses(root, bad is not None, outputs[0])
+
+        self._poisoning(self._run, ask, [], None).wait()
+        if refused[0]:
             raise bad if bad is not None else check.refused(root)
-        return self._gloo.scatter(outputs, inputs, opts)
+        lists = inputs if self._rank == root else [None] * len(outputs)
+        job = partial(for_each, partial(self._scatter_one, root=root), outputs, lists)
+        return self._poisoning(self._run, job, outputs, outputs)
+
+    def _root_refuses(self, root: int, refuses: bool, like: torch.Tensor) -> bool:
+        """Whether the root of a scatter (into ``like``) refused its inputs: it says so in its
+        mailbox slot before one barrier, which also compares the ranks' calls. Every rank then
+        raises, and none waits for the root."""
+        seg = self._seg
+        assert seg is not None
+        box = seg.mailboxes[self._mail]
+        if self._rank == root:
+            box.slots[root][0] = int(refuses)
+        self._begin(_KIND_SCATTER, like.numel(), _dtype_code(like.dtype), root=root)
+        self._barrier("scatter")
+        self._mail ^= 1  # read after the barrier, with none behind it (see _all_reduce_small)
+        return bool(box.slots[root][0])
+
+    def _scatter_one(self, out: torch.Tensor, ins: Optional[list[torch.Tensor]], root: int) -> None:
+        """Part ``r`` of the root's ``ins`` into ``out`` on rank ``r``."""
+        seg, me = self._seg, self._rank
+        assert seg is not None
+        raw, flat, writeback = _bytes_of(out)
+        n, cap = raw.numel(), seg.chunk
+        self._begin(_KIND_SCATTER, out.numel(), _dtype_code(out.dtype), root=root)
+        parts = [_bytes_of(i)[0] for i in ins] if ins is not None else []
+
+        def put(k: int, bank: _Bank) -> None:  # the root: rank j's part into slot j
+            lo = k * cap
+            for j, part in enumerate(parts):
+                if j != me:
+                    self._copy(bank.slots[j][: min(cap, n - lo)], part[lo : lo + cap])
+
+        def take(k: int, bank: _Bank) -> None:
+            lo = k * cap
+            self._copy(
+                raw[lo : lo + cap], parts[me][lo : lo + cap] if parts else bank.slots[me][: min(cap, n - lo)]
+            )
+
+        self._phases(-(-n // cap), [put if parts else None, take], "scatter")
+        if writeback:
+            out.copy_(flat.view(out.shape))
 
     def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         check = ArgCheck(NAME, "all_to_all", self._size)
         check.count(inputs, "input")
         check.count(outputs, "output")
-        return self._gloo.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions())
+        if self._seg is None or not all_cpu(list(inputs) + list(outputs)):
+            return self._gloo.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions())
+        dtypes = {t.dtype for t in inputs}
+        code = _dtype_code(inputs[0].dtype) if len(dtypes) == 1 else 0
+
+        def job() -> None:  # one exchange of bytes: the parts may differ in size and dtype
+            raws = [_flat(t)[0].view(torch.uint8) for t in inputs]
+            sizes = [o.numel() * o.element_size() for o in outputs]
+            got = torch.empty(sum(sizes), dtype=torch.uint8)
+            self._exchange(got, sizes, torch.cat(raws), [r.numel() for r in raws], code)
+            for o, part in zip(outputs, got.split_with_sizes(sizes)):
+                of, writeback = _flat(o)
+                of.view(torch.uint8).copy_(part)  # bytes: a part may start at any offset
+                if writeback:
+                    o.copy_(of.view(o.shape))
+
+        return self._poisoning(self._run, job, list(inputs), outputs)
 
     def all_to_all_single(
         self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None
@@ -999,14 +1141,153 @@ class ShmProcessGroup(OrderedGroup):
         check = ArgCheck(NAME, "all_to_all_single", self._size)
         check.splits(input, in_splits, "input")
         check.splits(output, out_splits, "output")
-        return self._gloo.alltoall_base(output, input, out_splits, in_splits, opts or _c10d.AllToAllOptions())
+        if self._seg is None or not all_cpu([output, input]):
+            return self._gloo.alltoall_base(
+                output, input, out_splits, in_splits, opts or _c10d.AllToAllOptions()
+            )
+
+        def job() -> None:
+            src, _ = _flat(input)
+            dst, writeback = _flat(output)
+            raw_out, raw_in = dst.view(torch.uint8), src.view(torch.uint8)
+            self._exchange(
+                raw_out,
+                _byte_sizes(raw_out, output, out_splits, self._size),
+                raw_in,
+                _byte_sizes(raw_in, input, in_splits, self._size),
+                _dtype_code(input.dtype),
+            )
+            if writeback:
+                output.copy_(dst.view(output.shape))
+
+        return self._poisoning(self._run, job, [input], output)
 
     def alltoall_base(
         self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None
     ) -> Any:
         return self.all_to_all_single(output, input, out_splits, in_splits, opts)
 
+    def _exchange(
+        self, out: torch.Tensor, out_sizes: list[int], inp: torch.Tensor, in_sizes: list[int], dtype: int
+    ) -> None:
+        """all_to_all of bytes: ``inp`` holds this rank's part for each rank in rank order,
+        ``in_sizes`` bytes each; ``out`` gets each rank's part for this one, ``out_sizes`` bytes each.
+
+        Each rank writes a head in its slot (where its parts start, and the end; then what it
+        expects from each rank), and its parts after it when they fit. After the barrier every rank
+        reads all heads, so all make the same choices: raise CollectiveMismatchError when a rank
+        sends another a size it does not expect (every rank alike, nothing changed), take their
+        parts from the slots when every rank's fitted (one step), else move them in rounds (see
+        _exchange_rounds)."""
+        seg = self._seg
+        assert seg is not None
+        size, me, mm = self._size, self._rank, seg.mm
+        heads = self._heads
+        head = _round(heads.size, 64)
+        room = seg.chunk - head
+        starts = [0]
+        for n in in_sizes:
+            starts.append(starts[-1] + n)
+        self._begin(_KIND_ALL_TO_ALL, -1, dtype)  # the ranks may send different amounts
+        told: list[tuple[int, ...]] = []
+
+        def put(k: int, bank: _Bank) -> None:
+            heads.pack_into(mm, bank.at[me], *starts, *out_sizes)
+            total = starts[-1]
+            if not 0 < total <= room:
+                return
+            slot = bank.slots[me]
+            if total <= _SMALL_BYTES:  # all of it in one copy, this rank's own part too
+                self._copy(slot[head : head + total], inp)
+                return
+            for j in range(self._size):  # the peers' parts: this rank takes its own from inp
+                a, b = starts[j], starts[j + 1]
+                if j != me and b > a:
+                    self._copy(slot[head + a : head + b], inp[a:b])
+
+        def take(k: int, bank: _Bank) -> None:
+            full = [heads.unpack_from(mm, at) for at in bank.at]
+            told.extend(f[: size + 1] for f in full)
+            wrong = [
+                (p, q, told[p][q + 1] - told[p][q], expect)
+                for q, f in enumerate(full)
+                for p, expect in enumerate(f[size + 1 :])
+                if told[p][q + 1] - told[p][q] != expect
+            ]
+            if wrong:  # every rank sees it: all raise here, in step, and hand on the bank as at the end
+                self._bank ^= 1
+                raise self._split_mismatch(wrong)
+            if any(h[-1] > room for h in told):
+                return  # in rounds, after this step
+            lo = 0
+            for j, h in enumerate(told):
+                want = out_sizes[j]
+                if want:
+                    part = (
+                        inp[starts[me] : starts[me + 1]]
+                        if j == me
+                        else bank.slots[j][head + h[me] : head + h[me + 1]]
+                    )
+                    self._copy(out[lo : lo + want], part)
+                lo += want
+
+        self._phases(1, [put, take], "all_to_all")
+        if any(h[-1] > room for h in told):
+            self._exchange_rounds(out, inp, starts, told)
+
+    def _split_mismatch(self, wrong: list[tuple[int, int, int, int]]) -> CollectiveMismatchError:
+        """The error of an all_to_all whose ranks disagree on sizes: (sender, receiver, bytes sent,
+        bytes expected) for each pair that disagrees."""
+        lines = ["onedist shm: all_to_all: the ranks' split sizes do not agree:"]
+        lines += [
+            f"  rank {p} sends rank {q} {sent} bytes; rank {q} expects {want} (its output split for rank {p})"
+            for p, q, sent, want in wrong
+        ]
+        lines.append(
+            "HINT: each rank's output_split_sizes must match what the others send it (their "
+            "input_split_sizes); no tensor was changed, and the group is still usable."
+        )
+        return CollectiveMismatchError("\n".join(lines))
+
+    def _exchange_rounds(
+        self, out: torch.Tensor, inp: torch.Tensor, starts: list[int], told: list[tuple[int, ...]]
+    ) -> None:
+        """The rest of an all_to_all too large for one step (``told``: where each rank's parts
+        start, ``starts`` this rank's): in round ``k`` each rank puts bytes ``[k*c, (k+1)*c)`` of its
+        part for rank ``q`` at ``q*c`` in its slot (``c``: a slot over the group size), and after a
+        barrier each rank takes its pieces from every slot. As many rounds as the largest part
+        needs; this rank's own part goes straight from ``inp`` to ``out``."""
+        seg = self._seg
+        assert seg is not None
+        size, me = self._size, self._rank
+        c = seg.chunk // size // 64 * 64
+        lens = [[h[q + 1] - h[q] for q in range(size)] for h in told]  # lens[p][q]: p sends q
+        at = [0]  # where each rank's part starts in out
+        for p in range(size):
+            at.append(at[-1] + lens[p][me])
+        if lens[me][me]:
+            self._copy(out[at[me] : at[me + 1]], inp[starts[me] : starts[me + 1]])
+        most = max(lens[p][q] for p in range(size) for q in range(size) if p != q)
+
+        def put(k: int, bank: _Bank) -> None:
+            slot = bank.slots[me]
+            for q in range(size):
+                n = min(c, lens[me][q] - k * c)
+                if q != me and n > 0:
+                    lo = starts[q] + k * c
+                    self._copy(slot[q * c : q * c + n], inp[lo : lo + n])
+
+        def take(k: int, bank: _Bank) -> None:
+            for p in range(size):
+                n = min(c, lens[p][me] - k * c)
+                if p != me and n > 0:
+                    lo = at[p] + k * c
+                    self._copy(out[lo : lo + n], bank.slots[p][me * c : me * c + n])
+
+        self._phases(-(-most // c), [put, take], "all_to_all")
+
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        self._agree(_KIND_ALL_GATHER_COALESCED, inputs)
         return self._gloo.allgather_coalesced(outputs, inputs, opts or _c10d.AllgatherOptions())
 
     def send(self, tensors: Any, dst: int, tag: int) -> Any:
@@ -1114,6 +1395,23 @@ def _chunk_bytes(size: int) -> int:
             "ONEDIST_SHM_CHUNK_MB", "ONEDIST_SHM_CHUNK_MB", raw, "a number of MiB from 0.0625 to 1024"
         )
     return _round(int(mb * (1 << 20)), 4096)
+
+
+def _bytes_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``t`` as flat bytes: (the bytes, the flat tensor they view, whether that is a copy to write
+    back into ``t``)."""
+    flat, writeback = _flat(t)
+    return flat.view(torch.uint8), flat, writeback
+
+
+def _byte_sizes(raw: torch.Tensor, t: torch.Tensor, splits: Sequence[int], size: int) -> list[int]:
+    """The bytes ``raw`` of ``t`` as one part per rank, in bytes: ``splits`` rows each (of ``t``'s
+    first dimension), or equal parts when there are none."""
+    if not splits:
+        return [raw.numel() // size] * size
+    rows = t.shape[0] if t.dim() else t.numel()
+    per_row = raw.numel() // rows if rows else 0
+    return [s * per_row for s in splits]
 
 
 def _host_map(store: Any, rank: int, size: int) -> list[list[int]]:
