@@ -9,8 +9,9 @@ Rows (each a median of interleaved repetitions, the order rotating):
       bytes / time, and memcpy = one ``copy_`` of the same bytes on one core (each rank at once);
   small-message latency: all_reduce of 1 float, barrier;
   all_gather_into_tensor and broadcast of 16 MB;
-  gather, scatter, all_to_all_single of 8 floats per rank, and onedist's all_gather of tensors
-      whose first dimension differs per rank; all_to_all_single and gather of 1 and 16 MB;
+  gather, scatter, all_to_all_single of 8 floats per rank; all_to_all_single and gather of 1 and
+      16 MB; onedist's all_gather of tensors whose first dimension differs per rank (small, and
+      1 and 16 MB per rank);
   DDP training steps/s of an MLP with ~25 MB of float32 gradients, shm vs gloo.
 Ratios are to gloo (>1 = faster).
 """
@@ -108,7 +109,7 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     me = dist.get_rank()
     few, many = torch.ones(8 * world), torch.empty(8 * world)  # 8 floats per rank
     parts = [torch.empty(8) for _ in range(world)] if me == 0 else None
-    ragged = torch.ones(3 + me, 5)  # first dimension differs per rank: onedist's uneven all_gather
+    ragged = torch.ones(3 + me, 5)  # first dimension differs per rank (small: one round of onedist's)
     out["small exchanges"] = _timed(
         {
             "shm gather": lambda: dist.gather(few[:8], parts, dst=0),
@@ -117,16 +118,18 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
             "gloo scatter": lambda: dist.scatter(many[:8], parts, src=0, group=gloo),
             "shm all_to_all_single": lambda: dist.all_to_all_single(many, few),
             "gloo all_to_all_single": lambda: dist.all_to_all_single(many, few, group=gloo),
-            "shm od.all_gather uneven": lambda: od.all_gather(ragged),
-            "gloo od.all_gather uneven": lambda: od.all_gather(ragged, group=gloo),
+            "shm od.all_gather ragged": lambda: od.all_gather(ragged),
+            "gloo od.all_gather ragged": lambda: od.all_gather(ragged, group=gloo),
         },
         reps=args.reps,
         inner=100,
     )
-    for size_mb in (1, 16):  # all_to_all: 1 MB fits a slot; 16 MB goes to gloo after the call check
+    for size_mb in (1, 16):  # all_to_all: 1 MB fits a slot, 16 MB goes in rounds
         n = size_mb * MB // 4 // world * world
         send, got = torch.ones(n), torch.empty(n)
         outs = [torch.empty(n // world) for _ in range(world)] if me == 0 else None
+        # onedist's all_gather of tensors whose first dimension differs: size_mb MB per rank
+        ragged_big = torch.ones(size_mb * MB // 4 // 1024 + me, 1024)
         out[f"{size_mb} MB exchanges"] = _timed(
             {
                 "shm all_to_all_single": lambda send=send, got=got: dist.all_to_all_single(got, send),
@@ -137,6 +140,8 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
                 "gloo gather": lambda send=send, outs=outs, n=n: dist.gather(
                     send[: n // world], outs, dst=0, group=gloo
                 ),
+                "shm od.all_gather ragged": lambda t=ragged_big: od.all_gather(t),
+                "gloo od.all_gather ragged": lambda t=ragged_big: od.all_gather(t, group=gloo),
             },
             reps=args.reps,
             inner=8 if size_mb == 1 else 2,

@@ -258,7 +258,7 @@ def check_back_to_back_collectives_under_skew(steps: int = 120) -> int:
     slot = _slot() // 8  # int64 elements in one slot
     bad = []
     for step in range(steps):
-        kind = int(torch.randint(6, (1,), generator=shared))
+        kind = int(torch.randint(10, (1,), generator=shared))
         n = int(torch.randint(1, 3 * slot + 40, (1,), generator=shared))
         root = int(torch.randint(world, (1,), generator=shared))
         if float(torch.rand(1, generator=lag)) < 0.3:
@@ -284,6 +284,34 @@ def check_back_to_back_collectives_under_skew(steps: int = 120) -> int:
         elif kind == 4:
             dist.reduce(mine, dst=root, op=dist.ReduceOp.MAX)
             expect = torch.stack(xs).amax(0) if rank == root else xs[rank]
+        elif kind == 6:
+            outs = [torch.empty(n, dtype=torch.int64) for _ in range(world)] if rank == root else None
+            dist.gather(mine, outs, dst=root)
+            if outs is not None:
+                mine, expect = torch.cat(outs), torch.cat(xs)
+            else:
+                expect = xs[rank]
+        elif kind == 7:
+            got = torch.empty(n, dtype=torch.int64)
+            dist.scatter(got, xs if rank == root else None, src=root)
+            mine, expect = got, xs[rank]
+        elif kind == 8:  # uneven all_to_all: rank p sends rank q sizes[p][q] elements
+            sizes = [[(n * (p + 2 * q + 1)) // (3 * world) for q in range(world)] for p in range(world)]
+
+            def part(p: int, q: int, step: int = step, sizes: list[list[int]] = sizes) -> torch.Tensor:
+                return _step_input(step, 100 + p * world + q, sizes[p][q])
+
+            got = torch.empty(sum(sizes[p][rank] for p in range(world)), dtype=torch.int64)
+            dist.all_to_all_single(
+                got,
+                torch.cat([part(rank, q) for q in range(world)]),
+                [sizes[p][rank] for p in range(world)],
+                sizes[rank],
+            )
+            mine, expect = got, torch.cat([part(p, rank) for p in range(world)])
+        elif kind == 9:  # onedist's all_gather of tensors whose sizes differ
+            mine = od.all_gather(xs[rank][: max(0, n - 5 * rank)])
+            expect = torch.cat([x[: max(0, n - 5 * r)] for r, x in enumerate(xs)])
         else:  # small all_reduces (one step each) back to back, the later ones lagging less
             m = n % 2000 + 1
             small = [xs[r][:m] for r in range(world)]
@@ -297,7 +325,8 @@ def check_back_to_back_collectives_under_skew(steps: int = 120) -> int:
                 torch.cat([torch.stack(small).sum(0) + world * i for i in range(3)]),
             )
         if not torch.equal(mine, expect):
-            names = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "small all_reduces"]
+            names = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce"]
+            names += ["gather", "scatter", "all_to_all", "od.all_gather uneven", "small all_reduces"]
             bad.append((step, names[kind], n))
     assert not bad, bad
     return steps

@@ -766,6 +766,9 @@ def _gather_bytes(
     out = torch.empty(total, dtype=_U8, device=dev)
     if all(s == sizes[0] for s in sizes):
         return out, [b.all_gather_into_(out, block, group, async_op)]
+    own = b.all_gather_uneven_(out, block, sizes, group, async_op)
+    if own is not None:
+        return out, list(own)
     if max(sizes) >= _P2P_MIN_BYTES and b.p2p_bulk:
         views = _slices(out, sizes)
         mine = views[me]

@@ -250,6 +250,15 @@ class Backend(ABC):
         """1-D exchange: slice ``i`` of ``inp`` (``in_splits[i]`` long) goes to group rank ``i``;
         slice ``i`` of ``out`` comes from group rank ``i``. Splits may differ and be zero."""
 
+    def all_gather_uneven_(
+        self, out: torch.Tensor, block: torch.Tensor, sizes: list[int], group: Any, async_op: bool
+    ) -> Optional[list[Work]]:
+        """``out`` receives every rank's byte ``block`` (``sizes[i]`` bytes from group rank ``i``,
+        known to every rank) in group-rank order, in one call of the backend's own; the works to
+        wait for (none when not ``async_op``), or None when the backend has no such call and the
+        caller uses all_to_all or send/recv."""
+        return None
+
     @abstractmethod
     def barrier_(self, group: Any, async_op: bool) -> Optional[Work]:
         """Wait until every rank of the group arrives."""

@@ -514,6 +514,21 @@ class NativeBackend(Backend):
             async_op=async_op,
         )
 
+    def all_gather_uneven_(
+        self, out: torch.Tensor, block: torch.Tensor, sizes: list[int], group: Any, async_op: bool
+    ) -> Optional[list[Work]]:
+        # the shm backend has one: its slots take blocks of any size (all_to_all needs each block
+        # once per peer; send/recv go through its gloo group)
+        pg = dist.group.WORLD if group is None else group
+        gather = getattr(pg, "all_gather_uneven", None)
+        work = gather(out, block, sizes) if gather is not None else None
+        if work is None:
+            return None
+        if async_op:
+            return [work]
+        work.wait()
+        return []
+
     def barrier_(self, group: Any, async_op: bool) -> Optional[Work]:
         if self._nccl:
             dev = self.device()

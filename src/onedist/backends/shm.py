@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveMismatchError
 from . import _pygroup
-from ._pygroup import ArgCheck, OrderedGroup, all_cpu, averages, for_each, op_name, opts_or
+from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, averages, for_each, op_name, opts_or
 from ._pygroup import flat as _flat
 
 logger = logging.getLogger("onedist")
@@ -95,8 +95,9 @@ _CALL_AT = (8, 8 + _CALL.size)
 assert _CALL_AT[1] + _CALL.size <= 64
 _KIND_ALL_REDUCE, _KIND_REDUCE, _KIND_BROADCAST, _KIND_ALL_GATHER = 1, 2, 3, 4
 _KIND_REDUCE_SCATTER, _KIND_BARRIER = 5, 6
-# the collectives shm hands to its gloo group, checked at one barrier before gloo runs them
-_KIND_GATHER, _KIND_SCATTER, _KIND_ALL_TO_ALL, _KIND_ALL_GATHER_COALESCED = 7, 8, 9, 10
+_KIND_GATHER, _KIND_SCATTER, _KIND_ALL_TO_ALL = 7, 8, 9
+_KIND_ALL_GATHER_COALESCED = 10  # gloo runs it, after one barrier that checks the calls (_agree)
+_KIND_ALL_GATHER_UNEVEN = 11
 _KINDS = {
     _KIND_ALL_REDUCE: "all_reduce",
     _KIND_REDUCE: "reduce",
@@ -108,6 +109,7 @@ _KINDS = {
     _KIND_SCATTER: "scatter",
     _KIND_ALL_TO_ALL: "all_to_all",
     _KIND_ALL_GATHER_COALESCED: "all_gather_coalesced",
+    _KIND_ALL_GATHER_UNEVEN: "all_gather_uneven",  # onedist.all_gather of tensors whose sizes differ
 }
 _DTYPES: list[torch.dtype] = []  # code - 1 -> dtype: every torch dtype, sorted by name (see _dtypes)
 _DTYPE_CODES: dict[torch.dtype, int] = {}
@@ -877,6 +879,43 @@ class ShmProcessGroup(OrderedGroup):
         if self._seg is None or not all_cpu(inputs + [t for ts in outputs for t in ts]):
             return self._gloo.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
         return self._run(partial(for_each, self._gather_into, outputs, inputs), inputs, outputs)
+
+    def all_gather_uneven(self, out: torch.Tensor, block: torch.Tensor, sizes: list[int]) -> Optional[PyWork]:
+        """onedist's all_gather of byte blocks whose sizes differ (``sizes[r]`` bytes from rank ``r``,
+        known to every rank: ``onedist.all_gather`` gathers them first) into ``out``, in rank order,
+        through the slots as an all_gather: as many chunks as the largest block needs. None when
+        this group has no shared memory or a tensor is not on the CPU (the caller then uses an
+        all_to_all or send/recv, which need the block once per peer or a round trip through gloo).
+
+        >>> pg.all_gather_uneven(out, block, sizes).wait()  # doctest: +SKIP
+        """
+        if self._seg is None or not all_cpu([out, block]):
+            return None
+        return self._poisoning(self._run, partial(self._gather_uneven, out, block, sizes), [block], out)  # type: ignore[no-any-return]
+
+    def _gather_uneven(self, out: torch.Tensor, block: torch.Tensor, sizes: list[int]) -> None:
+        seg, me = self._seg, self._rank
+        assert seg is not None
+        raw, cap = _bytes_of(block)[0], seg.chunk
+        dst = _bytes_of(out)[0]
+        at = [0]
+        for n in sizes:
+            at.append(at[-1] + n)
+        self._begin(_KIND_ALL_GATHER_UNEVEN, at[-1])  # in bytes, all of them: the same on every rank
+
+        def put(k: int, bank: _Bank) -> None:
+            lo = k * cap
+            if lo < sizes[me]:
+                self._copy(bank.slots[me][: min(cap, sizes[me] - lo)], raw[lo : lo + cap])
+
+        def take(k: int, bank: _Bank) -> None:
+            lo = k * cap
+            for j, n in enumerate(sizes):
+                if lo < n:
+                    c = min(cap, n - lo)
+                    self._copy(dst[at[j] + lo : at[j] + lo + c], bank.slots[j][:c])
+
+        self._phases(-(-max(sizes) // cap), [put, take], "all_gather")
 
     def _gather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
         seg = self._seg
