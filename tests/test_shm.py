@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import checks
+import checks_eval
 import checks_pg
 import onedist as od
 import workers
@@ -106,6 +107,13 @@ def test_all_gather_broadcast_reduce_scatter_equal_gloo(shm):
 
 def test_gather_scatter_all_to_all_exact(shm):
     shm(checks_pg.check_gather_scatter_all_to_all_exact, timeout=120)
+
+
+@pytest.mark.parametrize("kind", ["eval", "padded", "user_shuffle"])
+def test_exact_evaluation(shm, kind):
+    """all_gather_eval on shm (what backend="auto" gives several CPU processes on one host): its
+    gathers of per-rank results whose sizes differ go through the slots."""
+    assert shm(checks_eval.check_eval_exact, kind) == [checks_eval.serial_accuracy()] * shm.world_size
 
 
 # Two "hosts" on this one machine: ONEDIST_SHM_HOST gives each rank the host identity it would get
