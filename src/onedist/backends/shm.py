@@ -1299,7 +1299,7 @@ class ShmProcessGroup(OrderedGroup):
         seg = self._seg
         assert seg is not None
         size, me = self._size, self._rank
-        c = seg.chunk // size // 64 * 64
+        c = seg.chunk // size // 64 * 64 or seg.chunk // size  # cache lines, unless ranks are very many
         lens = [[h[q + 1] - h[q] for q in range(size)] for h in told]  # lens[p][q]: p sends q
         at = [0]  # where each rank's part starts in out
         for p in range(size):
