@@ -1,10 +1,12 @@
 """Collectives: onedist side by side with raw torch.distributed (and ignite / accelerate when installed).
 
-Every variant runs in the same worker processes on the same gloo process group, in interleaved
+Every variant runs in the same worker processes on the same process group (gloo unless
+``--backend`` says otherwise), in interleaved
 repetitions (raw, onedist, raw, onedist, ...), and the report gives medians and the ratio to raw.
 
     python benchmarks/bench_collectives.py                 # world size 2, gloo, CPU
     python benchmarks/bench_collectives.py --world-size 4 --json out.json
+    python benchmarks/bench_collectives.py --backend shm   # the same on the shared-memory backend
 
 Cases
   small all_reduce     one float32, per-call latency; raw = dist.all_reduce in place, compared with
@@ -240,13 +242,14 @@ def main() -> None:
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (smoke run)")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "shm", "mpi"], help="the CPU backend")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     # a CPU benchmark: on a GPU machine, keep every variant (and onedist's device()) on CPU
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    results = od.spawn("gloo", run, args=(args,), nproc_per_node=args.world_size)[0]
+    results = od.spawn(args.backend, run, args=(args,), nproc_per_node=args.world_size)[0]
     print(
-        f"onedist {od.__version__}, torch {torch.__version__}, gloo, world size {args.world_size}, "
+        f"onedist {od.__version__}, torch {torch.__version__}, {args.backend}, world size {args.world_size}, "
         f"{os.cpu_count()} CPUs"
     )
     for case, rows in results.items():
@@ -258,7 +261,14 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"world_size": args.world_size, "torch": torch.__version__, "results": results}, f, indent=2
+                {
+                    "backend": args.backend,
+                    "world_size": args.world_size,
+                    "torch": torch.__version__,
+                    "results": results,
+                },
+                f,
+                indent=2,
             )
 
 
