@@ -59,6 +59,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from functools import partial
+from itertools import accumulate
 from typing import Any, Optional
 
 import torch
@@ -894,14 +895,25 @@ class ShmProcessGroup(OrderedGroup):
         return self._poisoning(self._run, partial(self._gather_uneven, out, block, sizes), [block], out)  # type: ignore[no-any-return]
 
     def _gather_uneven(self, out: torch.Tensor, block: torch.Tensor, sizes: list[int]) -> None:
+        self._begin(_KIND_ALL_GATHER_UNEVEN, sum(sizes))  # in bytes, all of them: the same on every rank
+        self._gather_chunks(_bytes_of(block)[0], list(out.split_with_sizes(sizes)), sizes, "all_gather")
+
+    def _gather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
+        raw = _bytes_of(inp)[0]
+        self._begin(_KIND_ALL_GATHER, raw.numel())
+        self._gather_chunks(raw, outs, [raw.numel()] * self._size, "all_gather")
+
+    def _gather_chunks(
+        self, raw: torch.Tensor, outs: list[torch.Tensor], sizes: list[int], what: str, root: int = -1
+    ) -> None:
+        """Every rank's bytes ``raw`` (``sizes[r]`` of them from rank ``r``) into ``outs[r]``, in
+        chunks through the slots, on every rank (all_gather), or with ``root`` on the root only
+        (gather: the others pass no ``outs``; the root puts nothing and takes its own part straight
+        from ``raw``). The caller has recorded the call (_begin)."""
         seg, me = self._seg, self._rank
         assert seg is not None
-        raw, cap = _bytes_of(block)[0], seg.chunk
-        dst = _bytes_of(out)[0]
-        at = [0]
-        for n in sizes:
-            at.append(at[-1] + n)
-        self._begin(_KIND_ALL_GATHER_UNEVEN, at[-1])  # in bytes, all of them: the same on every rank
+        cap = seg.chunk
+        targets = [(o, *_bytes_of(o)) for o in outs]
 
         def put(k: int, bank: _Bank) -> None:
             lo = k * cap
@@ -909,40 +921,19 @@ class ShmProcessGroup(OrderedGroup):
                 self._copy(bank.slots[me][: min(cap, sizes[me] - lo)], raw[lo : lo + cap])
 
         def take(k: int, bank: _Bank) -> None:
+            # a rank that put its own part takes it back from its slot, in the cache: copying it
+            # from the input instead (in put, or all at once) was 0.84x at 16 and 128 MB here
             lo = k * cap
-            for j, n in enumerate(sizes):
+            for j, ((_, dst, _, _), n) in enumerate(zip(targets, sizes)):
                 if lo < n:
                     c = min(cap, n - lo)
-                    self._copy(dst[at[j] + lo : at[j] + lo + c], bank.slots[j][:c])
+                    self._copy(dst[lo : lo + c], raw[lo : lo + c] if j == root else bank.slots[j][:c])
 
-        self._phases(-(-max(sizes) // cap), [put, take], "all_gather")
-
-    def _gather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
-        seg = self._seg
-        assert seg is not None
-        me = self._rank
-        flat, _ = _flat(inp)
-        raw = flat.view(torch.uint8)
-        n, cap = raw.numel(), seg.chunk
-        self._begin(_KIND_ALL_GATHER, n)
-        targets = [(o, *_flat(o)) for o in outs]
-        raws = [of.view(torch.uint8) for _, of, _ in targets]
-
-        def put(k: int, bank: _Bank) -> None:
-            c = min(cap, n - k * cap)
-            self._copy(bank.slots[me][:c], raw[k * cap : k * cap + c])
-
-        def take(k: int, bank: _Bank) -> None:
-            # this rank's own part too, from its slot in the cache: copying it from the input
-            # instead (in put, or all at once) was 0.84x at 16 and 128 MB here
-            c = min(cap, n - k * cap)
-            for j in range(self._size):
-                self._copy(raws[j][k * cap : k * cap + c], bank.slots[j][:c])
-
-        self._phases(-(-n // cap), [put, take], "all_gather")
-        for o, of, wb in targets:
-            if wb:
-                o.copy_(of.view(o.shape))
+        stages = [None if me == root else put, take if targets else None]
+        self._phases(-(-max(sizes) // cap), stages, what)
+        for o, _, flat, writeback in targets:
+            if writeback:
+                o.copy_(flat.view(o.shape))
 
     @_poison_on_error
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
@@ -1024,23 +1015,20 @@ class ShmProcessGroup(OrderedGroup):
     # lists, and silently drops the rest of an all_to_all_single that does not split evenly).
     # Through gloo a small one took 200-500 us here and, unchecked, hung until the timeout when
     # the ranks called different collectives.
-    def _agree(self, kind: int, tensors: Sequence[torch.Tensor], root: int = -1, sized: bool = True) -> None:
+    def _agree(self, kind: int, tensors: Sequence[torch.Tensor]) -> None:
         """Before gloo runs a collective for this group (all_gather_coalesced): check at one barrier
-        that every rank calls it (see _barrier), with the same dtype, root and, when ``sized``, the
-        same number of elements of ``tensors``; gloo would wait until the timeout when one rank
-        calls it and another an all_reduce. Collectives queued before this one finish first.
+        that every rank calls it (see _barrier), with the same dtype and number of elements of
+        ``tensors`` (bytes when their dtypes differ); gloo would wait until the timeout when one
+        rank calls it and another an all_reduce. Collectives queued before this one finish first.
         Without a segment (over several hosts, or no shared memory) gloo runs it unchecked."""
         if self._seg is None:
             return
         dtypes = {t.dtype for t in tensors}
         dtype = _dtype_code(tensors[0].dtype) if len(dtypes) == 1 else 0  # 0: count in bytes
-        if not sized:
-            count = -1
-        else:
-            count = sum(t.numel() * (1 if dtype else t.element_size()) for t in tensors)
+        count = sum(t.numel() * (1 if dtype else t.element_size()) for t in tensors)
 
         def check() -> None:
-            self._begin(kind, count, dtype, -1, root)
+            self._begin(kind, count, dtype)
             self._barrier(_KINDS[kind])
 
         self._poisoning(lambda: self._run(check, [], None).wait())
@@ -1065,28 +1053,9 @@ class ShmProcessGroup(OrderedGroup):
 
     def _gather_one(self, outs: Optional[list[torch.Tensor]], inp: torch.Tensor, root: int) -> None:
         """``inp`` of every rank into ``outs`` on the root (None: this rank takes nothing)."""
-        seg, me = self._seg, self._rank
-        assert seg is not None
-        raw, cap = _bytes_of(inp)[0], seg.chunk
+        raw = _bytes_of(inp)[0]
         self._begin(_KIND_GATHER, inp.numel(), _dtype_code(inp.dtype), root=root)
-        targets = [(o, *_bytes_of(o)) for o in outs] if outs is not None else []
-
-        def put(k: int, bank: _Bank) -> None:
-            lo = k * cap
-            self._copy(bank.slots[me][: min(cap, raw.numel() - lo)], raw[lo : lo + cap])
-
-        def take(k: int, bank: _Bank) -> None:
-            lo = k * cap
-            for j, (_, dst, _, _) in enumerate(targets):
-                c = min(cap, raw.numel() - lo)
-                self._copy(dst[lo : lo + c], raw[lo : lo + c] if j == me else bank.slots[j][:c])
-
-        self._phases(
-            -(-raw.numel() // cap), [None if me == root else put, take if targets else None], "gather"
-        )
-        for o, _, flat, writeback in targets:
-            if writeback:
-                o.copy_(flat.view(o.shape))
+        self._gather_chunks(raw, outs or [], [raw.numel()] * self._size, "gather", root)
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Any:
         root = opts.rootRank
@@ -1224,9 +1193,7 @@ class ShmProcessGroup(OrderedGroup):
         heads = self._heads
         head = _round(heads.size, 64)
         room = seg.chunk - head
-        starts = [0]
-        for n in in_sizes:
-            starts.append(starts[-1] + n)
+        starts = list(accumulate(in_sizes, initial=0))
         self._begin(_KIND_ALL_TO_ALL, -1, dtype)  # the ranks may send different amounts
         told: list[tuple[int, ...]] = []
 
@@ -1301,9 +1268,7 @@ class ShmProcessGroup(OrderedGroup):
         size, me = self._size, self._rank
         c = seg.chunk // size // 64 * 64 or seg.chunk // size  # cache lines, unless ranks are very many
         lens = [[h[q + 1] - h[q] for q in range(size)] for h in told]  # lens[p][q]: p sends q
-        at = [0]  # where each rank's part starts in out
-        for p in range(size):
-            at.append(at[-1] + lens[p][me])
+        at = list(accumulate((lens[p][me] for p in range(size)), initial=0))  # each rank's part in out
         if lens[me][me]:
             self._copy(out[at[me] : at[me + 1]], inp[starts[me] : starts[me + 1]])
         most = max(lens[p][q] for p in range(size) for q in range(size) if p != q)
