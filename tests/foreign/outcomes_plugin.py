@@ -1,0 +1,28 @@
+"""A pytest plugin for the foreign-suite runners: one JSON line per test report.
+
+Loaded with ``-p outcomes_plugin`` (its folder on ``PYTHONPATH``); writes to the file named by
+``ONEDIST_OUTCOMES``. Under pytest-xdist the controller sees every worker's reports, so each
+line carries the worker that ran it (``--dist=each`` runs every test once per worker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    path = os.environ.get("ONEDIST_OUTCOMES")
+    if not path or (report.when != "call" and report.outcome == "passed"):
+        return
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    line = {
+        "nodeid": report.nodeid,
+        "when": report.when,
+        "outcome": "xfailed" if hasattr(report, "wasxfail") else report.outcome,
+        "worker": getattr(worker, "id", "main"),
+        "longrepr": str(report.longrepr)[-4000:] if report.failed else "",
+    }
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps(line) + "\n")
