@@ -52,8 +52,9 @@ def check_training_equals_one_process(batchnorm: bool) -> None:
     data = _data()
     reference = _train(_net(batchnorm), DataLoader(data, batch_size=GLOBAL_BATCH), steps=6)
 
-    model = od.auto_model(_net(batchnorm), sync_bn=batchnorm)
-    loader = od.auto_dataloader(data, batch_size=GLOBAL_BATCH)
+    # onedist's SyncBatchNorm (auto_model's sync_bn=True is torch's: CUDA only, as in ignite)
+    model = od.auto_model(od.convert_sync_batchnorm(_net(True)) if batchnorm else _net(False))
+    loader = od.auto_dataloader(data, batch_size=GLOBAL_BATCH, shuffle=False)
     assert loader.batch_size == GLOBAL_BATCH // od.get_world_size()
     opt = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
     _train(model, loader, steps=6, opt=opt)
@@ -164,7 +165,8 @@ def check_dataloader_splits() -> dict:
     data = _data()
     loader = od.auto_dataloader(data, batch_size=GLOBAL_BATCH, num_workers=2, shuffle=True)
     assert loader.batch_size == GLOBAL_BATCH // world
-    assert loader.num_workers == (2 if world == 1 else -(-2 // od.get_nproc_per_node()))
+    nproc = od.get_nproc_per_node()  # workers are per node: split when there are enough (ignite's rule)
+    assert loader.num_workers == (-(-2 // nproc) if world > 1 and nproc <= 2 else 2)
     if world == 1:
         return {"sampler": type(loader.sampler).__name__}
     assert isinstance(loader.sampler, od.DistributedSampler) and loader.sampler.shuffle
@@ -190,17 +192,26 @@ def check_dataloader_splits() -> dict:
     assert isinstance(ev.sampler, od.DistributedEvalSampler)
     counts = od.all_gather(torch.tensor([len(ev.sampler)]))
     assert int(counts.sum()) == SAMPLES
+    # no sampler: shuffled by default, as ignite's
+    assert od.auto_dataloader(data, batch_size=GLOBAL_BATCH).sampler.shuffle
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         od.auto_dataloader(data, batch_size=GLOBAL_BATCH + 1)
         od.auto_dataloader(_Stream(), batch_size=GLOBAL_BATCH)
         od.auto_dataloader(data, batch_sampler=[[0, 1], [2, 3]])
+        small = od.auto_dataloader(data, batch_size=world - 1)  # not split, as in ignite
+        wrong = torch.utils.data.DistributedSampler(data, num_replicas=world + 1, rank=(rank + 1) % world)
+        assert od.auto_dataloader(data, batch_size=4, sampler=wrong).sampler is wrong
+    assert small.batch_size == world - 1
     text = [str(w.message) for w in caught]
     assert any("not divisible by the world size" in t for t in text), text
     assert any("IterableDataset" in t for t in text), text
-    assert any("batch_sampler" in t for t in text), text
+    assert any("Found batch_sampler in provided kwargs" in t for t in text), text
+    assert any(f"batch_size={world - 1} is smaller than the world size {world}" in t for t in text), text
+    assert any(f"rank={(rank + 1) % world}, but process rank is {rank}" in t for t in text), text
+    assert any(f"num_replicas={world + 1}, but world size is {world}" in t for t in text), text
     for kwargs, name in (
-        ({"batch_size": world - 1}, "batch_size"),
+        ({"batch_size": 0}, "batch_size"),
         ({"batch_size": 4, "num_workers": -1}, "num_workers"),
         ({"batch_size": 4, "sampler": weighted, "shuffle": True}, "shuffle"),
         ({"batch_size": 4, "evaluation": True, "shuffle": True}, "shuffle"),

@@ -82,7 +82,7 @@ def check_widened_and_byte_dtypes() -> None:
             return torch.tensor([1 + q, 2 + q, 3 + q], dtype=dtype)  # uint16/32 have no "+" in torch
 
         x = values(r)
-        out = od.all_reduce(x, op="MAX")
+        out = od.all_reduce(x, op="MAX", inplace=False)
         expected = values(w - 1 if dtype != torch.bool else 0)
         assert out.dtype == dtype and out.tolist() == expected.tolist(), (dtype, out)
         gathered = od.all_gather(x)

@@ -436,7 +436,7 @@ def check_move(spec: tuple[Any, ...], group: Optional[list[int]], root: int) -> 
     def check(got: Any, exp: Any, what: str) -> None:
         problems.extend(diff(got, exp, what))
 
-    got = od.all_gather(value, group=group)
+    got = od.all_gather(value, group=group, nested=True)  # leaf by leaf (onedist's)
     n += 1
     if member:
         check(got, gathered(spec, members), "all_gather")
@@ -449,13 +449,13 @@ def check_move(spec: tuple[Any, ...], group: Optional[list[int]], root: int) -> 
     elif not (type(got) is list and len(got) == 1 and got[0] is value):
         problems.append("all_gather_object: a non-member must get [input]")
     # broadcast: the source's value everywhere, the source gets its input itself
-    got = od.broadcast(value if r == src else None, src=src, safe_mode=True, group=group)
+    got = od.broadcast_object(value if r == src else None, src=src, group=group)
     n += 1
     if r == src or not member:
         if got is not (value if r == src else None):
-            problems.append("broadcast(safe_mode): the source / a non-member must get its input back")
+            problems.append("broadcast_object: the source / a non-member must get its input back")
     else:
-        check(got, build(spec, src), "broadcast(safe_mode)")
+        check(got, build(spec, src), "broadcast_object")
     if isinstance(value, torch.Tensor) and (
         od.get_world_size() == 1 or str(value.dtype).removeprefix("torch.") not in PLAIN_BROADCAST_BROKEN
     ):  # the plain path: receivers pass a tensor like it
@@ -499,7 +499,7 @@ def check_reduce(spec: tuple[Any, ...], op: str, group: Optional[list[int]], roo
     dst = members[root % len(members)]
     value = build(spec, r)
     problems: list[str] = []
-    got = od.all_reduce(value, op=op, group=group)
+    got = od.all_reduce(value, op=op, group=group, inplace=False)
     if member:
         problems += diff(got, reduced(spec, op, members, r), "all_reduce", bits=False)
         problems += key_orders(got, value, "all_reduce")
@@ -519,7 +519,7 @@ def check_reduce(spec: tuple[Any, ...], op: str, group: Optional[list[int]], roo
 def _send_bad(fn: str, mine: Any, culprit: int) -> Any:
     r = od.get_rank()
     if fn == "broadcast":  # only the source packs
-        return od.broadcast(mine if r == culprit else None, src=culprit, safe_mode=True)
+        return od.broadcast_object(mine if r == culprit else None, src=culprit)
     if fn == "gather":
         return od.gather(mine, dst=0)
     if fn == "scatter":  # the source packs every item; the bad one is the culprit's own
@@ -549,7 +549,7 @@ def check_unsendable_dtypes() -> int:
                     with pytest.raises(od.RemoteRankError, match=rf"rank {culprit} could not send"):
                         _send_bad(fn, mine, culprit)
                 n += 1
-    assert od.all_gather(r).tolist() == list(range(w))  # still in step
+    assert od.all_gather(r) == list(range(w))  # still in step
     return n
 
 
@@ -634,7 +634,7 @@ def check_bug_reduce_dtype_error(dtype_name: str) -> None:
 
 def check_bug_subclass_types() -> None:
     r = od.get_rank()
-    got = od.broadcast(Color.RED if r == 0 else None, src=0)
+    got = od.broadcast_object(Color.RED if r == 0 else None, src=0)
     labels = od.all_gather_object(Label(f"r{r}"))
     problems = [] if type(got) is Color else [f"broadcast(Color.RED) gave {type(got).__name__} {got!r}"]
     if [type(x) for x in labels] != [Label] * len(labels):

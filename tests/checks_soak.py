@@ -262,7 +262,7 @@ class Soak:
         group, members = self.group()
         is_async = self.rng.random() < 0.1
         value = build(spec, self.r)
-        out = od.all_reduce(value, op=op, group=group, async_op=is_async)
+        out = od.all_reduce(value, op=op, group=group, async_op=is_async, inplace=False)
         got = out.wait() if is_async else out
         if self.r in members:
             problems = diff(got, reduced(spec, op, members, self.r), "result", bits=False)
@@ -321,7 +321,7 @@ class Soak:
         group, members = self.group()
         is_async = self.rng.random() < 0.1
         value = build(spec, self.r)
-        out = od.all_gather(value, group=group, async_op=is_async)
+        out = od.all_gather(value, group=group, async_op=is_async, nested=True)
         got = out.wait() if is_async else out
         if self.r in members:
             problems = diff(got, gathered(spec, members), "result")
@@ -365,7 +365,10 @@ class Soak:
             mine = torch.empty(exp.shape, dtype=exp.dtype)
         else:  # ignored on non-source ranks: anything goes
             mine = junk
-        out = od.broadcast(mine, src=src, safe_mode=not plain, group=group, async_op=is_async)
+        if plain:
+            out = od.broadcast(mine, src=src, group=group, async_op=is_async)
+        else:  # any value: onedist's broadcast_object (broadcast with safe_mode for ignite's kinds)
+            out = od.broadcast_object(mine, src=src, group=group, async_op=is_async)
         got = out.wait() if is_async else out
         if self.r == src or self.r not in members:
             problems = [] if got is mine else ["the source / a non-member must get its input back"]
@@ -425,8 +428,8 @@ class Soak:
         spec2 = self.move_spec()
         group2, members2 = self.group()
         v1, v2 = build(spec1, self.r), build(spec2, self.r)
-        h1 = od.all_reduce(v1, op=op, group=group1, async_op=True)
-        h2 = od.all_gather(v2, group=group2, async_op=True)
+        h1 = od.all_reduce(v1, op=op, group=group1, async_op=True, inplace=False)
+        h2 = od.all_gather(v2, group=group2, async_op=True, nested=True)
         got1, got2 = h1.wait(), h2.wait()
         if self.r in members1:
             p1 = diff(got1, reduced(spec1, op, members1, self.r), "all_reduce", bits=False)

@@ -123,13 +123,13 @@ def check_xla_tensors_results_on_their_device() -> list[float]:
     r, w = od.get_rank(), od.get_world_size()
     dev = od.device()
     x = torch.tensor([float(r), 1.0]).to(dev)
-    total = od.all_reduce(x)
-    mean = od.all_reduce(x, op="MEAN")
-    biggest = od.all_reduce(x, op="MAX")
+    total = od.all_reduce(x, inplace=False)
+    mean = od.all_reduce(x, op="MEAN", inplace=False)
+    biggest = od.all_reduce(x, op="MAX", inplace=False)
     same = od.broadcast(x, src=w - 1)
     gathered = od.all_gather(x)
     inplace = torch.tensor([2.0]).to(dev)
-    assert od.all_reduce(inplace, inplace=True) is inplace
+    assert od.all_reduce(inplace) is inplace  # in place by default, as in ignite
     for t in (total, mean, biggest, same, gathered):
         assert t.device == dev, t.device
     _materialize()
@@ -155,7 +155,7 @@ def check_broadcast_bit_exact() -> list[str]:
     for dtype in (torch.bool, torch.uint8, torch.int64, torch.complex64):
         t = torch.ones(3, dtype=dtype) if r == src else torch.zeros(3, dtype=dtype)
         assert torch.equal(od.broadcast(t, src=src), torch.ones(3, dtype=dtype)), dtype
-    got = od.broadcast({"cfg": {"lr": 0.1}, "w": torch.arange(4), "s": "x" * 9000} if r == 0 else None)
+    got = od.broadcast_object({"cfg": {"lr": 0.1}, "w": torch.arange(4), "s": "x" * 9000} if r == 0 else None)
     assert got["cfg"] == {"lr": 0.1} and torch.equal(got["w"], torch.arange(4)) and len(got["s"]) == 9000
     big = torch.arange(100_000, dtype=torch.float64) if r == 0 else None
     assert torch.equal(od.broadcast(big, safe_mode=True), torch.arange(100_000, dtype=torch.float64))
@@ -181,13 +181,14 @@ def check_all_gather_tensors_and_objects() -> None:
     for dtype in (torch.bool, torch.bfloat16, torch.complex64, torch.uint8, torch.float16):
         v = od.all_gather(torch.ones(2, dtype=dtype))
         assert v.dtype == dtype and v.shape == (2 * w,)
-    assert od.all_gather(0.1 * r).tolist() == [0.1 * q for q in range(w)]
-    assert od.all_gather(2**40 + r).tolist() == [2**40 + q for q in range(w)]
+    assert od.all_gather(0.1 * r) == [0.1 * q for q in range(w)]
+    assert od.all_gather(2**40 + r) == [2**40 + q for q in range(w)]
     assert od.all_gather(f"rank-{r}-é") == [f"rank-{q}-é" for q in range(w)]
     assert od.all_gather(None) == [None] * w
     assert od.all_gather("x" * (10_000 + r)) == ["x" * (10_000 + q) for q in range(w)]
     nested = {"preds": torch.full((r + 1,), r), "n": r, "name": f"r{r}"}
-    out = od.all_gather(nested)
+    assert [d["n"] for d in od.all_gather(nested)] == list(range(w))  # one entry per rank (ignite's)
+    out = od.all_gather(nested, nested=True)
     assert torch.equal(out["preds"], torch.cat([torch.full((q + 1,), q) for q in range(w)]))
     assert out["n"].tolist() == list(range(w)) and out["name"] == [f"r{q}" for q in range(w)]
 

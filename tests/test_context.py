@@ -72,8 +72,7 @@ def test_unknown_and_unavailable_backends_list_what_is_allowed():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"init_method": "tcp://127.0.0.1:1234"}, "needs rank and world_size; missing: rank, world_size"),
-        ({"init_method": "file:///tmp/x", "rank": 0}, "missing: world_size"),
+        ({"init_method": "tcp://192.0.2.1:1234"}, "TCP initialization via init_method=.* will hang"),
         ({"init_method": "http://x"}, "init_method='http://x' is not allowed"),
         ({"rank": 2, "world_size": 2}, r"rank=2 is not allowed; allowed: 0..1"),
         ({"world_size": 0}, "world_size=0"),
@@ -93,9 +92,39 @@ def test_env_rendezvous_with_partial_environment_says_what_is_missing():
     with pytest.raises(od.OnedistValueError, match="WORLD_SIZE is not set"):
         od.initialize("gloo")
     os.environ["WORLD_SIZE"] = "2"
+    os.environ["GROUP_WORLD_SIZE"] = "2"  # two nodes: 127.0.0.1 cannot be the rendezvous
     os.environ.pop("MASTER_ADDR", None)
-    with pytest.raises(od.OnedistValueError, match="needs MASTER_ADDR"):
-        od.initialize("gloo")
+    try:
+        with pytest.raises(od.OnedistValueError, match="over 2 nodes needs MASTER_ADDR"):
+            od.initialize("gloo")
+    finally:
+        del os.environ["GROUP_WORLD_SIZE"]
+
+
+def test_env_rendezvous_on_one_host_takes_ignites_defaults(monkeypatch):
+    """Several processes, no MASTER_ADDR/PORT, nothing saying there are several nodes: every
+    process computes ignite's 127.0.0.1:15000 alike; onedist sets and logs them, and restores."""
+    from onedist.backends import native
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")  # a rank other than 0 listens on nothing
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    env_set: dict = {}
+    native._prepare_env_rendezvous(None, None, env_set)
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("127.0.0.1", "15000")
+    native._restore_env(env_set)
+    assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ
+
+
+def test_tcp_and_file_rendezvous_of_one_process_need_no_rank(tmp_path):
+    """As in ignite: without rank/world_size and without a launcher, a group of one."""
+    for init in (f"tcp://127.0.0.1:{free_port()}", f"file://{tmp_path}/rdzv"):
+        od.initialize("gloo", init_method=init)
+        try:
+            assert (od.get_rank(), od.get_world_size()) == (0, 1)
+        finally:
+            od.finalize()
 
 
 @pytest.mark.parametrize("scheme", ["env", "tcp", "file"])

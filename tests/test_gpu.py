@@ -63,7 +63,7 @@ def _queries_and_collectives(local_rank: int) -> dict:
         "number": od.all_reduce(3),
         "mean": od.all_reduce(3, "MEAN"),
         "strings": od.all_gather("gpu"),
-        "object": od.broadcast({"a": [1, 2]} if od.get_rank() == 0 else None, src=0, safe_mode=True),
+        "object": od.broadcast_object({"a": [1, 2]} if od.get_rank() == 0 else None, src=0),
         "gathered": [x.tolist() for x in od.all_gather(torch.ones(2, device=dev))],
         "uneven": [x.shape[0] for x in od.all_gather_tensors_with_shapes(torch.ones(3, device=dev), [[3]])],
         "barrier": od.barrier() is None,
@@ -180,7 +180,7 @@ def _gloo_cuda(local_rank: int) -> dict:
     return {
         "device": str(od.device()),
         "sum": od.all_reduce(t).tolist(),
-        "ranks": od.all_gather(od.get_rank()).tolist(),
+        "ranks": od.all_gather(od.get_rank()),
         "names": od.all_gather(f"r{od.get_rank()}"),
     }
 

@@ -100,13 +100,67 @@ def test_parallel_modes_serial_spawn_and_errors():
     with od.Parallel(backend="gloo") as p:  # no launcher, no nproc: a group of one process
         assert p.run(lambda i: (i, od.get_world_size(), od.backend())) == (0, 1, "gloo")
     assert od.model_name() == "serial"
-    with pytest.raises(od.OnedistValueError, match="nproc_per_node=2 is not allowed.*serial"):
+    with pytest.raises(od.OnedistValueError, match="should be also None, but given 2(.|\n)*nproc_per_node=2"):
         od.Parallel(backend=None, nproc_per_node=2)
     with pytest.raises(od.OnedistValueError, match="stat_method"):
         od.Parallel(backend="gloo", stat_method="fork")
     with pytest.raises(od.WorkerFailedError, match="boom on rank 0"):
         with od.Parallel(backend="gloo", nproc_per_node=2, start_method="fork") as p:
             p.run(workers.fail_on, 0, "raise")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "ignite_words", "given"),
+    [
+        ({"backend": "abc"}, "Unknown backend 'abc'. Available backends:", "backend='abc'"),
+        ({"nnodes": 2}, "If backend is None, argument 'nnodes' should be also None", "nnodes=2"),
+        ({"backend": "gloo", "nproc_per_node": -1}, "Argument nproc_per_node should positive", "=-1"),
+        ({"backend": "gloo", "nproc_per_node": 1, "nnodes": -1}, "Argument nnodes should positive", "=-1"),
+        (
+            {"backend": "gloo", "nproc_per_node": 1, "nnodes": 2},
+            "arguments node_rank should be given",
+            "None",
+        ),
+        (
+            {"backend": "gloo", "nproc_per_node": 1, "nnodes": 2, "node_rank": 2},
+            "Argument node_rank should be between 0 and 1, but given 2",
+            "node_rank=2",
+        ),
+        (
+            {"backend": "gloo", "nproc_per_node": 1, "nnodes": 2, "node_rank": 1},
+            "arguments master_addr and master_port or init_method should be specified",
+            "master_port",
+        ),
+        (  # a documentation address (RFC 5737): never this machine; nothing is sent to it
+            {"backend": "gloo", "nproc_per_node": 1, "init_method": "tcp://192.0.2.1:23456"},
+            "will hang. To fix this, please configure MASTER_ADDR",
+            "init_method='tcp://192.0.2.1:23456'",
+        ),
+    ],
+)
+def test_parallel_checks_its_arguments_as_ignite_does(kwargs, ignite_words, given):
+    """Raised when constructed, in ignite's order and words, followed by onedist's given / allowed."""
+    with pytest.raises(ValueError) as caught:
+        od.Parallel(**kwargs)
+    assert ignite_words in str(caught.value) and given in str(caught.value) and "allowed" in str(caught.value)
+
+
+def test_parallel_takes_a_master_port_of_digits_and_logs_ignites_lines(caplog):
+    p = od.Parallel(
+        backend="gloo", nproc_per_node=2, nnodes=2, node_rank=1, master_addr="h", master_port="3344"
+    )
+    assert p.master_port == 3344
+    p._log.propagate = True  # onedist's logger writes to stderr only; let caplog see it here
+    try:
+        with caplog.at_level("INFO", logger="onedist.Parallel"):
+            p._log_start()
+    finally:
+        p._log.propagate = False
+    text = caplog.text
+    assert "Initialized distributed launcher with backend: 'gloo'" in text
+    assert "nnodes: 2" in text and "master_addr: h" in text and "master_port: 3344" in text
+    with pytest.raises(od.OnedistTypeError, match="master_port has type str"):
+        od.Parallel(backend="gloo", nproc_per_node=2, master_port="x")
 
 
 SCRIPT = textwrap.dedent(
@@ -117,7 +171,7 @@ SCRIPT = textwrap.dedent(
     def main(local_rank, out):
         info = {"local_rank": local_rank, "rank": od.get_rank(), "world_size": od.get_world_size(),
                 "nproc": od.get_nproc_per_node(), "sum": od.all_reduce(1),
-                "ranks": od.all_gather(od.get_rank()).tolist()}
+                "ranks": od.all_gather(od.get_rank())}
         with open(f"{out}/{od.get_rank()}.json", "w") as f:
             json.dump(info, f)
 

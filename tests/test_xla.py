@@ -94,7 +94,7 @@ def test_ws1_initialize_queries_placement_and_collectives(xla1):
     x = torch.ones(3, device=dev)
     assert od.all_reduce(x).device == dev and od.all_reduce(x, op="MEAN").cpu().tolist() == [1.0] * 3
     assert od.all_reduce(2.5) == 2.5 and od.all_gather("a") == ["a"]
-    assert od.broadcast({"k": [1]}) == {"k": [1]} and od.all_gather(x).device == dev
+    assert od.broadcast_object({"k": [1]}) == {"k": [1]} and od.all_gather(x).device == dev
     od.barrier()
     assert od.new_group([0]) is None
     with pytest.raises(

@@ -24,7 +24,7 @@ def report(local_rank: int, tag: str = "") -> dict:
         "node_rank": od.get_node_rank(),
         "backend": od.backend(),
         "sum": od.all_reduce(od.get_rank()),
-        "gathered": od.all_gather(od.get_rank()).tolist(),
+        "gathered": od.all_gather(od.get_rank()),
         "pid": os.getpid(),
     }
 
@@ -63,7 +63,7 @@ def user_group(rank: int, world_size: int, port: int, out_dir: str) -> None:
         with open(os.path.join(out_dir, "layout"), "w") as f:
             f.write(repr((od.get_local_rank(), od.get_nproc_per_node(), od.get_nnodes(), od.get_node_rank())))
     assert od.all_reduce(1) == world_size
-    assert od.all_gather(rank).tolist() == list(range(world_size))
+    assert od.all_gather(rank) == list(range(world_size))
     dist.barrier()
     dist.destroy_process_group()
     assert od.get_world_size() == 1 and od.model_name() == "serial"  # noticed the destroy

@@ -57,6 +57,9 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
         broadcast as broadcast,
     )
     from .collectives import (
+        broadcast_object as broadcast_object,
+    )
+    from .collectives import (
         gather as gather,
     )
     from .collectives import (
@@ -229,6 +232,7 @@ __all__ = [
     "backend",
     "barrier",
     "broadcast",
+    "broadcast_object",
     "device",
     "finalize",
     "gather",
@@ -295,6 +299,7 @@ _LAZY = {
     "all_reduce": "collectives",
     "barrier": "collectives",
     "broadcast": "collectives",
+    "broadcast_object": "collectives",
     "gather": "collectives",
     "irecv": "collectives",
     "isend": "collectives",

@@ -8,6 +8,7 @@ import os
 import socket
 from collections.abc import MutableMapping
 from typing import Optional
+from urllib.parse import urlsplit
 
 __all__ = [
     "LOOPBACK",
@@ -18,6 +19,7 @@ __all__ = [
     "listen_socket",
     "loopback_ifname",
     "rendezvous_port",
+    "tcp_init_would_hang",
 ]
 
 LOOPBACK = "127.0.0.1"
@@ -127,3 +129,27 @@ def loopback_ifname() -> Optional[str]:
         if name in names:
             return name
     return next((n for n in names if n.startswith("lo")), None)
+
+
+def tcp_init_would_hang(init_method: str) -> bool:
+    """Whether a ``tcp://host:port`` rendezvous names a host that is not this machine.
+
+    Rank 0 hosts the rendezvous at that address, so another machine's address leaves every rank
+    connecting there until the timeout (ignite refuses any tcp:// for that reason). Binding a
+    socket to the address tells without sending anything.
+    """
+    host = urlsplit(init_method).hostname
+    if not host:
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return True
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((addr[0], 0))
+                return False
+            except OSError:
+                continue
+    return True

@@ -43,7 +43,11 @@ def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> 
 
     Args:
         model: the model.
-        sync_bn: convert BatchNorm layers to ``SyncBatchNorm`` (batch statistics over all ranks).
+        sync_bn: convert BatchNorm layers to torch's ``SyncBatchNorm`` (batch statistics over all
+            ranks), which works on CUDA only: on CPU this is a ``ValueError``, as in ignite.
+            ``od.convert_sync_batchnorm(model)`` before ``auto_model`` gives onedist's
+            :class:`~onedist.SyncBatchNorm`, which works on any device (Horovod uses it for
+            ``sync_bn=True``).
         **kwargs: ``DistributedDataParallel`` keyword arguments, passed through
             (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
             ``bucket_cap_mb``, ``broadcast_buffers``, ...; checked, and unused with one process), and:
@@ -67,7 +71,7 @@ def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> 
         >>> isinstance(model, torch.nn.Linear)
         True
         >>> # under 4 gloo processes, a DDP whose gradients travel as fp16:
-        >>> # od.auto_model(net, sync_bn=True, comm_hook="fp16", find_unused_parameters=True)
+        >>> # od.auto_model(net, comm_hook="fp16", find_unused_parameters=True)
     """
     from .context import current, device
 
@@ -139,12 +143,15 @@ def auto_dataloader(dataset: Any, *, evaluation: bool = False, **kwargs: Any) ->
     With world size N > 1:
 
     * ``batch_size`` is split: each rank loads ``batch_size // N`` (a warning says the effective
-      global batch when N does not divide it; fewer than N is an error);
-    * ``num_workers`` is per node, split over the node's processes (rounded up);
-    * no ``sampler``: a :class:`onedist.DistributedSampler` with your ``shuffle`` (default False,
-      as DataLoader's), which reshuffles every epoch by itself (``set_epoch`` optional);
+      global batch when N does not divide it); one smaller than N is not split, as in ignite
+      (a warning says so);
+    * ``num_workers`` is per node, split over the node's processes (rounded up) when there are
+      at least as many workers as processes, else kept, as in ignite;
+    * no ``sampler``: a :class:`onedist.DistributedSampler` with your ``shuffle`` (default True,
+      as ignite's), which reshuffles every epoch by itself (``set_epoch`` optional);
     * your own ``sampler``: wrapped in :class:`onedist.DistributedProxySampler` (one shared draw,
-      each rank its share); an already distributed sampler is kept as is;
+      each rank its share); an already distributed sampler is kept as is (a warning says when its
+      rank or num_replicas is not this process's);
     * ``evaluation=True``: :class:`onedist.DistributedEvalSampler`, no padding, every sample once;
       gather the results with :func:`onedist.all_gather_eval`;
     * an ``IterableDataset`` gets no sampler (a warning says how to shard it); a ``batch_sampler``
@@ -175,14 +182,15 @@ def auto_dataloader(dataset: Any, *, evaluation: bool = False, **kwargs: Any) ->
     if world > 1:
         _split_batch(kwargs, world)
         if "num_workers" in kwargs:
-            nw = kwargs["num_workers"]
+            nw, nproc = kwargs["num_workers"], get_nproc_per_node()
             if not isinstance(nw, int) or isinstance(nw, bool) or nw < 0:
                 raise bad_value("auto_dataloader", "num_workers", nw, "an int >= 0")
-            kwargs["num_workers"] = math.ceil(nw / get_nproc_per_node())
+            kwargs["num_workers"] = math.ceil(nw / nproc) if nw >= nproc else nw
         if "batch_sampler" in kwargs and kwargs["batch_sampler"] is not None:
             warnings.warn(
-                "onedist.auto_dataloader: a batch_sampler is used as given, not split over the "
-                f"{world} ranks; every rank loads what it yields. Pass a sampler instead to have it split.",
+                "onedist.auto_dataloader: Found batch_sampler in provided kwargs: it is used as given, "
+                f"not split over the {world} ranks; every rank loads what it yields. Make sure that it is "
+                "compatible with distributed configuration, or pass a sampler instead to have it split.",
                 stacklevel=2,
             )
         elif iterable:
@@ -215,12 +223,13 @@ def _split_batch(kwargs: dict[str, Any], world: int) -> None:
     if not isinstance(bs, int) or isinstance(bs, bool) or bs < 1:
         raise bad_value("auto_dataloader", "batch_size", bs, "an int >= 1 (the global batch size)")
     if bs < world:
-        raise bad_value(
-            "auto_dataloader",
-            "batch_size",
-            bs,
-            f"an int >= the world size {world} (batch_size is global: each rank loads batch_size // {world})",
+        warnings.warn(
+            f"onedist.auto_dataloader: batch_size={bs} is smaller than the world size {world}, so it is "
+            f"not split (as in ignite): each rank loads {bs}, a global batch of {bs * world}. batch_size "
+            f"is global: pass at least {world} to have it split.",
+            stacklevel=3,
         )
+        return
     if bs % world:
         warnings.warn(
             f"onedist.auto_dataloader: batch_size={bs} is global and not divisible by the world size "
@@ -256,8 +265,29 @@ def _distributed_sampler(
                 "False or not given when a sampler is given (DataLoader's rule)",
             )
         if isinstance(sampler, (_TorchDistributedSampler, DistributedEvalSampler, DistributedProxySampler)):
+            _warn_if_not_ours(sampler, world, rank)
             return sampler
         return DistributedProxySampler(sampler, num_replicas=world, rank=rank)
-    if shuffle is not None and not isinstance(shuffle, bool):
+    shuffle = True if shuffle is None else shuffle  # ignite's default when it adds the sampler
+    if not isinstance(shuffle, bool):
         raise bad_type("auto_dataloader", "shuffle", shuffle, "a bool")
-    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=bool(shuffle))
+    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle)
+
+
+def _warn_if_not_ours(sampler: Any, world: int, rank: int) -> None:
+    """A distributed sampler the user made for another rank or world size gives this rank the
+    wrong share (duplicated or missing samples): say so, in ignite's words."""
+    if sampler.rank != rank:
+        warnings.warn(
+            f"onedist.auto_dataloader: Found distributed sampler with rank={sampler.rank}, but process rank "
+            f"is {rank}: this rank loads rank {sampler.rank}'s share. Pass rank=onedist.get_rank(), or "
+            "no sampler (auto_dataloader then adds one)",
+            stacklevel=4,
+        )
+    if sampler.num_replicas != world:
+        warnings.warn(
+            f"onedist.auto_dataloader: Found distributed sampler with num_replicas={sampler.num_replicas}, "
+            f"but world size is {world}: samples are missed or repeated. Pass "
+            "num_replicas=onedist.get_world_size(), or no sampler",
+            stacklevel=4,
+        )

@@ -64,7 +64,7 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
         >>> od.load_checkpoint("/tmp/ckpt/last.pt")["epoch"]
         3
     """
-    from .collectives import broadcast
+    from .collectives import broadcast_object
     from .context import current
 
     b = current()
@@ -84,7 +84,7 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
         except Exception as e:
             error, status = e, f"{type(e).__name__}: {e}"
     # every rank waits here until the writer is done: returning means the file exists
-    status = broadcast(status, src=rank)
+    status = broadcast_object(status, src=rank)
     if error is not None:
         raise error
     if status is not None:

@@ -25,6 +25,7 @@ import pickle
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from itertools import islice, pairwise
 from operator import attrgetter
+from pathlib import PurePath
 from typing import Any, Optional, Union
 
 import torch
@@ -50,6 +51,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast",
+    "broadcast_object",
     "gather",
     "irecv",
     "isend",
@@ -93,7 +95,9 @@ def _op_name(func: str, op: Any) -> str:
         elif op is not None:  # torch.distributed.ReduceOp / RedOpType
             name = _OP_NAMES.get(str(getattr(op, "name", op)).rsplit(".", 1)[-1].upper())
         if name is None:
-            raise bad_value(func, "op", op, (*_ALLOWED_OPS, "AVERAGE"))
+            raise bad_value(
+                func, "op", op, (*_ALLOWED_OPS, "AVERAGE"), says="Unsupported reduction operation"
+            )
     return name
 
 
@@ -107,13 +111,22 @@ def _check_op_dtype(func: str, op: str, dtype: torch.dtype, where: str = "") -> 
         raise OnedistTypeError(f"onedist.{func}: op={op!r} is not defined for complex dtype {dtype}{where}")
 
 
-def _check_ranks(func: str, arg: str, ranks: Any, world_size: int) -> tuple[int, ...]:
-    if not isinstance(ranks, (list, tuple, range)) or len(ranks) == 0:
-        raise bad_value(func, arg, ranks, "a non-empty list of global ranks")
+# ignite's words for a group argument that is not one, which its users' code may match on
+_IGNITE_BAD_RANKS = {
+    "ranks": "Argument ranks should be list of int",
+    "group": "Argument group should be list of int or ProcessGroup",
+}
+
+
+def _check_ranks(func: str, arg: str, ranks: Any, world_size: int, empty: bool = False) -> tuple[int, ...]:
+    """The sorted, distinct global ranks of ``ranks``; ``empty``: [] is allowed (it stays ())."""
+    says = _IGNITE_BAD_RANKS[arg]
+    if not isinstance(ranks, (list, tuple, range)) or (len(ranks) == 0 and not empty):
+        raise bad_value(func, arg, ranks, "a non-empty list of global ranks", says=says)
     seen = set()
     for r in ranks:
         if not isinstance(r, int) or isinstance(r, bool):
-            raise bad_type(func, f"{arg} item", r, f"int in 0..{world_size - 1}")
+            raise bad_value(func, arg, list(ranks), f"ints in 0..{world_size - 1} ({r!r} is not)", says=says)
         if not 0 <= r < world_size:
             raise bad_value(
                 func, arg, list(ranks), f"ranks in 0..{world_size - 1} (rank {r} is out of range)"
@@ -184,7 +197,7 @@ def all_reduce(
     group: GroupLike = None,
     *,
     async_op: bool = False,
-    inplace: bool = False,
+    inplace: Optional[bool] = None,
 ) -> Any:
     """Reduce a value across ranks; every rank gets the result.
 
@@ -196,8 +209,11 @@ def all_reduce(
             or a ``torch.distributed.ReduceOp``. MEAN of integers returns floats.
         group: None (every rank), a list of global ranks, or a group handle.
         async_op: return an :class:`AsyncResult` instead of waiting.
-        inplace: write the result into the input tensors (no copy; the fastest for large
-            tensors) and return them. Numbers in a nested value are returned, not written.
+        inplace: where the result goes. None (default): a tensor is reduced in place and
+            returned, as in ignite and torch.distributed (but for MEAN of an integer tensor,
+            whose float result is a new tensor); tensors in a nested value get new tensors.
+            True: write into the input tensors, nested ones too. False: leave every input as
+            it is and return new tensors. Numbers are returned, never written.
 
     Returns:
         The reduced value, of the input's structure, types, devices and dtypes. Ranks outside
@@ -205,8 +221,11 @@ def all_reduce(
 
     Example:
         >>> import onedist as od
-        >>> od.all_reduce(torch.tensor([1.0, 2.0]))        # world size 1
-        tensor([1., 2.])
+        >>> t = torch.tensor([1.0, 2.0])
+        >>> od.all_reduce(t) is t                           # in place, as in ignite
+        True
+        >>> od.all_reduce(t, inplace=False) is t            # a new tensor; t is left as it is
+        False
         >>> od.all_reduce({"loss": 0.5, "correct": 3}, op="MEAN")
         {'loss': 0.5, 'correct': 3.0}
     """
@@ -225,7 +244,7 @@ def all_reduce(
             and tensor.is_cpu
             and tensor.dtype in b.cpu_reduce_dtypes
         ):
-            if not inplace:
+            if inplace is False:
                 buf = tensor.detach().clone(memory_format=torch.contiguous_format)
                 b.all_reduce_(buf, opn, None, False)
                 return buf
@@ -284,12 +303,22 @@ def _reduce(
     size: int,
     dst: Optional[int],
     async_op: bool,
-    inplace: bool,
+    inplace: Optional[bool],
 ) -> Any:
-    """all_reduce (``dst`` None) or reduce of a tensor or of a nested value."""
+    """all_reduce (``dst`` None) or reduce of a tensor or of a nested value; ``inplace`` None:
+    a tensor in place when its result fits it, a nested value's tensors not."""
     if isinstance(x, torch.Tensor):
+        if inplace is None:  # in place when the result fits: a float mean of integers does not,
+            # nor an expanded tensor whose elements share memory (one write would hit several)
+            fits = op != "MEAN" or x.dtype.is_floating_point or x.dtype.is_complex
+            inplace = fits and (x.is_contiguous() or not _overlaps(x))
         return _reduce_tensor(b, func, x, op, g, size, dst, async_op, inplace)
-    return _reduce_tree(b, func, x, op, g, size, dst, async_op, inplace)
+    return _reduce_tree(b, func, x, op, g, size, dst, async_op, bool(inplace))
+
+
+def _overlaps(x: torch.Tensor) -> bool:
+    """Whether elements of ``x`` share memory (an ``expand``ed view)."""
+    return any(stride == 0 and n > 1 for stride, n in zip(x.stride(), x.shape))
 
 
 def _issue(
@@ -345,7 +374,8 @@ def _reduce_tensor(
             out = (out.double() / size).to(torch.get_default_dtype()) if mean_int else out.div_(size)
         if inplace:
             if out is not x:
-                x.copy_(out)
+                with torch.no_grad():  # a leaf that requires grad takes the result, as in torch
+                    x.copy_(out)
             return x
         if out.device != device or (out.dtype != dtype and not mean_int):
             out = out.to(device=device, dtype=out.dtype if mean_int else dtype)
@@ -421,6 +451,7 @@ def _flatten(func: str, obj: Any, leaves: list[Any], path: tuple[Any, ...]) -> A
         obj,
         "a tensor, a number, or a dict/list/tuple of those",
         hint="strings and other objects cannot be reduced; use all_gather or broadcast for them",
+        says="Unhandled input type",
     )
 
 
@@ -632,8 +663,9 @@ def _unfill(
         numels = [t.numel() for t in bucket.tensors]
         pieces = [p.view(t.shape) for p, t in zip(torch.split(out[offset:], numels), bucket.tensors)]
     if inplace:
-        for leaf, piece in zip(bucket.tensors, pieces):
-            leaf.copy_(piece)
+        with torch.no_grad():
+            for leaf, piece in zip(bucket.tensors, pieces):
+                leaf.copy_(piece)
         pieces = bucket.tensors
     if len(bucket.leaf_ids) == len(results):  # the only bucket: leaves in order
         results[:] = pieces
@@ -842,29 +874,39 @@ def _members(func: str, b: Backend, group: GroupLike) -> tuple[Any, int, tuple[i
         ranks = _check_ranks(func, "group", group, b.world_size)
         g = b.new_group(ranks)
         return g, (ranks.index(b.rank) if b.rank in ranks else -1), ranks
-    me = b.group_rank(group)
+    try:
+        me = b.group_rank(group)
+    except (TypeError, ValueError, AttributeError, RuntimeError):
+        raise bad_value(
+            func,
+            "group",
+            group,
+            "None, a list of global ranks, or a group from new_group",
+            says=_IGNITE_BAD_RANKS["group"],
+        ) from None
     return group, me, (b.group_ranks(group) if me >= 0 else ())
 
 
 @guarded("all_gather", 1)
-def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False) -> Any:
+def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False, nested: bool = False) -> Any:
     """Gather a value from every rank.
 
     Args:
-        tensor: a tensor, number, string, any picklable object, or a dict/list/tuple of those.
+        tensor: a tensor, number, string or any picklable object.
         group: None (every rank), a list of global ranks, or a group handle.
         async_op: return an :class:`AsyncResult`; the size negotiation happens before it returns.
+        nested: gather a dict/list/tuple leaf by leaf into one value of the same structure
+            (onedist's; each leaf as below, numbers as a tensor of one entry per rank), instead of
+            one entry per rank.
 
     Returns:
-        By the type of ``tensor``:
+        By the type of ``tensor``, as in ignite:
 
         - tensor: the ranks' tensors concatenated on dim 0 (0-dim tensors are stacked). The first
-            dimension may differ per rank; the other dimensions and the dtype must match, else
-            every rank raises :class:`~onedist.CollectiveMismatchError` listing each rank's shape.
-        - number: a tensor of size ``world_size`` (float64 for floats, int64 for ints, bool for
-            bools), on CPU.
-        - string or other object: a list with one entry per rank.
-        - dict/list/tuple: the same structure, each leaf gathered as above.
+            dimension may differ per rank (ignite and torch need it equal); the other dimensions
+            and the dtype must match, else every rank raises
+            :class:`~onedist.CollectiveMismatchError` listing each rank's shape.
+        - number, string or any other object: a list with one entry per rank, in rank order.
 
         Ranks outside ``group`` get their input back.
 
@@ -875,9 +917,12 @@ def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False) 
         >>> od.all_gather("hello")
         ['hello']
         >>> od.all_gather({"n": 3})
+        [{'n': 3}]
+        >>> od.all_gather({"n": 3}, nested=True)
         {'n': tensor([3])}
     """
-    return _all_gather("all_gather", tensor, group, async_op, merge=True)
+    merge = nested or isinstance(tensor, torch.Tensor)
+    return _all_gather("all_gather", tensor, group, async_op, merge=merge)
 
 
 @guarded("all_gather_object", 1)
@@ -936,7 +981,7 @@ def all_gather_tensors_with_shapes(
     # the real shapes travel with the data (same collective), so a wrong ``shapes`` on any rank
     # is reported on every rank after it instead of leaving the others waiting
     dims = torch.tensor(tensor.shape, dtype=torch.int64)
-    flat, all_dims, ndims = all_gather((tensor.reshape(-1), dims, tensor.dim()), group)
+    flat, all_dims, ndims = all_gather((tensor.reshape(-1), dims, tensor.dim()), group, nested=True)
     offsets = [0, *torch.cumsum(ndims, 0).tolist()]
     actual = [tuple(all_dims[a:b].tolist()) for a, b in pairwise(offsets)]
     wanted = [tuple(int(d) for d in s) for s in shapes]
@@ -951,8 +996,8 @@ def all_gather_tensors_with_shapes(
 def _all_gather(func: str, value: Any, group: GroupLike, async_op: bool, merge: bool) -> Any:
     b = current()
     g, me, ranks = _members(func, b, group)
-    if me < 0:
-        return _done(value if merge else [value], async_op)
+    if me < 0:  # all_gather gives its input back (as ignite); all_gather_object a list, as torch
+        return _done(value if func == "all_gather" else [value], async_op)
     size = len(ranks)
     ch = _Channels(b, g, "all_gather", size)
     slot = torch.empty(ch.slot, dtype=_U8)
@@ -1110,16 +1155,17 @@ def broadcast(
     *,
     async_op: bool = False,
 ) -> Any:
-    """Send a value from global rank ``src`` to every rank.
+    """Send a tensor, number, string or path from global rank ``src`` to every rank (ignite's call).
 
     Args:
-        tensor: on ``src``, the value: a tensor, number, string, any picklable object, or a
-            dict/list/tuple of those. Elsewhere: for a tensor without ``safe_mode``, a tensor of
-            the same shape and dtype (as in ignite: one collective, no negotiation); for anything
-            else the value is ignored and may be None.
+        tensor: on ``src``, the value: a tensor, a number, a ``str`` or a ``pathlib`` path.
+            Elsewhere, without ``safe_mode``, a value of the same kind (for a tensor: of the same
+            shape and dtype; one collective, no negotiation); with ``safe_mode``, anything, None
+            included (it is ignored). For other values (dicts, lists, any picklable object), use
+            :func:`broadcast_object`.
         src: global rank that sends.
-        safe_mode: let non-source ranks pass None (or anything) for tensors as well; the shape and
-            dtype then travel with the data (one collective more for large tensors).
+        safe_mode: let non-source ranks pass None (or anything); the kind, shape and dtype then
+            travel with the data (one collective more for large tensors).
         group: None (every rank), a list of global ranks, or a group handle.
         async_op: return an :class:`AsyncResult` (tensor path without ``safe_mode`` only waits
             on nothing else; other paths negotiate before returning).
@@ -1128,12 +1174,72 @@ def broadcast(
         The source's value. On ``src`` it is the input itself; received tensors are placed on the
         device of the tensor this rank passed, else on :func:`onedist.device`.
 
+    Raises:
+        OnedistTypeError: ``tensor`` is of another kind ("Unhandled input type", as in ignite).
+        OnedistValueError: ``tensor`` is None on ``src``, or elsewhere without ``safe_mode``.
+
     Example:
         >>> import onedist as od
-        >>> cfg = od.broadcast({"lr": 0.1} if od.get_rank() == 0 else None, src=0)
-        >>> cfg
+        >>> od.broadcast(torch.tensor([1.0, 2.0]), src=0)
+        tensor([1., 2.])
+        >>> od.broadcast("config.yaml" if od.get_rank() == 0 else None, src=0, safe_mode=True)
+        'config.yaml'
+    """
+    is_src = current().rank == src
+    if tensor is None:
+        if is_src:
+            raise bad_value(
+                "broadcast", "tensor", None, "a value on the source rank", says="Source data can not be None"
+            )
+        if safe_mode is not True:
+            raise bad_value(
+                "broadcast",
+                "tensor",
+                None,
+                "a placeholder of the source's kind, or None with safe_mode=True",
+                says="Argument safe_mode should be True if None is passed for non src rank",
+            )
+    elif (is_src or safe_mode is not True) and not isinstance(tensor, _BROADCAST_KINDS):
+        raise bad_type(
+            "broadcast",
+            "tensor",
+            tensor,
+            "a tensor, a number, a str or a pathlib path",
+            hint="od.broadcast_object(value, src) sends any picklable value",
+            says="Unhandled input type",
+        )
+    return _broadcast(tensor, src, safe_mode, group, async_op)
+
+
+@guarded("broadcast_object", 2, src=(1, 0))
+def broadcast_object(obj: Any, src: int = 0, group: GroupLike = None, *, async_op: bool = False) -> Any:
+    """Send any picklable value from global rank ``src`` to every rank (onedist's).
+
+    Like torch's ``broadcast_object_list`` for one value, with small values inline in one
+    collective; tensors inside travel as raw bytes and land on this rank's device.
+
+    Args:
+        obj: on ``src``, the value (a dict, list, tensor, any picklable object); ignored elsewhere
+            (pass None).
+        src: global rank that sends.
+        group: None (every rank), a list of global ranks, or a group handle.
+        async_op: return an :class:`AsyncResult`.
+
+    Returns:
+        The source's value (on ``src``: ``obj`` itself).
+
+    Example:
+        >>> import onedist as od
+        >>> od.broadcast_object({"lr": 0.1} if od.get_rank() == 0 else None, src=0)
         {'lr': 0.1}
     """
+    return _broadcast(obj, src, True, group, async_op)
+
+
+_BROADCAST_KINDS = (torch.Tensor, numbers.Number, str, PurePath)
+
+
+def _broadcast(tensor: Any, src: int, safe_mode: bool, group: GroupLike, async_op: bool) -> Any:
     b = current()
     g, me, ranks = _members("broadcast", b, group)
     if not isinstance(safe_mode, bool):
@@ -1403,7 +1509,10 @@ def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
         1
     """
     b = current()
-    return b.new_group(_check_ranks("new_group", "ranks", ranks, b.world_size), **kwargs)
+    members = _check_ranks("new_group", "ranks", ranks, b.world_size, empty=True)
+    if not members and b.model_name != "serial":
+        members = tuple(range(b.world_size))  # torch's (so ignite's) meaning of []: every rank
+    return b.new_group(members, **kwargs)
 
 
 # ============================================================================ point to point

@@ -210,14 +210,15 @@ def initialize(
     cls = class_for_backend(name)
     if cls is None:
         here = available_backends()
+        ignite_words = f"Backend should be one of '{here}'"  # what ignite's users match on
         if name in _KNOWN_BACKENDS:
             raise BackendUnavailableError(
-                f"onedist.initialize: backend={name!r} is not available on this machine; "
+                f"onedist.initialize: {ignite_words}: backend={name!r} is not available on this machine; "
                 f"available here: {', '.join(repr(b) for b in here) or 'none'}\n"
                 f"HINT: {name!r} needs {_KNOWN_BACKENDS[name]}"
             )
         raise BackendUnavailableError(
-            f"onedist.initialize: backend={name!r} is not a known backend; allowed: "
+            f"onedist.initialize: {ignite_words}: backend={name!r} is not a known backend; allowed: "
             f"{', '.join(repr(b) for b in ('auto', *here))}"
         )
     active = current()
@@ -423,8 +424,9 @@ def set_local_rank(index: int) -> None:
 def get_local_process_group() -> Any:
     """The group of the ranks on this node (for per-node SyncBatchNorm, local reductions, ...).
 
-    Created on first use by the ranks of each node (only they take part); None when every rank is
-    on this node (the default group) or when serial.
+    Created on first use by the ranks of each node (only they take part); the default group
+    (``torch.distributed.group.WORLD``) when every rank is on this node; ``[0]`` when serial (a
+    group of the serial backend). Never None, as in detectron2.
 
     Example:
         >>> import onedist as od

@@ -120,22 +120,32 @@ def _fmt_allowed(allowed: Iterable[Any]) -> str:
 
 
 def bad_value(
-    func: str, arg: str, value: Any, allowed: str | Iterable[Any], hint: Optional[str] = None
+    func: str,
+    arg: str,
+    value: Any,
+    allowed: str | Iterable[Any],
+    hint: Optional[str] = None,
+    says: Optional[str] = None,
 ) -> OnedistValueError:
-    """Build the standard "bad argument value" error (not raised here)."""
+    """Build the standard "bad argument value" error (not raised here). ``says``: the words
+    ignite.distributed uses for this error, which its users' code may match on; they lead."""
     allowed_text = allowed if isinstance(allowed, str) else _fmt_allowed(allowed)
-    msg = f"onedist.{func}: {arg}={value!r} is not allowed; allowed: {allowed_text}"
+    lead = f"{says}: " if says else ""
+    msg = f"onedist.{func}: {lead}{arg}={value!r} is not allowed; allowed: {allowed_text}"
     if hint:
         msg += f"\nHINT: {hint}"
     return OnedistValueError(msg)
 
 
-def bad_type(func: str, arg: str, value: Any, allowed: str, hint: Optional[str] = None) -> OnedistTypeError:
-    """Build the standard "bad argument type" error (not raised here)."""
+def bad_type(
+    func: str, arg: str, value: Any, allowed: str, hint: Optional[str] = None, says: Optional[str] = None
+) -> OnedistTypeError:
+    """Build the standard "bad argument type" error (not raised here); ``says`` as for :func:`bad_value`."""
     shown = repr(value)
     if len(shown) > 80:
         shown = shown[:77] + "..."
-    msg = f"onedist.{func}: {arg} has type {type(value).__name__} ({shown}); allowed: {allowed}"
+    lead = f"{says}: " if says else ""
+    msg = f"onedist.{func}: {lead}{arg} has type {type(value).__name__} ({shown}); allowed: {allowed}"
     if hint:
         msg += f"\nHINT: {hint}"
     return OnedistTypeError(msg)

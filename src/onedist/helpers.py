@@ -85,7 +85,13 @@ def one_rank_first(rank: int = 0, local: bool = False) -> Iterator[None]:
     size = lay.nproc_per_node if local else b.world_size
     if rank >= size:
         what = "local rank in 0.." if local else "rank in 0.."
-        raise bad_value("one_rank_first", "rank", rank, f"a {what}{size - 1}")
+        raise bad_value(
+            "one_rank_first",
+            "rank",
+            rank,
+            f"a {what}{size - 1}",
+            says=f"rank should be between 0 and {size - 1}, but given {rank}",
+        )
     if b.world_size == 1:
         yield
         return
@@ -120,7 +126,7 @@ def shared_random_seed() -> int:
         True
     """
     seed = int.from_bytes(os.urandom(4), "little") % 2**31 if current().rank == 0 else None
-    result: int = broadcast(seed, src=0)
+    result: int = broadcast(seed, src=0, safe_mode=True)
     return result
 
 

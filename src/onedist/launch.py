@@ -33,6 +33,7 @@ from typing import Any, NoReturn, Optional
 from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
 from .environments import detect, launched_externally
 from .errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value, format_user_traceback
+from .log import setup_logger
 
 __all__ = ["Parallel", "spawn"]
 
@@ -873,6 +874,19 @@ class Parallel:
         if method not in (*_START_METHODS, "subprocess"):
             allowed = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
             raise bad_value("Parallel", "start_method", method, [*allowed, "subprocess"])
+        from ._parallel_args import check_parallel_args, port_number
+
+        master_port = port_number("Parallel", master_port)
+        spawn_args = {
+            "nproc_per_node": nproc_per_node,
+            "nnodes": nnodes,
+            "node_rank": node_rank,
+            "master_addr": master_addr,
+            "master_port": master_port,
+        }
+        launcher = detect(os.environ)
+        hosts_rank0 = (node_rank or 0) == 0 and (launcher is None or launcher.rank == 0)
+        check_parallel_args(backend, init_method, spawn_args, hosts_rank0)
         self.backend = backend
         self.nproc_per_node = nproc_per_node
         self.nnodes = nnodes
@@ -882,21 +896,14 @@ class Parallel:
         self.init_method = init_method
         self.spawn_kwargs = spawn_kwargs
         self._initialized_here = False
-        spawn_args = {
-            "nproc_per_node": nproc_per_node,
-            "nnodes": nnodes,
-            "node_rank": node_rank,
-            "master_addr": master_addr,
-            "master_port": master_port,
-        }
+        self._log = setup_logger("onedist.Parallel")
         given = {k: v for k, v in spawn_args.items() if v is not None}
         if backend is None:
-            if given or init_method is not None:
-                first = next(iter(given), "init_method")
+            if init_method is not None:
                 raise bad_value(
                     "Parallel",
-                    first,
-                    given.get(first, init_method),
+                    "init_method",
+                    init_method,
                     "None when backend is None (serial run)",
                     hint="pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
                 )
@@ -961,7 +968,29 @@ class Parallel:
                 record_error(e)  # a child of start_method="subprocess": tell the parent
                 raise
             self._initialized_here = True
+        self._log_start()
         return self
+
+    def _log_start(self) -> None:
+        """What ignite's Parallel logs on entry (rank 0, INFO, to stderr): scripts and their tests
+        read these lines."""
+        if self.backend is None:
+            return
+        if self.mode not in ("spawn", "subprocess"):
+            self._log.info(f"Initialized processing group with backend: '{self.backend}'")
+            return
+        self._log.info(f"Initialized distributed launcher with backend: '{self.backend}'")
+        params = {
+            "nproc_per_node": self.nproc_per_node,
+            "nnodes": self.nnodes or 1,
+            "node_rank": self.node_rank or 0,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "init_method": self.init_method,
+            **self.spawn_kwargs,
+        }
+        shown = "\n\t".join(f"{k}: {v}" for k, v in params.items() if v is not None)
+        self._log.info(f"- Parameters to spawn processes: \n\t{shown}")
 
     def run(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``func(local_rank, *args, **kwargs)`` in the mode this object chose.
@@ -981,6 +1010,17 @@ class Parallel:
             ...     parallel.run(lambda local_rank, x: x + local_rank, 1)
             1
         """
+        if self.mode in ("spawn", "subprocess"):
+            self._log.info(f"Spawn function '{func}' in {self.nproc_per_node} processes")
+        else:
+            from .context import get_world_size
+
+            self._log.info(f"- Run '{func}' in {get_world_size()} processes")
+        result = self._run(func, *args, **kwargs)
+        self._log.info("End of run")
+        return result
+
+    def _run(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.mode == "serial":
             return func(0, *args, **kwargs)
         if self.mode == "external":
@@ -1032,6 +1072,7 @@ class Parallel:
         if self._initialized_here:
             from .context import finalize
 
+            self._log.info(f"Finalized processing group with backend: '{self.backend}'")
             if exc is not None:
                 from ._guard import let_failed_rank_exit_first, report_and_release
 

@@ -113,14 +113,31 @@ class DistributedProxySampler(_AutoEpoch, Sampler[int]):
         rank: Optional[int] = None,
         seed: int = 0,
     ) -> None:
+        func = "DistributedProxySampler"
         if not isinstance(sampler, Sampler) and not hasattr(sampler, "__iter__"):
-            raise bad_type("DistributedProxySampler", "sampler", sampler, "a torch.utils.data.Sampler")
+            raise bad_type(
+                func,
+                "sampler",
+                sampler,
+                "a torch.utils.data.Sampler",
+                says="Argument sampler should be instance of torch Sampler",
+            )
         if not hasattr(sampler, "__len__"):
             raise bad_type(
-                "DistributedProxySampler",
+                func,
                 "sampler",
                 sampler,
                 "a sampler with __len__ (every rank must know how many items there are)",
+                says="Argument sampler should have length",
+            )
+        if isinstance(sampler, (_TorchDistributedSampler, DistributedEvalSampler, DistributedProxySampler)):
+            raise bad_type(
+                func,
+                "sampler",
+                sampler,
+                "a sampler over the whole dataset (this class gives each rank its share of it)",
+                hint="use the distributed sampler as it is",
+                says="Argument sampler must not be a distributed sampler already",
             )
         self.sampler = sampler
         self.num_replicas, self.rank = _world(num_replicas, rank, "DistributedProxySampler")

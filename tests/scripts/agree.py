@@ -26,7 +26,7 @@ def describe(local_rank: int) -> dict:
         "hostname": od.hostname(),
         "backend": od.backend(),
         "sum": od.all_reduce(1),
-        "ranks": od.all_gather(od.get_rank()).tolist(),
+        "ranks": od.all_gather(od.get_rank()),
         "pid": os.getpid(),
         **_shm_layout(),
     }

@@ -152,7 +152,8 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
                 self._pending += 1
         if inline:
             try:
-                job()
+                with torch.no_grad():  # data movement, as c10d's: tensors that require grad too
+                    job()
             finally:
                 self._exec.release()
             return done(result)
@@ -177,7 +178,7 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
                 return
             job, result, fut = item
             error: Optional[BaseException] = None
-            with self._exec:
+            with self._exec, torch.no_grad():  # grad mode is per thread: off here too
                 try:
                     self._execute(job)
                 except BaseException as e:

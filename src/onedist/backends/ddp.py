@@ -153,12 +153,19 @@ def wrap_ddp(
     """
     ours, ddp_kwargs = check_options(options)
     if sync_bn:
-        if device.type == "cuda":
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
-        else:  # torch's runs on GPUs only; onedist's on any device, through its collectives
-            from ..syncbn import convert_sync_batchnorm
-
-            model = convert_sync_batchnorm(model)
+        if device.type != "cuda":
+            # ignite's (torch's) answer, now instead of at DDP's first look; onedist's own
+            # SyncBatchNorm works on any device, but only when asked for by name
+            raise bad_value(
+                "auto_model",
+                "sync_bn",
+                True,
+                "True only on CUDA devices (torch's SyncBatchNorm)",
+                hint="model = od.convert_sync_batchnorm(model) before auto_model gives onedist's "
+                "SyncBatchNorm, which works on CPU too",
+                says=f"SyncBatchNorm layers only work with GPU modules (this model is on {device.type})",
+            )
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
     if device.type == "cuda":
         ddp_kwargs["device_ids"] = [device.index]
         ddp_kwargs["output_device"] = device.index

@@ -27,6 +27,7 @@ from .._net import (
     listen_socket,
     loopback_ifname,
     rendezvous_port,
+    tcp_init_would_hang,
 )
 from ..environments import ClusterEnv, PartialLayout, detect, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, OnedistTimeoutError, OnedistValueError, bad_value
@@ -92,6 +93,8 @@ class NativeBackend(Backend):
         self.owned = owned
         #: environment variables onedist set, with their previous values, restored by finalize
         self._env_set = env_set or {}
+        #: the init_method onedist initialised with (None for a group made outside onedist)
+        self.init_method: Optional[str] = None
         self._groups: dict[Any, Any] = {}
         self._object_groups: dict[Any, Any] = {}
         self._group_ranks: dict[Any, tuple[int, ...]] = {}
@@ -157,13 +160,10 @@ class NativeBackend(Backend):
         env_set: dict[str, Optional[str]] = {}
         if init_method.startswith("env://"):
             _prepare_env_rendezvous(rank, world_size, env_set)
-        elif rank is None or world_size is None:
-            missing = [n for n, v in (("rank", rank), ("world_size", world_size)) if v is None]
-            raise OnedistValueError(
-                f"onedist.initialize: init_method={init_method!r} needs rank and world_size; "
-                f"missing: {', '.join(missing)}\n"
-                f"HINT: initialize({backend!r}, init_method={init_method!r}, rank=<0..N-1>, world_size=N)"
-            )
+        else:
+            rank, world_size = _rank_world_from_env(rank, world_size)
+            if init_method.startswith("tcp://") and rank == 0:
+                _check_tcp_host(init_method)
         if backend == "shm":
             from .shm import register
 
@@ -195,7 +195,9 @@ class NativeBackend(Backend):
             _restore_env(env_set)
             discard_store_fd(os.environ)
             raise
-        return cls(owned=True, env_set=env_set)
+        made = cls(owned=True, env_set=env_set)
+        made.init_method = init_method
+        return made
 
     @classmethod
     def launch(
@@ -452,7 +454,8 @@ class NativeBackend(Backend):
             nodes = self._node_list()
             mine = nodes[self.rank]
             ranks = tuple(r for r, n in enumerate(nodes) if n == mine)
-            self._local_group = self.new_group(ranks)
+            # a group object even when it is every rank (detectron2's callers pass it to torch)
+            self._local_group = self.new_group(ranks) or dist.group.WORLD
             self._local_group_made = True
         return self._local_group
 
@@ -647,12 +650,8 @@ def _prepare_env_rendezvous(
     for name, default in (("MASTER_ADDR", LOOPBACK), ("MASTER_PORT", None)):
         if name not in env:
             if not single:
-                raise OnedistValueError(
-                    f"onedist.initialize: init_method='env://' with world size {env_world} needs "
-                    f"{name} in the environment; it is not set\n"
-                    "HINT: export MASTER_ADDR=<host of rank 0> MASTER_PORT=<free port>, or use "
-                    "init_method='tcp://host:port' / 'file:///shared/path'"
-                )
+                _ignite_default(name, env_world, env_set)
+                continue
             if name == "MASTER_PORT" and str(env.get("RANK", rank)) == "0":
                 # a group of one: hold the port from now on (no window for another program)
                 sock = listen_socket(LOOPBACK, 0)
@@ -660,6 +659,58 @@ def _prepare_env_rendezvous(
                 env[STORE_FD_ENV] = str(sock.detach())
             else:
                 _set_env(name, default or str(free_port()), env_set)
+
+
+def _rank_world_from_env(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    """``rank``/``world_size`` for a tcp:// or file:// rendezvous: as given, else what the
+    launcher that started this process says, else a group of one (as in ignite)."""
+    cluster = detect(os.environ)
+    if rank is None:
+        rank = cluster.rank if cluster is not None else 0
+    if world_size is None:
+        world_size = cluster.world_size if cluster is not None else 1
+    return rank, world_size
+
+
+def _check_tcp_host(init_method: str) -> None:
+    """Rank 0 hosts a tcp:// rendezvous: another machine's address would leave every rank
+    connecting there until the timeout, so refuse it now (ignite refuses every tcp://)."""
+    if tcp_init_would_hang(init_method):
+        raise OnedistValueError(
+            f"onedist.initialize: TCP initialization via init_method='{init_method}' will hang: rank 0 "
+            "hosts the rendezvous, and that host is not an address of this machine. To fix this, please "
+            "configure MASTER_ADDR and MASTER_PORT in the environment and use 'env://' (or omit "
+            "init_method), or give an address of rank 0's machine"
+        )
+
+
+# what ignite.distributed puts in the environment when several processes name no rendezvous
+_IGNITE_RENDEZVOUS = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": "15000"}
+
+
+def _ignite_default(name: str, env_world: Any, env_set: dict[str, Optional[str]]) -> None:
+    """Several processes and no ``name``: ignite's default (127.0.0.1:15000), which every process
+    of one host computes alike, unless the environment says the job spans several nodes."""
+    nnodes = _nnodes_from_env(os.environ)
+    if nnodes is not None and nnodes > 1:
+        raise OnedistValueError(
+            f"onedist.initialize: init_method='env://' with world size {env_world} over {nnodes} nodes "
+            f"needs {name} in the environment; it is not set\n"
+            "HINT: export MASTER_ADDR=<host of rank 0> MASTER_PORT=<free port>, or use "
+            "init_method='tcp://host:port' / 'file:///shared/path'"
+        )
+    _set_env(name, _IGNITE_RENDEZVOUS[name], env_set)
+
+
+def _nnodes_from_env(env: Any) -> Optional[int]:
+    cluster = detect(env)
+    if cluster is None:
+        return None
+    if cluster.nnodes is not None:
+        return cluster.nnodes
+    if cluster.nproc_per_node:
+        return -(-cluster.world_size // cluster.nproc_per_node)
+    return None
 
 
 def _env_store(

@@ -25,6 +25,7 @@ class SerialBackend(Backend):
 
     def __init__(self) -> None:
         super().__init__(None, 0, 1)
+        self._groups: dict[tuple[int, ...], list[int]] = {}
 
     @classmethod
     def available_backends(cls) -> tuple[str, ...]:
@@ -69,19 +70,22 @@ class SerialBackend(Backend):
         return torch.device("cpu")
 
     def new_group(self, ranks: tuple[int, ...], **kwargs: Any) -> Any:
-        return None
+        # as ignite's serial model: the ranks themselves (one list per ranks, as groups are cached)
+        return self._groups.setdefault(ranks, list(ranks))
 
     def group_ranks(self, group: Any) -> tuple[int, ...]:
         return (0,)
 
     def group_rank(self, group: Any) -> int:
+        if group is not None and not isinstance(group, (list, tuple)):
+            raise TypeError(f"not a group of the serial backend: {group!r}")  # the caller words it
         return 0
 
     def object_group(self, group: Any) -> Any:
         return group
 
     def local_group(self) -> Any:
-        return None
+        return self.new_group((0,))
 
     def comm_device(self, device: torch.device, op: str) -> torch.device:
         return device
