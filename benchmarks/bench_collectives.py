@@ -9,10 +9,10 @@ repetitions (raw, onedist, raw, onedist, ...), and the report gives medians and 
     python benchmarks/bench_collectives.py --backend shm   # the same on the shared-memory backend
 
 Cases
-  small all_reduce     one float32, per-call latency; raw = dist.all_reduce in place, compared with
-                       onedist inplace=True; "raw + clone" (input kept) with onedist's default
-  large all_reduce     16/64/128 MB float32; onedist with inplace=True (same semantics as raw) and
-                       with the default (returns a new tensor, input untouched)
+  small all_reduce     one float32, per-call latency; raw = dist.all_reduce(t), compared with
+                       onedist's default od.all_reduce(t) (in place, as ignite and raw: the A/B
+                       row); "raw + clone" (input kept) with onedist's inplace=False
+  large all_reduce     16/64/128 MB float32; the same pairs
   dict of 100 metrics  100 0-dim tensors; raw = torch.stack + one all_reduce + unbind (by hand);
                        also raw leaf by leaf, as peers that loop over a dict do
   uneven all_gather    rank r sends n*(r+1)/W rows; raw = sizes all_gather + pad to the largest +
@@ -132,10 +132,10 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
     variants: dict[str, Callable[[], Any]] = {
         "raw": lambda: dist.all_reduce(t),
-        "onedist inplace": lambda: od.all_reduce(t, inplace=True),
+        "onedist (default)": lambda: od.all_reduce(t),
         "raw + clone": raw_new_tensor,
-        "onedist (new tensor)": lambda: od.all_reduce(t),
-        "onedist inplace, debug mode": lambda: _debug(lambda: od.all_reduce(t, inplace=True)),
+        "onedist inplace=False": lambda: od.all_reduce(t, inplace=False),
+        "onedist, debug mode": lambda: _debug(lambda: od.all_reduce(t)),
     }
     if idist is not None:
         variants["ignite"] = lambda: idist.all_reduce(t)
@@ -152,9 +152,9 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
         medians = compare(
             {
                 "raw": lambda x=x: dist.all_reduce(x),
-                "onedist inplace": lambda x=x: od.all_reduce(x, inplace=True),
+                "onedist (default)": lambda x=x: od.all_reduce(x),
                 "raw + clone": lambda x=x: dist.all_reduce(x.clone()),
-                "onedist (new tensor)": lambda x=x: od.all_reduce(x),
+                "onedist inplace=False": lambda x=x: od.all_reduce(x, inplace=False),
             },
             iters,
             3 if quick else 9,
@@ -229,7 +229,8 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
         "us",
         1e6,
     )
-    variants = {"raw": raw_broadcast_object, "onedist": lambda: od.broadcast(obj if rank == 0 else None)}
+    mine = obj if rank == 0 else None
+    variants = {"raw": raw_broadcast_object, "onedist": lambda: od.broadcast_object(mine)}
     record(
         "object broadcast (small dict)", compare(variants, 50 if quick else 200, 3 if quick else 5), "us", 1e6
     )

@@ -89,7 +89,8 @@ def training(local_rank: int, args: argparse.Namespace) -> float:
     train_set, test_set = datasets()
     train_loader = od.auto_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
     test_loader = od.auto_dataloader(test_set, batch_size=256, evaluation=True)
-    model = od.auto_model(Net(), sync_bn=args.sync_bn)
+    # onedist's SyncBatchNorm runs on any device (auto_model's sync_bn=True is torch's, CUDA only)
+    model = od.auto_model(od.convert_sync_batchnorm(Net()) if args.sync_bn else Net())
     optimizer = od.auto_optim(torch.optim.AdamW(model.parameters(), lr=args.lr))
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, epochs=args.epochs, steps_per_epoch=len(train_loader)
@@ -127,7 +128,7 @@ def training(local_rank: int, args: argparse.Namespace) -> float:
             )
     # every rank must hold the same model: compare a checksum of the parameters across ranks
     checksum = float(sum(p.detach().double().sum().cpu() for p in od.unwrap(model).parameters()))
-    checksums = od.all_gather(checksum).tolist()
+    checksums = od.all_gather(checksum)
     same = len(set(checksums)) == 1
     if od.is_main_process():
         verdict = "identical" if same else f"DIFFERENT {checksums}"
