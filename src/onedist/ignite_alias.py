@@ -6,9 +6,11 @@ same switch from :func:`install`: ignite's public modules ``ignite.distributed``
 ``.auto`` and ``.launcher`` become modules whose names are onedist's, while every other module of
 ignite (``comp_models``, ``engine``, ``metrics``) still loads from ignite's own files.
 
-To give every worker and subprocess the switch, put a ``sitecustomize.py`` that calls
-:func:`install_if_asked` on ``PYTHONPATH`` and set ``ONEDIST_AS_IGNITE=1`` (as the runner of
-ignite's suite, ``tests/foreign/ignite_suite.py``, does). onedist never installs it by itself.
+To give every worker and subprocess the switch, have each interpreter call
+:func:`install_if_asked` at start-up, e.g. from a ``.pth`` file in site-packages (a line that
+starts with ``import`` runs at every start), and set ``ONEDIST_AS_IGNITE=1``; the runner of
+ignite's suite, ``tests/foreign/ignite_suite.py``, does so for its run. onedist never installs
+it by itself.
 
 Example:
     >>> import sys
