@@ -50,12 +50,12 @@ def check_parallel_args(
             )
     else:
         for name in SPAWN_ARGS:
-            if spawn_args[name] is not None:
-                value = spawn_args[name]
+            value = spawn_args[name]
+            if value is not None:
                 raise _error(
                     f"If backend is None, argument '{name}' should be also None, but given {value}",
                     name,
-                    spawn_args[name],
+                    value,
                     "None when backend is None (serial run)",
                     "pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
                 )

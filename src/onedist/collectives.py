@@ -450,7 +450,7 @@ def _flatten(func: str, obj: Any, leaves: list[Any], path: tuple[Any, ...]) -> A
         where,
         obj,
         "a tensor, a number, or a dict/list/tuple of those",
-        hint="strings and other objects cannot be reduced; use all_gather or broadcast for them",
+        hint="strings and other objects cannot be reduced; use all_gather or broadcast_object for them",
         says="Unhandled input type",
     )
 
