@@ -131,7 +131,7 @@ def check_comm_hooks(hook: str) -> dict:
         steps=4,
         opt=torch.optim.SGD(serial.parameters(), lr=0.2),
     )
-    _train(model, od.auto_dataloader(data, batch_size=GLOBAL_BATCH), steps=4, opt=opt)
+    _train(model, od.auto_dataloader(data, batch_size=GLOBAL_BATCH, shuffle=False), steps=4, opt=opt)
     _same_on_every_rank(model)
     diff = max(
         (a - b).abs().max().item() for a, b in zip(od.unwrap(model).parameters(), reference.parameters())

@@ -243,7 +243,7 @@ def check_training_equals_one_process() -> list[float]:
         assert p.device == od.device() and torch.equal(p.detach().cpu(), q.detach()), "auto_model broadcast"
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
-    loader = od.auto_dataloader(data, batch_size=8)  # global batch 8: 4 per device
+    loader = od.auto_dataloader(data, batch_size=8, shuffle=False)  # global batch 8: 4 per device
     assert len(loader) == 2 and loader.sampler.num_replicas == w and loader.sampler.rank == r
     optimizer = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     assert isinstance(optimizer, torch.optim.SGD)

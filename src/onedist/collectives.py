@@ -177,9 +177,10 @@ class AsyncResult:
     def wait(self) -> Any:
         """Wait for the communication and return the collective's result."""
         if not self._done:
-            for w in self._works:
-                w.wait()
-            self._result = self._finish()
+            with torch.no_grad():  # a backend may copy into the caller's tensors here
+                for w in self._works:
+                    w.wait()
+                self._result = self._finish()
             self._done = True
             self._works = []
         return self._result
@@ -249,7 +250,11 @@ def all_reduce(
                 b.all_reduce_(buf, opn, None, False)
                 return buf
             if tensor.is_contiguous():
-                b.all_reduce_(tensor, opn, None, False)
+                if tensor.requires_grad:  # into it all the same, as torch's c10d (off the hot path)
+                    with torch.no_grad():
+                        b.all_reduce_(tensor, opn, None, False)
+                else:
+                    b.all_reduce_(tensor, opn, None, False)
                 return tensor
         g, size = None, b.world_size
     else:
@@ -325,9 +330,10 @@ def _issue(
     b: Backend, buf: torch.Tensor, op: str, g: Any, dst: Optional[int], async_op: bool
 ) -> Optional[Work]:
     op = "SUM" if op == "MEAN" else op
-    if dst is None:
-        return b.all_reduce_(buf, op, g, async_op)
-    return b.reduce_(buf, dst, op, g, async_op)
+    with torch.no_grad():  # a reduction into a tensor that requires grad, as torch's c10d allows
+        if dst is None:
+            return b.all_reduce_(buf, op, g, async_op)
+        return b.reduce_(buf, dst, op, g, async_op)
 
 
 def _reduce_tensor(

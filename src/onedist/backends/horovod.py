@@ -585,7 +585,7 @@ class HorovodBackend(Backend):
         if not self._local_group_made:
             layout = self.layout()
             if layout.nproc_per_node == self.world_size:
-                self._local_group = None
+                self._local_group = self._hvd.global_process_set  # a group object, never None
             else:
                 import hashlib
 
