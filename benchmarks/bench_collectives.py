@@ -12,7 +12,8 @@ Cases
   small all_reduce     one float32, per-call latency; raw = dist.all_reduce(t), compared with
                        onedist's default od.all_reduce(t) (in place, as ignite and raw: the A/B
                        row); "raw + clone" (input kept) with onedist's inplace=False
-  large all_reduce     16/64/128 MB float32; the same pairs
+  large all_reduce     16/64/128 MB float32; the same pairs. "raw again (A/A)" in both cases is raw
+                       once more: how far apart two identical calls land (the noise floor)
   dict of 100 metrics  100 0-dim tensors; raw = torch.stack + one all_reduce + unbind (by hand);
                        also raw leaf by leaf, as peers that loop over a dict do
   uneven all_gather    rank r sends n*(r+1)/W rows; raw = sizes all_gather + pad to the largest +
@@ -132,6 +133,7 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
     variants: dict[str, Callable[[], Any]] = {
         "raw": lambda: dist.all_reduce(t),
+        "raw again (A/A)": lambda: dist.all_reduce(t),  # the noise floor of the ratios
         "onedist (default)": lambda: od.all_reduce(t),
         "raw + clone": raw_new_tensor,
         "onedist inplace=False": lambda: od.all_reduce(t, inplace=False),
@@ -152,12 +154,13 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
         medians = compare(
             {
                 "raw": lambda x=x: dist.all_reduce(x),
+                "raw again (A/A)": lambda x=x: dist.all_reduce(x),
                 "onedist (default)": lambda x=x: od.all_reduce(x),
                 "raw + clone": lambda x=x: dist.all_reduce(x.clone()),
                 "onedist inplace=False": lambda x=x: od.all_reduce(x, inplace=False),
             },
             iters,
-            3 if quick else 9,
+            3 if quick else 15,
         )
         record(f"all_reduce {mb} MB", medians, "ms", 1e3, bytes_=mb * 2**20)
 
