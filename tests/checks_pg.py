@@ -169,6 +169,16 @@ def check_copy_collectives_equal_gloo() -> None:
                 dist.broadcast(b, src=root)
                 expect = od.broadcast(x, src=root)  # onedist's own broadcast, through the same group
                 assert torch.equal(b, expect), ("broadcast", dtype, n, root)
+    # all_gather_coalesced: outputs[r][i] is rank r's input i; with as many inputs as ranks a
+    # transposed result has the right shapes, so check values, and one input more than ranks too
+    for n_in in (world, world + 1):
+        ins = [torch.full((2,), float(10 * rank + i)) for i in range(n_in)]
+        outs = [[torch.empty(2) for _ in range(n_in)] for _ in range(world)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated by torch, still a collective
+            dist.all_gather_coalesced(outs, ins)
+        got = [[o.tolist() for o in row] for row in outs]
+        assert got == [[[float(10 * r + i)] * 2 for i in range(n_in)] for r in range(world)], got
     for dtype in [torch.int32, torch.float32]:
         for n in [0, 1, _slot() // 4 // world + 3]:
             x = _data(world * n, dtype, "SUM", seed=rank)

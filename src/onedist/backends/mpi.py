@@ -384,7 +384,10 @@ class MpiProcessGroup(OrderedGroup):
         return self._run(partial(for_each, self._gather_into_list, outputs, inputs), inputs, outputs)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        return self.allgather(outputs, inputs, opts)
+        # torch's coalesced form is rank-major (outputs[rank][i]); allgather's is input-major
+        # (outputs[i][rank]): the same tensors, transposed (passed as they were, every result
+        # was transposed, silently wrong when there are as many inputs as ranks)
+        return self.allgather([list(per_input) for per_input in zip(*outputs)], inputs, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self._check_cpu("all_gather", [output, input])
