@@ -285,6 +285,12 @@ def worker_report(local_rank: int, scale: int, offset: int = 0) -> dict[str, Any
     }
 
 
+def worker_layout(local_rank: int) -> tuple[int, ...]:
+    """Where this worker is: (rank, local_rank, node_rank, nnodes, nproc_per_node), and a sum."""
+    layout = (od.get_rank(), local_rank, od.get_node_rank(), od.get_nnodes(), od.get_nproc_per_node())
+    return (*layout, od.all_reduce(od.get_rank() + 1))
+
+
 def worker_timeout(local_rank: int) -> str:
     """Rank 1 stays away from a collective longer than the timeout: rank 0's call raises."""
     if od.get_rank() == 1:
@@ -320,9 +326,13 @@ def serial_checks() -> None:
     ):
         with pytest.raises(OnedistValueError, match=match):
             od.initialize("horovod", **kwargs)
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "2"})  # as torchrun / onedist run would start it
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})  # as torchrun sets them
     with pytest.raises(OnedistValueError, match="started by torchelastic .* Horovod only joins processes"):
         od.initialize("horovod")
+    del os.environ["LOCAL_WORLD_SIZE"]  # RANK and WORLD_SIZE alone (by hand): ignored, as ignite does
+    od.initialize("horovod")
+    assert (od.get_world_size(), od.get_rank()) == (1, 0)
+    od.finalize()
     del os.environ["RANK"], os.environ["WORLD_SIZE"]
     assert not hvd.is_initialized()
 

@@ -43,6 +43,9 @@ def test_public_modules_resolve_to_onedist_and_internals_stay_ignites():
         assert Engine.__module__.startswith("ignite.engine")
         from ignite.distributed.utils import _model  # what ignite's tests read: onedist's answers
         assert (_model.name, _model.get_world_size(), _model.get_rank()) == ("serial", 1, 0)
+        assert _model._get_max_length("abc", "cpu") == 3
+        from ignite.distributed.utils import _rank_not_in_group
+        assert not _rank_not_in_group(None) and _rank_not_in_group([1, 2])
         print("ok")
         """
     )

@@ -144,6 +144,9 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
         CollectiveMismatchError as CollectiveMismatchError,
     )
     from .errors import (
+        LaunchArgumentError as LaunchArgumentError,
+    )
+    from .errors import (
         OnedistError as OnedistError,
     )
     from .errors import (
@@ -211,6 +214,7 @@ __all__ = [
     "DistributedEvalSampler",
     "DistributedProxySampler",
     "DistributedSampler",
+    "LaunchArgumentError",
     "OnedistError",
     "OnedistRuntimeError",
     "OnedistTimeoutError",
@@ -328,6 +332,7 @@ _LAZY = {
     "sync": "context",
     "BackendUnavailableError": "errors",
     "CollectiveMismatchError": "errors",
+    "LaunchArgumentError": "errors",
     "OnedistError": "errors",
     "OnedistRuntimeError": "errors",
     "OnedistTimeoutError": "errors",

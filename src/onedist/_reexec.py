@@ -64,6 +64,7 @@ from .errors import OnedistRuntimeError, WorkerFailedError, bad_value, format_us
 from .launch import (
     GRACE_S,
     TERM_S,
+    _check_rendezvous_port,
     _check_spawn_args,
     _Failure,
     failure_report,
@@ -584,7 +585,9 @@ def run_subprocess(
         master_port,
         init_method,
         "spawn",  # the start method was checked by Parallel; the other arguments as spawn does
+        None,  # hosts: Parallel refuses it with start_method='subprocess'
     )
+    _check_rendezvous_port(nnodes, master_port, init_method)
     from .backends import class_for_backend
     from .context import _resolve_backend_name, _timeout, finalize, initialize
 

@@ -27,6 +27,7 @@ from typing import Any, Optional
 __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
+    "LaunchArgumentError",
     "OnedistError",
     "OnedistRuntimeError",
     "OnedistTimeoutError",
@@ -64,6 +65,12 @@ class OnedistRuntimeError(OnedistError, RuntimeError):
 
 class OnedistTimeoutError(OnedistError, TimeoutError):
     """Something did not happen within its timeout."""
+
+
+class LaunchArgumentError(OnedistValueError, RuntimeError):
+    """A launch argument the backend's own launcher cannot honour (e.g. ``nnodes=2`` for Horovod,
+    whose ``horovod.run`` takes a host list instead). A ValueError, and a RuntimeError as
+    ignite.distributed raises for the same calls."""
 
 
 class BackendUnavailableError(OnedistValueError):
@@ -126,15 +133,17 @@ def bad_value(
     allowed: str | Iterable[Any],
     hint: Optional[str] = None,
     says: Optional[str] = None,
+    error: type[OnedistValueError] = OnedistValueError,
 ) -> OnedistValueError:
     """Build the standard "bad argument value" error (not raised here). ``says``: the words
-    ignite.distributed uses for this error, which its users' code may match on; they lead."""
+    ignite.distributed uses for this error, which its users' code may match on; they lead.
+    ``error``: the class, for a more specific ValueError."""
     allowed_text = allowed if isinstance(allowed, str) else _fmt_allowed(allowed)
     lead = f"{says}: " if says else ""
     msg = f"onedist.{func}: {lead}{arg}={value!r} is not allowed; allowed: {allowed_text}"
     if hint:
         msg += f"\nHINT: {hint}"
-    return OnedistValueError(msg)
+    return error(msg)
 
 
 def bad_type(

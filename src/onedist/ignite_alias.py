@@ -85,9 +85,10 @@ def _rank_not_in_group(group: Any) -> bool:
         return False
     if isinstance(group, (list, tuple)):
         return onedist.get_rank() not in group
-    import torch.distributed as dist
+    from onedist.context import current
 
-    return bool(dist.get_rank(group) < 0)
+    # the backend's own answer: a torch group, a Horovod process set, an XLA replica list
+    return current().group_rank(group) < 0
 
 
 class _ModelView:
@@ -108,6 +109,15 @@ class _ModelView:
         if name in _QUERIES:
             return getattr(onedist, name)
         raise AttributeError(f"onedist has no equivalent of ignite's private _model.{name}")
+
+    def _get_max_length(self, x: str, device: Any = None) -> int:
+        """The longest ``len(x)`` over the ranks (ignite's tests call this helper of ``_model``)."""
+        import torch
+
+        import onedist
+
+        size = torch.tensor([len(x)], device=device)
+        return int(onedist.all_reduce(size, op="MAX").item())
 
     def __repr__(self) -> str:
         return f"<onedist backend {self.name!r} seen as ignite's _model>"

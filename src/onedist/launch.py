@@ -576,6 +576,7 @@ def _check_spawn_args(
     master_port: Any,
     init_method: Any,
     start_method: Any,
+    hosts: Any,
 ) -> None:
     if not isinstance(backend, str):
         raise bad_type("spawn", "backend", backend, "str, e.g. 'gloo', 'nccl' or 'auto'")
@@ -609,6 +610,19 @@ def _check_spawn_args(
     if start_method not in _START_METHODS or start_method not in multiprocessing.get_all_start_methods():
         allowed = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
         raise bad_value("spawn", "start_method", start_method, allowed)
+    if hosts is not None and backend != "horovod":
+        raise bad_value(
+            "spawn",
+            "hosts",
+            hosts,
+            f"None with backend {backend!r}",
+            hint="hosts is horovod.run's host list, for backend 'horovod'; other backends run "
+            "spawn once per node, with nnodes, node_rank and master_addr",
+        )
+
+
+def _check_rendezvous_port(nnodes: int, master_port: Optional[int], init_method: Optional[str]) -> None:
+    """onedist's own launcher (torch.distributed backends): several nodes meet at one fixed port."""
     if nnodes > 1 and master_port is None and (init_method is None or init_method.startswith("env://")):
         raise bad_value(
             "spawn",
@@ -632,6 +646,7 @@ def spawn(
     init_method: Optional[str] = None,
     timeout: Any = None,
     start_method: str = "spawn",
+    hosts: Optional[str] = None,
 ) -> list[Any]:
     """Start ``nproc_per_node`` workers on this node, each running ``fn(local_rank, *args, **kwargs_dict)``.
 
@@ -658,6 +673,9 @@ def spawn(
         timeout: rendezvous and collective timeout (``timedelta`` or seconds).
         start_method: "spawn" (default, safe with CUDA), "fork" (fast; no CUDA before it) or
             "forkserver".
+        hosts: backend "horovod" only: ``horovod.run``'s host list ``"host1:slots,host2:slots"``,
+            as ignite passes it; ``nproc_per_node`` is then the number of processes over all of
+            them. Hosts other than this one are reached with ssh, as horovodrun does.
 
     Returns:
         Each local rank's return value, in local-rank order (values that cannot be pickled come
@@ -687,6 +705,7 @@ def spawn(
         master_port,
         init_method,
         start_method,
+        hosts,
     )
     from .backends import class_for_backend
     from .context import _resolve_backend_name, _timeout
@@ -712,9 +731,11 @@ def spawn(
         init_method=init_method,
         timeout=td,
         start_method=start_method,
+        hosts=hosts,
     )
     if own is not None:
         return own
+    _check_rendezvous_port(nnodes, master_port, init_method)
     if start_method == "spawn" and _interactive_main(fn):
         import torch
 
@@ -825,9 +846,9 @@ class Parallel:
         master_addr: node 0's address (spawn mode).
         master_port: rendezvous port (spawn mode; None picks a free one on one node).
         init_method: "env://", "tcp://..." or "file://...".
-        **spawn_kwargs: ``timeout`` (see :func:`spawn`) and ``start_method``: "spawn" (default; fn
+        **spawn_kwargs: ``timeout`` (see :func:`spawn`), ``start_method``: "spawn" (default; fn
             must be importable), "fork", "forkserver" (see :func:`spawn`) or "subprocess" (re-run
-            the script; any fn).
+            the script; any fn), and ``hosts`` for backend "horovod" (see :func:`spawn`).
 
     Example:
         >>> import onedist as od
@@ -849,7 +870,7 @@ class Parallel:
         ...         print(p.run(train))                                 # 30 (only rank 0 returns here)
     """
 
-    _SPAWN_KWARGS = ("timeout", "start_method")
+    _SPAWN_KWARGS = ("timeout", "start_method", "hosts")
 
     def __init__(
         self,
@@ -874,6 +895,14 @@ class Parallel:
         if method not in (*_START_METHODS, "subprocess"):
             allowed = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
             raise bad_value("Parallel", "start_method", method, [*allowed, "subprocess"])
+        if method == "subprocess" and spawn_kwargs.get("hosts") is not None:
+            raise bad_value(
+                "Parallel",
+                "hosts",
+                spawn_kwargs["hosts"],
+                "None with start_method='subprocess' (hosts is for backend 'horovod', whose "
+                "workers horovod.run starts)",
+            )
         from ._parallel_args import check_parallel_args, port_number
 
         master_port = port_number("Parallel", master_port)

@@ -121,13 +121,16 @@ class Backend(ABC):
         init_method: Optional[str],
         timeout: Optional[timedelta],
         start_method: str,
+        hosts: Optional[str] = None,
     ) -> Optional[list[Any]]:
         """Start workers with the backend's own launcher (``horovod.run``, ``xmp.spawn``).
 
         Called by :func:`onedist.spawn` with checked arguments. Each worker must create the
         context, run ``fn(local_rank, *args, **kwargs)`` and finalise. Returns each local rank's
         result in local-rank order, or None to let onedist's own process launcher start the
-        workers (the default: torch.distributed needs nothing else).
+        workers (the default: torch.distributed needs nothing else). ``hosts`` is only given to a
+        backend whose launcher spreads the processes over hosts itself (Horovod's ``horovod.run``);
+        spawn refuses it for the others.
         """
         return None
 

@@ -55,6 +55,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import (
+    LaunchArgumentError,
     OnedistRuntimeError,
     OnedistTypeError,
     OnedistValueError,
@@ -377,8 +378,10 @@ class HorovodBackend(Backend):
         init_method: Optional[str],
         timeout: Optional[timedelta],
         start_method: str,
+        hosts: Optional[str] = None,
     ) -> Optional[list[Any]]:
-        """Start ``nproc_per_node`` workers on this host through ``horovod.run`` (Gloo controller).
+        """Start ``nproc_per_node`` workers through ``horovod.run`` (Gloo controller), on this host or,
+        with ``hosts`` ("host1:slots,host2:slots", as ignite passes it), over those hosts.
 
         Each worker runs ``fn(local_rank, *args, **kwargs)`` inside an initialised horovod context;
         the results come back in rank order. A failing worker ends the run (Horovod stops the
@@ -386,11 +389,28 @@ class HorovodBackend(Backend):
         """
         from ..launch import check_one_host_launch
 
+        hint = (
+            "spawn('horovod', ...) starts the processes through horovod.run, which picks its own "
+            "rendezvous; for several hosts pass hosts='host1:n1,host2:n2' (nproc_per_node is then "
+            "the total), or run `horovodrun -np N -H host1:n1,host2:n2 python script.py` "
+            "(Parallel(backend='horovod') then only initialises)"
+        )
+        if nnodes != 1:  # (node_rank < nnodes is checked already) ignite's words and error type
+            raise bad_value(
+                "spawn",
+                "nnodes",
+                nnodes,
+                "1 with backend 'horovod'",
+                hint=hint,
+                says="For multi-node configuration, please set 'hosts' argument instead",
+                error=LaunchArgumentError,
+            )
+        host_list = (
+            _check_hosts(hosts, nproc_per_node) if hosts is not None else f"localhost:{nproc_per_node}"
+        )
         check_one_host_launch(
             "horovod",
-            "spawn('horovod', ...) starts fresh processes on this host through horovod.run, which "
-            "picks its own rendezvous; for several hosts use `horovodrun -np N -H host1:n1,host2:n2 "
-            "python script.py` (Parallel(backend='horovod') then only initialises)",
+            hint,
             nnodes=nnodes,
             node_rank=node_rank,
             master_addr=master_addr,
@@ -417,7 +437,7 @@ class HorovodBackend(Backend):
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs), cfg))
         ctx = multiprocessing.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_horovod_run, args=(payload, nproc_per_node, writer))
+        child = ctx.Process(target=_horovod_run, args=(payload, nproc_per_node, host_list, writer))
         try:
             child.start()
             writer.close()
@@ -954,6 +974,16 @@ def _launcher_rank_size() -> tuple[int, int]:
         return 0, 1
     if env.name == "horovod":
         return env.rank, env.world_size
+    if env.name == "torchelastic" and not ({"TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE"} & set(os.environ)):
+        # RANK/WORLD_SIZE alone: set by hand or left by other code, not a launcher's (torchrun and
+        # onedist run set these two as well). Horovod ignores them, as ignite does: a world of one.
+        logger.warning(
+            "onedist.initialize: backend='horovod' ignores RANK=%s and WORLD_SIZE=%s (no launcher set "
+            "them): this process is a Horovod world of one; horovodrun starts a Horovod job",
+            env.rank,
+            env.world_size,
+        )
+        return 0, 1
     mpi = env.name in ("openmpi", "mvapich", "mpich")
     if env.world_size > 1 and not (mpi and _hvd().mpi_built()):
         raise OnedistValueError(
@@ -1107,7 +1137,30 @@ def _report_failure(exc: BaseException, report_dir: str) -> None:
     write_failure_report(exc, report_dir, rank, int(os.environ.get("HOROVOD_LOCAL_RANK", str(rank))))
 
 
-def _horovod_run(payload: bytes, nproc: int, conn: Any) -> None:
+def _check_hosts(hosts: Any, nproc: int) -> str:
+    """``hosts`` as horovod.run takes it: "host:slots" items, comma-separated, with at least
+    ``nproc`` slots in all."""
+    allowed = "a str 'host1:slots,host2:slots' (slots: an int >= 1)"
+    if not isinstance(hosts, str):
+        raise bad_type("spawn", "hosts", hosts, allowed)
+    slots = 0
+    for item in hosts.split(","):
+        name, _, count = item.strip().rpartition(":")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise bad_value("spawn", "hosts", hosts, allowed)
+        slots += int(count)
+    if slots < nproc:
+        raise bad_value(
+            "spawn",
+            "hosts",
+            hosts,
+            f"hosts with at least nproc_per_node={nproc} slots in all (these have {slots})",
+            hint="with hosts, nproc_per_node is the number of processes over all hosts",
+        )
+    return hosts
+
+
+def _horovod_run(payload: bytes, nproc: int, hosts: str, conn: Any) -> None:
     """The child process of :meth:`HorovodBackend.launch`: ``horovod.run`` and its results."""
     import cloudpickle
     import horovod
@@ -1118,7 +1171,7 @@ def _horovod_run(payload: bytes, nproc: int, conn: Any) -> None:
             _worker,
             args=(fn, args, kwargs, cfg),
             num_proc=nproc,
-            hosts=f"localhost:{nproc}",
+            hosts=hosts,
             use_gloo=True,
         )
         conn.send(("ok", cloudpickle.dumps(results)))

@@ -276,6 +276,7 @@ class XlaBackend(Backend):
         init_method: Optional[str],
         timeout: Optional[timedelta],
         start_method: str,
+        hosts: Optional[str] = None,
     ) -> Optional[list[Any]]:
         """Run ``fn(local_rank, *args, **kwargs)`` on ``nproc_per_node`` XLA devices via ``xmp.spawn``.
 
