@@ -372,6 +372,23 @@ def check_reduce_and_barrier_and_gloo_ops() -> None:
             assert r.item() == 42
 
 
+def check_timeout_in_torchs_words() -> None:
+    """A collective that times out raises in the words torch's own tests match for gloo
+    (" Timed out ", "Timed out waiting <N>ms"); the other groups stay usable."""
+    from datetime import timedelta
+
+    import pytest
+
+    rank = od.get_rank()
+    group = dist.new_group(timeout=timedelta(seconds=1))  # every rank makes it; only rank 0 calls it
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=r" (Timed out|closed|timeout) ") as e:
+            dist.barrier(group=group)
+        assert "Timed out waiting 1000ms" in str(e.value), str(e.value)
+    dist.barrier()
+    assert od.all_reduce(1) == od.get_world_size()
+
+
 def check_sub_groups() -> None:
     """Groups of a subset of ranks (shm: their own segment); ranks outside a group skip it."""
     rank, world = od.get_rank(), od.get_world_size()

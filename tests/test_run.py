@@ -236,6 +236,12 @@ def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
         (["--output-ranks", "a"], "--output-ranks='a' is not allowed"),
         (["--nnodes", "2"], "--master-port is needed with --nnodes > 1"),
         (["--nnodes", "2", "--node-rank", "2", "--master-port", "1"], "--node-rank=2 is not allowed"),
+        (["--nnodes", "1:4"], "--nnodes=1:4 is not allowed; allowed: N or N:N"),
+        (["--rdzv-backend", "etcd"], "--rdzv-backend='etcd' is not allowed; allowed: 'static', 'c10d'"),
+        (["--max-restarts", "3"], "--max-restarts=3 is not allowed; allowed: 0"),
+        (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"], "--node-rank is needed"),
+        (["--rdzv-endpoint", "h:1", "--master-port", "2"], "name the same thing: pass one"),
+        (["--rdzv-endpoint", "h:port"], "--rdzv-endpoint='h:port' is not allowed; allowed: HOST[:PORT]"),
     ],
 )
 def test_onedist_run_usage_errors(args, message, tmp_path):
@@ -298,22 +304,17 @@ def test_torchrun_two_agents_as_two_nodes(tmp_path):
     _check_agree(tmp_path, 4, nnodes=2)
 
 
-def test_onedist_run_two_nodes_on_one_host(tmp_path):
+@pytest.mark.parametrize("flags", ["onedist", "torchrun's"])
+def test_onedist_run_two_nodes_on_one_host(flags, tmp_path):
     port = str(free_port())
+    where = ["--master-port", port] if flags == "onedist" else ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+    if flags != "onedist":
+        where += ["--rdzv-backend", "c10d", "--rdzv-id", "job7", "--nnodes", "2:2"]
+    else:
+        where += ["--nnodes", "2"]
     procs = [
         subprocess.Popen(
-            _onedist(
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "-n",
-                "2",
-                "--master-port",
-                port,
-                SCRIPT,
-                str(tmp_path),
-            ),
+            _onedist("--node-rank", str(node), "-n", "2", *where, SCRIPT, str(tmp_path)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

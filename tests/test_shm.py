@@ -93,6 +93,10 @@ def test_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable(shm):
     )
 
 
+def test_timeout_raises_in_torchs_words(shm):
+    shm(checks_pg.check_timeout_in_torchs_words)
+
+
 def test_fsdp2_and_functional_collectives_equal_gloo(shm):
     assert max(shm(checks_pg.check_fsdp2_and_functional_collectives_equal_gloo, timeout=120)) < 1e-5
 

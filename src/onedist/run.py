@@ -1,4 +1,4 @@
-"""``onedist run``: start the workers of a script on this node, like torchrun, without importing torch.
+"""``onedist run``: start the workers of a script on this node, like torchrun.
 
     onedist run --nproc-per-node 2 train.py --lr 0.1
     onedist run -n 4 -m mypkg.train
@@ -6,10 +6,16 @@
     srun -n 8 onedist run train.py          # SLURM started the tasks: run in place, no second spawn
 
 Each worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-GROUP_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID), so scripts written for torchrun run
-unchanged. Output lines are prefixed with ``[rank<N>]: `` (``--output-ranks`` keeps only some ranks).
-When a worker fails, the others are stopped (SIGTERM, SIGKILL 3 s later), the failing rank's
-error is printed first, and the exit status is non-zero. SIGINT/SIGTERM are forwarded to the workers.
+GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), so scripts written for torchrun
+run unchanged. As torchrun's agent does, the launcher on node 0 hosts the rendezvous store
+(``TORCHELASTIC_USE_AGENT_STORE=True``): every rank, including rank 0, connects to it, so torch's
+own ``env://`` path and onedist's both work, and the store outlives any one worker. The port is
+bound before any worker starts and held until the end; torch is imported (to serve the store) only
+after the workers started, so that their start is not delayed by it.
+
+Output lines are prefixed with ``[rank<N>]: `` (``--output-ranks`` keeps only some ranks). When a
+worker fails, the others are stopped (SIGTERM, SIGKILL 3 s later), the failing rank's error is
+printed first, and the exit status is non-zero. SIGINT/SIGTERM are forwarded to the workers.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import IO, Any, Optional
 
-from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
+from ._net import LOOPBACK, rendezvous_port
 from .environments import detect
 from .launch import GRACE_S, TERM_S, _Failure, failure_report, torchrun_env, worker_threads_env
 
@@ -51,8 +57,8 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         default="1",
         help="workers on this node: a number or 'auto' (one per visible GPU, else 1)",
     )
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (run the same command on each)")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=0)
+    p.add_argument("--nnodes", default="1", help="number of nodes, N or N:N (run the same command on each)")
+    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None)
     p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=LOOPBACK)
     p.add_argument(
         "--master-port",
@@ -63,6 +69,26 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         help="rendezvous port (default on one node: a free port on 127.0.0.1)",
     )
     p.add_argument("--standalone", action="store_true", help="one node, free port on 127.0.0.1 (the default)")
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        default=None,
+        help="torchrun's HOST[:PORT] of node 0's store (port 29400 by default): --master-addr/--master-port",
+    )
+    p.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        default="static",
+        help="'static' or 'c10d' (torchrun's names); node ranks are static: --node-rank on each node",
+    )
+    p.add_argument(
+        "--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="run id (TORCHELASTIC_RUN_ID)"
+    )
+    p.add_argument(
+        "--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0, help="0 (no restarts)"
+    )
     p.add_argument(
         "--backend",
         default=None,
@@ -185,7 +211,40 @@ def _stop(procs: list[_Proc]) -> None:
         p.popen.wait()
 
 
+def _rendezvous_args(args: argparse.Namespace) -> None:
+    """torchrun's rendezvous flags in onedist run's terms: ``--nnodes`` as an int, ``--node-rank``
+    given (0 by default), ``--rdzv-endpoint`` as master address and port."""
+    low, _, high = str(args.nnodes).partition(":")
+    if not low.isdigit() or (high and high != low):
+        raise _UsageError(
+            f"--nnodes={args.nnodes} is not allowed; allowed: N or N:N (elastic ranges need restarts, "
+            "which onedist run does not do)"
+        )
+    args.nnodes = int(low)
+    if args.rdzv_backend not in ("static", "c10d"):
+        raise _UsageError(f"--rdzv-backend={args.rdzv_backend!r} is not allowed; allowed: 'static', 'c10d'")
+    if args.max_restarts != 0:
+        raise _UsageError(f"--max-restarts={args.max_restarts} is not allowed; allowed: 0")
+    if args.node_rank is None:
+        if args.nnodes > 1 and args.rdzv_backend == "c10d":
+            raise _UsageError(
+                "--node-rank is needed with --nnodes > 1: torchrun's c10d rendezvous numbers the nodes "
+                "as they arrive, onedist run numbers them statically; pass --node-rank=<0..N-1> on each node"
+            )
+        args.node_rank = 0
+    if args.rdzv_endpoint is not None:
+        if args.master_port is not None or args.master_addr != LOOPBACK:
+            raise _UsageError("--rdzv-endpoint and --master-addr/--master-port name the same thing: pass one")
+        host, colon, port = args.rdzv_endpoint.rpartition(":")
+        if not colon:  # torchrun's default port
+            host, port = args.rdzv_endpoint, "29400"
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _UsageError(f"--rdzv-endpoint={args.rdzv_endpoint!r} is not allowed; allowed: HOST[:PORT]")
+        args.master_addr, args.master_port = host, int(port)
+
+
 def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> int:
+    _rendezvous_args(args)
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise _UsageError(
             f"--node-rank={args.node_rank} is not allowed with --nnodes={args.nnodes}; "
@@ -209,11 +268,12 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
     base_env = dict(os.environ)
     base_env.update(
         {
-            "TORCHELASTIC_RUN_ID": f"onedist-{run_id}",
+            "TORCHELASTIC_RUN_ID": args.rdzv_id or f"onedist-{run_id}",
             "PYTHONUNBUFFERED": "1",
             **worker_threads_env(nproc),
         }
     )
+    base_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun
     if args.backend:
         base_env["ONEDIST_BACKEND"] = args.backend
     target = ["-m", args.target] if args.module else [args.target]
@@ -221,6 +281,7 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
     lock = threading.Lock()
     procs: list[_Proc] = []
     received: list[int] = []
+    stores: list[Any] = []  # the agent store, kept until every worker ended
 
     def forward(signum: int, frame: Any) -> None:
         received.append(signum)
@@ -234,25 +295,22 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
             env = {
                 **base_env,
                 **torchrun_env(local_rank, nproc, args.node_rank, args.nnodes, args.master_addr, port),
+                **_AGENT_ENV,
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(nproc * args.nnodes),
                 "ONEDIST_ERROR_FILE": error_file,
+                # where torch's @record writes (onedist's bootstrap reports the error itself)
+                "TORCHELASTIC_ERROR_FILE": os.path.join(tmpdir, f"torchelastic-error-{rank}.json"),
             }
-            pass_fds: tuple[int, ...] = ()
-            if rank == 0 and store_sock is not None:
-                env[STORE_FD_ENV] = str(store_sock.fileno())
-                pass_fds = (store_sock.fileno(),)
             popen = subprocess.Popen(
                 cmd,
                 env=env,
-                pass_fds=pass_fds,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only: it forwards once
                 preexec_fn=_die_with_launcher,
             )
             procs.append(_Proc(rank, local_rank, popen, error_file))
-            if store_sock is not None and rank == 0:
-                store_sock.close()
-                store_sock = None
         for p in procs:
             visible = show is None or p.rank in show
             prefix = b"" if args.no_prefix else f"[rank{p.rank}]: ".encode()
@@ -261,6 +319,9 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
                 t = threading.Thread(target=_pump, args=(stream, out, prefix, visible, lock), daemon=True)
                 t.start()
                 p.threads.append(t)
+        if store_sock is not None:  # after the last fork: the store runs threads of its own
+            stores.append(_agent_store(store_sock, args.master_addr, nproc * args.nnodes))
+            store_sock = None
         return _wait(procs, received)
     finally:
         if store_sock is not None:
@@ -269,10 +330,37 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
             signal.signal(s, handler)
         if any(p.popen.poll() is None for p in procs):
             _stop(procs)
+        stores.clear()  # its server stops here, after the workers
         for p in procs:
             for t in p.threads:
                 t.join(timeout=1.0)
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# what torchrun's agent adds to the rendezvous variables (one role, no restarts, the agent's store)
+_AGENT_ENV = {
+    "ROLE_NAME": "default",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "0",
+}
+
+
+def _agent_store(sock: Any, master_addr: str, world_size: int) -> Any:
+    """Serve the rendezvous store on ``sock`` (bound before the workers started), as torchrun's
+    agent does: torch's env:// path then makes every rank a client of it."""
+    import torch.distributed as dist
+
+    tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]  # re-exported without __all__
+    return tcp_store(
+        master_addr,
+        sock.getsockname()[1],
+        world_size,
+        True,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+        use_libuv=True,
+    )
 
 
 def _wait(procs: list[_Proc], received: list[int]) -> int:

@@ -215,6 +215,7 @@ class NativeBackend(Backend):
         init_method: Optional[str],
         timeout: Optional[timedelta],
         start_method: str,
+        hosts: Optional[str] = None,
     ) -> Optional[list[Any]]:
         if backend != "mpi" or nproc_per_node * nnodes == 1:
             return None
@@ -727,12 +728,11 @@ def _env_store(
     pinned to the loopback interface too, unless GLOO_SOCKET_IFNAME says otherwise), on every
     interface otherwise, or on the socket a onedist launcher bound already and handed over in
     ``ONEDIST_STORE_FD`` (no window in which another program can take the port). A port in use
-    is reported with the fix. Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) torch's
-    path is kept: the agent hosts the store. Returns ``(None, rank, world_size)`` in that case.
+    is reported with the fix. Under an agent store (TORCHELASTIC_USE_AGENT_STORE: torchrun's and
+    ``onedist run``'s launcher hosts it) every rank connects to it, as torch's own path does.
     """
     env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true"):
-        return None, rank, world_size
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
     rank = int(env["RANK"]) if rank is None else rank
     world_size = int(env["WORLD_SIZE"]) if world_size is None else world_size
     addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
@@ -745,14 +745,15 @@ def _env_store(
             _set_env("GLOO_SOCKET_IFNAME", ifname, env_set)
     fd_text = env.pop(STORE_FD_ENV, None)
     store_timeout = timeout or dist.default_pg_timeout
-    if rank != 0:
+    if rank != 0 or agent_store:
+        host = "the launcher's store on node 0" if agent_store else "rank 0"
         try:
             store = _TCPStore(addr, port, world_size, False, timeout=store_timeout)
         except (RuntimeError, OSError) as e:
             raise OnedistTimeoutError(
-                f"onedist.initialize (rank {rank} of {world_size}): the rendezvous host, rank 0 at "
+                f"onedist.initialize (rank {rank} of {world_size}): the rendezvous host, {host} at "
                 f"{addr}:{port} (MASTER_ADDR:MASTER_PORT), did not answer within "
-                f"{store_timeout.total_seconds():.0f} s ({e}).\nHINT: check that rank 0 started, that every "
+                f"{store_timeout.total_seconds():.0f} s ({e}).\nHINT: check that {host} started, that every "
                 "rank was given the same MASTER_ADDR and MASTER_PORT, and that this host reaches it "
                 "(`onedist info` tests the route)"
             ) from e

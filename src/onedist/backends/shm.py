@@ -631,9 +631,9 @@ class ShmProcessGroup(OrderedGroup):
                     exited=True,
                 )
             if time.monotonic() > deadline:
-                raise ShmError(
-                    f"onedist shm: {what} on rank {self._rank} timed out after {self._timeout:.0f} s "
-                    f"waiting for rank {j}"
+                raise ShmError(  # torch's words (gloo's), which callers match: " Timed out waiting <N>ms"
+                    f"onedist shm: {what} on rank {self._rank}: Timed out waiting "
+                    f"{round(self._timeout * 1000)}ms for rank {j}"
                 )
 
     # ------------------------------------------------------------------ memory work

@@ -1,0 +1,68 @@
+"""Plain torch scripts written for torchrun run unchanged under `onedist run`: same output, same
+exit status (tests/scripts/torchrun_plain; each script prints lines that start with its rank)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "scripts"
+PLAIN = SCRIPTS / "torchrun_plain"
+pytestmark = pytest.mark.launcher
+
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+    "onedist run": [sys.executable, "-m", "onedist", "run", "--standalone", "--no-prefix"],
+}
+
+
+def _launch(launcher: str, nproc: int, *target: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ROLE_"))
+    }
+    return subprocess.run(
+        [*LAUNCHERS[launcher], "--nproc-per-node", str(nproc), *target],
+        cwd=SCRIPTS,  # `-m torchrun_plain.<script>` imports from here
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def _rank_lines(stdout: str) -> list[str]:
+    return sorted(line for line in stdout.splitlines() if line.startswith("rank "))
+
+
+@pytest.mark.parametrize(
+    "nproc, target",
+    [
+        (2, ("torchrun_plain/collectives.py",)),
+        (3, ("torchrun_plain/collectives.py",)),
+        (2, ("-m", "torchrun_plain.collectives")),
+        (2, ("torchrun_plain/launcher_env.py",)),
+        (2, ("torchrun_plain/ddp_train.py",)),
+        (2, ("torchrun_plain/own_store.py",)),
+    ],
+    ids=lambda v: v if isinstance(v, int) else " ".join(v),
+)
+def test_same_output_as_torchrun(nproc, target):
+    runs = {name: _launch(name, nproc, *target) for name in LAUNCHERS}
+    for name, done in runs.items():
+        assert done.returncode == 0, f"{name}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    lines = {name: _rank_lines(done.stdout) for name, done in runs.items()}
+    assert lines["torchrun"], runs["torchrun"].stdout
+    assert lines["onedist run"] == lines["torchrun"]
+
+
+def test_same_failure_as_torchrun():
+    runs = {name: _launch(name, 2, "torchrun_plain/fails_on_rank_1.py") for name in LAUNCHERS}
+    assert runs["onedist run"].returncode == runs["torchrun"].returncode == 1
+    for name, done in runs.items():
+        assert "ValueError: boom on rank 1" in done.stderr, f"{name}:\n{done.stderr[-3000:]}"
