@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAIN_JOB = [sys.executable, str(ROOT / "examples" / "digits.py"), "--nproc-per-node", "2", "--backend", "gloo"]
+DIGITS = str(ROOT / "examples" / "digits.py")
+MAIN_JOB = [sys.executable, DIGITS, "--nproc-per-node", "2", "--backend", "gloo"]
 
 
 def _spin() -> None:  # a busy neighbour
