@@ -385,8 +385,31 @@ def check_timeout_in_torchs_words() -> None:
         with pytest.raises(RuntimeError, match=r" (Timed out|closed|timeout) ") as e:
             dist.barrier(group=group)
         assert "Timed out waiting 1000ms" in str(e.value), str(e.value)
+        if type(group).__name__ == "MpiProcessGroup":  # its barrier is still pending in MPI
+            with pytest.raises(RuntimeError, match="the group is unusable since a barrier on rank 0 timed"):
+                dist.all_reduce(torch.ones(1), group=group)
     dist.barrier()
     assert od.all_reduce(1) == od.get_world_size()
+
+
+def check_sparse_all_reduce_sums_like_gloo() -> None:
+    """A sparse COO all_reduce (SUM, as gloo's) leaves every rank's tensor the coalesced sum:
+    entries that several ranks hold add up, an index repeated on one rank counts twice, values
+    have a dense dimension, and one rank may contribute nothing."""
+    rank, world = od.get_rank(), od.get_world_size()
+
+    def contribution(r: int) -> torch.Tensor:
+        if r == 1:  # an empty part
+            return torch.sparse_coo_tensor(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0, 3), (9, 4, 3))
+        indices = torch.tensor([[0, r, r, 5 + r], [1, 2, 2, 0]])  # (0, 1) on every rank, (r, 2) twice
+        values = torch.arange(12, dtype=torch.float32).view(4, 3) + 10 * r
+        return torch.sparse_coo_tensor(indices, values, (9, 4, 3))
+
+    t = contribution(rank)
+    dist.all_reduce(t)
+    expected = sum(contribution(r).to_dense() for r in range(world))
+    assert t.is_sparse and t.is_coalesced(), t
+    assert torch.equal(t.to_dense(), expected)
 
 
 def check_sub_groups() -> None:

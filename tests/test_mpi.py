@@ -90,6 +90,11 @@ def test_exchanges_p2p_and_sub_groups(n):
     mpi_world(n).run(checks_pg.check_sub_groups)
 
 
+def test_sparse_all_reduce_and_a_barrier_timeout_as_gloo():
+    mpi_world(3).run(checks_pg.check_sparse_all_reduce_sums_like_gloo)
+    mpi_world(2).run(checks_pg.check_timeout_in_torchs_words)
+
+
 def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable():
     assert mpi_world(3).run(checks_pg.check_bad_arguments_raise_and_leave_the_group_usable) == [18] * 3
 
@@ -120,12 +125,26 @@ def test_digits_example_trains_with_identical_parameters():
     assert "parameters identical on 3 process(es)" in proc.stdout
 
 
-def test_a_hang_ends_the_job_at_the_timeout_naming_the_collective():
+def test_a_barrier_nobody_else_calls_raises_at_the_timeout_naming_the_absent_rank():
     proc, took = _mpirun(3, os.path.join(HERE, "scripts", "mpi_failures.py"), "hang")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    # ranks 0 and 2 both wait; the first watchdog to fire aborts the job
-    assert re.search(r"barrier on rank [02] of the world group did not complete within its timeout", out), out
+    for rank in (0, 2):  # each waiting rank raises (torch's words), naming rank 1
+        raised = rf"\[rank{rank}\]: onedist.errors.OnedistTimeoutError: .*barrier on rank {rank}"
+        assert re.search(raised, out), out
+        assert f"[rank{rank}]: Ranks that never arrived: [1]" in out, out
+    assert "Timed out waiting 3000ms" in out, out
+    assert "unreachable" not in out
+    assert took < 45, took  # 3 s timeout, not rank 1's 60 s sleep
+
+
+def test_a_hang_in_a_blocking_call_ends_the_job_at_the_timeout_naming_the_collective():
+    proc, took = _mpirun(3, os.path.join(HERE, "scripts", "mpi_failures.py"), "hang_in_all_reduce")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    # ranks 0 and 2 both wait in MPI_Allreduce; the first watchdog to fire aborts the job
+    pattern = r"all_reduce on rank [02] of the world group did not complete within its timeout"
+    assert re.search(pattern, out), out
     assert "unreachable" not in out
     assert took < 45, took  # 3 s timeout + the watchdog's 1 s tick + MPI_Abort, not rank 1's 60 s sleep
 

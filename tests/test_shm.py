@@ -97,6 +97,10 @@ def test_timeout_raises_in_torchs_words(shm):
     shm(checks_pg.check_timeout_in_torchs_words)
 
 
+def test_sparse_all_reduce_sums_like_gloo(shm):
+    shm(checks_pg.check_sparse_all_reduce_sums_like_gloo)
+
+
 def test_fsdp2_and_functional_collectives_equal_gloo(shm):
     assert max(shm(checks_pg.check_fsdp2_and_functional_collectives_equal_gloo, timeout=120)) < 1e-5
 

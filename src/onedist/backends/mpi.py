@@ -16,10 +16,14 @@ on real MPI calls of the MPI library mpi4py was built against (Open MPI, MPICH, 
 * **Types.** Every dtype moves (as bytes). Reductions use MPI's typed ops; float16 and
   bfloat16, which MPI lacks, reduce in float32 and round once; bool reduces as bytes (SUM is or,
   PRODUCT is and, as in gloo).
-* **Timeouts.** An MPI call cannot be interrupted, so a watchdog thread checks the call in
-  flight: when one runs past the group's timeout, it prints which collective, on which group and
-  rank, and calls ``MPI_Abort``, which ends every rank of the job (the launcher reports it).
-  Nothing hangs silently.
+* **Timeouts.** A blocking MPI call cannot be interrupted, so a watchdog thread checks the call
+  in flight: when one runs past the group's timeout, it prints which collective, on which group
+  and rank, and calls ``MPI_Abort``, which ends every rank of the job (the launcher reports it).
+  Nothing hangs silently. A barrier, where a rank that never comes is most often waited for, is
+  ``MPI_Ibarrier`` waited on until the timeout: it raises "Timed out" on that rank as gloo's does,
+  and the group refuses every later call (its barrier is still pending).
+* **Sparse tensors.** A sparse all_reduce (SUM, as gloo) gathers every rank's indices and values
+  and adds them up; the input becomes the coalesced sum.
 * **CUDA tensors** are not accepted (registered for ``cpu``); onedist's collectives move them
   to the CPU first.
 """
@@ -65,7 +69,7 @@ def _mpi() -> Any:
 
 
 class MpiError(RuntimeError):
-    """An argument MPI cannot take (an unsupported reduce op or dtype)."""
+    """An argument MPI cannot take (an unsupported reduce op or dtype), or a barrier that timed out."""
 
 
 # ---------------------------------------------------------------------------- types and ops
@@ -238,6 +242,8 @@ class MpiProcessGroup(OrderedGroup):
         self._rank, self._size = rank, size
         self._timeout = timeout.total_seconds() if timeout else 1800.0
         self._label = f"group of ranks {ranks}" if ranks else "the world group"
+        self._timed_out = ""  # the barrier that timed out: the group can no longer be used
+        self._stale: Any = None  # that barrier's MPI request, pending for good
 
     def getBackendName(self) -> str:
         return NAME
@@ -249,6 +255,11 @@ class MpiProcessGroup(OrderedGroup):
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._timed_out:
+            raise MpiError(
+                f"onedist mpi: {what} on rank {self._rank} of {self._label}: the group is unusable since "
+                f"{self._timed_out} timed out (its MPI barrier is still pending); create a new group"
+            )
         key = _watchdog.enter(self._timeout, f"{what} on rank {self._rank} of {self._label}")
         try:
             return fn(*args)
@@ -273,7 +284,35 @@ class MpiProcessGroup(OrderedGroup):
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if any(t.is_sparse for t in tensors):
+            return self._sparse_all_reduce(tensors, op)
         return self._reduce_each(tensors, op, None)
+
+    def _sparse_all_reduce(self, tensors: list[torch.Tensor], op: Any) -> Any:
+        if getattr(op, "op", op) != dist.ReduceOp.SUM or not all(t.is_sparse for t in tensors):
+            raise MpiError(
+                f"onedist mpi: a sparse all_reduce takes sparse COO tensors only and op SUM (as gloo), got "
+                f"op {op_name(getattr(op, 'op', op))} and layouts {sorted({str(t.layout) for t in tensors})}"
+            )
+        return self._run(partial(for_each, self._sparse_sum_one, tensors), [], tensors)
+
+    def _sparse_sum_one(self, t: torch.Tensor) -> None:
+        """``t`` becomes the coalesced sum of every rank's ``t``: their indices and values gathered
+        (Allgatherv, as bytes) and added up."""
+        local = t.coalesce()
+        indices = local.indices().t().contiguous()  # (nnz, sparse dims): one row per entry
+        values = local.values().contiguous()  # (nnz, *dense dims)
+        counts = self._call("all_reduce", self._comm.allgather, indices.shape[0])
+        total = sum(counts)
+        all_indices = indices.new_empty((total, indices.shape[1]))
+        all_values = values.new_empty((total, *values.shape[1:]))
+        for mine, into in ((indices, all_indices), (values, all_values)):
+            row = into[0].numel() * into.element_size() if total else 0
+            sizes = [n * row for n in counts]
+            offsets = [sum(sizes[:r]) for r in range(self._size)]
+            recv = [_buf(into)[0], sizes, offsets, _mpi().BYTE]
+            self._call("all_reduce", self._comm.Allgatherv, _buf(mine), recv)
+        t.copy_(torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape).coalesce())
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -542,7 +581,27 @@ class MpiProcessGroup(OrderedGroup):
         )
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._run(partial(self._call, "barrier", self._comm.Barrier), [], None)
+        return self._run(self._barrier_until_timeout, [], None)
+
+    def _barrier_until_timeout(self) -> None:
+        """``MPI_Ibarrier``, tested until it completes or the group's timeout passes (see the module
+        doc): short sleeps after the first 50 us, so that a waiting rank leaves the core to its peers."""
+        request = self._call("barrier", self._comm.Ibarrier)
+        start = time.monotonic()
+        pause = 0.0
+        while not request.Test():
+            waited = time.monotonic() - start
+            if waited > self._timeout:
+                self._timed_out = f"a barrier on rank {self._rank}"
+                self._stale = request  # MPI still owns the pending request: keep it alive
+                raise MpiError(  # torch's words (gloo's), which callers match: " Timed out waiting <N>ms"
+                    f"onedist mpi: barrier on rank {self._rank} of {self._label}: Timed out waiting "
+                    f"{round(self._timeout * 1000)}ms: a rank of the group never called it, called another "
+                    "collective, or died"
+                )
+            if waited > 50e-6:
+                time.sleep(pause)
+                pause = min(2 * pause or 1e-5, 1e-3)
 
     # ------------------------------------------------------------------ point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
