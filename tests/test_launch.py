@@ -294,3 +294,12 @@ def test_ctrl_c_shows_where_each_worker_was_and_stops_them(to, tmp_path):
         assert f"[rank{rank}]: KeyboardInterrupt" in err, err
         assert f'[rank{rank}]:   File "{script}", line 13, in training' in err, err  # the loop's all_reduce
     assert "selectors.py" not in err and "in _watch" not in err, err  # the parent's frames end at spawn
+
+
+def test_finalize_returns_once_the_gloo_threads_that_outlive_the_group_are_idle():
+    # the README main job once ended with SIGABRT after it succeeded: a gloo thread of a group
+    # that DDP keeps alive took the GIL while the interpreter finalized (see backends/_gloo_threads)
+    rank0 = od.spawn("gloo", workers.finalize_while_gloo_is_busy, nproc_per_node=2, start_method="fork")[0]
+    # the premise: DDP kept the group and its threads, and the callback ran on one of them
+    assert rank0["gloo_threads"] > 0 and rank0["on_gloo_thread"], rank0
+    assert rank0["napped"], rank0  # finalize waited for it

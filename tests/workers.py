@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -134,3 +135,32 @@ def fail_on_rank_1(local_rank: int) -> None:
     if od.get_rank() == 1:
         raise ValueError("bad input on rank 1")
     od.barrier()
+
+
+def finalize_while_gloo_is_busy(local_rank: int) -> dict:
+    """A group that outlives destroy_process_group (DDP holds it, as torch's does for good) and a
+    Python callback still napping on one of gloo's worker threads when rank 0 finalizes: finalize
+    must return only once that thread is idle again (else it may take the GIL while the
+    interpreter finalizes, which can abort the process after the work succeeded)."""
+    import threading
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    model(torch.randn(8, 4)).sum().backward()
+    napped, on_gloo_thread = threading.Event(), []
+
+    def napping(fut: torch.futures.Future) -> None:
+        on_gloo_thread.append(threading.current_thread() is not threading.main_thread())
+        for _ in range(300):  # 0.3 s or more, sleeping in short steps
+            time.sleep(0.001)
+        napped.set()
+
+    if od.get_rank() == 1:
+        time.sleep(0.3)  # so rank 0's all_reduce is still running when its callback is added
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    if od.get_rank() == 0:
+        work.get_future().then(napping)  # runs on the gloo thread that completes the all_reduce
+    dist.all_reduce(torch.ones(1))  # on gloo's other thread; rank 0 never waits for the first
+    od.finalize()
+    tasks = Path("/proc/self/task")
+    gloo_threads = sum((task / "comm").read_text().strip() == "pt_gloo_runloop" for task in tasks.iterdir())
+    return {"on_gloo_thread": any(on_gloo_thread), "napped": napped.is_set(), "gloo_threads": gloo_threads}

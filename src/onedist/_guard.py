@@ -556,7 +556,10 @@ def stop_watch() -> None:
     """Stop the failure watcher (called by finalize, and at exit)."""
     if _guard.watcher is not None:
         _guard.watch_stop.set()
-        _guard.watcher.join(timeout=_WATCH_S + 1)
+        # a watcher left inside a store call would take the GIL back while the interpreter
+        # finalizes, which can abort the process: its calls end within seconds (a store whose host
+        # left fails at once), so wait long enough for one, and bounded all the same
+        _guard.watcher.join(timeout=_WATCH_S + 10)
         _guard.watcher = _guard.watch_stop = None
 
 

@@ -31,6 +31,7 @@ from .._net import (
 )
 from ..environments import ClusterEnv, PartialLayout, detect, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, OnedistTimeoutError, OnedistValueError, bad_value
+from . import _gloo_threads
 from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
 from .mpi import installed as mpi4py_installed
 
@@ -107,6 +108,7 @@ class NativeBackend(Backend):
         if not self._nccl:
             self.cpu_reduce_dtypes = NATIVE_REDUCE_DTYPES
         self._env_layout = layout_from_environ(os.environ, self.rank, self.world_size)
+        _gloo_threads.install_exit_hook()  # gloo threads go idle before the interpreter finalizes
         self._publish_node_key()
         dev = self.device()
         if dev.type == "cuda":
@@ -251,7 +253,9 @@ class NativeBackend(Backend):
             self._groups.clear()
             self._object_groups.clear()
             self._group_ranks.clear()
+            self._local_group = None
             _restore_env(self._env_set)
+        _gloo_threads.settle()  # threads of groups that DDP still holds (see _gloo_threads)
 
     # ------------------------------------------------------------------ queries
     def layout(self) -> Layout:

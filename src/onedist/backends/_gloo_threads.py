@@ -1,0 +1,87 @@
+"""gloo's worker threads go idle before the interpreter shuts down.
+
+A gloo worker thread takes the GIL when it drops the last reference to a tensor that Python also
+knew (the tensors of a collective whose caller has moved on) or runs a Python callback of a
+work's future. Once the interpreter has begun to finalize, a thread that takes the GIL is ended
+with ``pthread_exit``, and that unwinds through C++ frames that may not throw: the process aborts
+with "terminate called without an active exception" (SIGABRT) after the script succeeded.
+
+torch's ``ProcessGroupGloo`` joins its threads when it is destroyed, so a group that nothing holds
+is safe once ``destroy_process_group`` has run. But ``DistributedDataParallel`` keeps its group
+alive (torch 2.13: the group's threads outlive the module and ``destroy_process_group``), and such
+a group's threads run until the process ends. :func:`settle` lets them finish what they hold while
+Python is still whole: the calling thread releases the GIL until every gloo worker thread of this
+process has been seen waiting for work several times in a row. ``finalize`` calls it, and
+an ``atexit`` hook does, for programs that never call ``finalize``: atexit runs before finalizing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from typing import Optional
+
+__all__ = ["install_exit_hook", "settle"]
+
+#: the name gloo's process group gives its worker threads (``/proc/<pid>/task/<tid>/comm``)
+WORKER_NAME = "pt_gloo_runloop"
+_TASKS = "/proc/self/task"
+_QUIET_SAMPLES = 3  # consecutive samples in which every worker is blocked
+_SAMPLE_S = 0.005
+
+
+def _read(tid: str, name: str) -> str:
+    with open(f"{_TASKS}/{tid}/{name}", encoding="ascii", errors="replace") as f:
+        return f.read()
+
+
+def _workers_idle() -> Optional[bool]:
+    """None when this process has no gloo worker thread, else True when every one is blocked in
+    a futex wait (its condition variable: waiting for work; a thread waiting for the GIL, also a
+    futex, gets it while :func:`settle` sleeps). Where the kernel hides the wait channel, blocked
+    at all (state S or D) counts."""
+    try:
+        tids = os.listdir(_TASKS)
+    except OSError:  # not Linux: nothing to look at
+        return None
+    found, idle = False, True
+    for tid in tids:
+        try:
+            if _read(tid, "comm").strip() != WORKER_NAME:
+                continue
+            state = _read(tid, "stat").rsplit(")", 1)[1].split()[0]
+            wchan = _read(tid, "wchan").strip()
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        found = True
+        blocked = state in ("S", "D") and (wchan in ("", "0") or "futex" in wchan)
+        idle = idle and blocked
+    return idle if found else None
+
+
+def settle(max_wait_s: float = 2.0) -> bool:
+    """Wait (GIL released) until every gloo worker thread is blocked in ``_QUIET_SAMPLES``
+    consecutive samples; True when they are (or there are none), False after ``max_wait_s``."""
+    deadline = time.monotonic() + max_wait_s
+    quiet = 0
+    while quiet < _QUIET_SAMPLES:
+        idle = _workers_idle()
+        if idle is None:
+            return True
+        quiet = quiet + 1 if idle else 0
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_SAMPLE_S)
+    return True
+
+
+_hooked = False
+
+
+def install_exit_hook() -> None:
+    """Run :func:`settle` at exit (once per process, however many groups come and go)."""
+    global _hooked
+    if not _hooked:
+        atexit.register(settle)
+        _hooked = True
