@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from ignite_expected import EXEMPT, KNOWN_FAILURES  # noqa: E402
+from suite_compare import Outcomes, compare, fold, read_jsonl  # noqa: E402
 
 VERSION = "0.5.5"
 CACHE = HERE.parent.parent / "build" / "foreign"
@@ -106,7 +107,7 @@ def alias_pth() -> Iterator[None]:
         PTH.unlink(missing_ok=True)
 
 
-def run_pass(root: Path, impl: str, name: str) -> dict[str, tuple[str, str]]:
+def run_pass(root: Path, impl: str, name: str) -> Outcomes:
     """nodeid -> (outcome, failure text) of one pass on one implementation."""
     args, extra_env = PASSES[name]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
@@ -126,20 +127,7 @@ def run_pass(root: Path, impl: str, name: str) -> dict[str, tuple[str, str]]:
         print(f"  {impl:8s} {name:7s} {time.monotonic() - start:5.0f} s  {tail[0]}", flush=True)
         if done.returncode not in (0, 1):
             print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
-        return _outcomes(out.name)
-
-
-def _outcomes(path: str) -> dict[str, tuple[str, str]]:
-    """Fold the per-phase, per-worker lines: a test failed if any phase on any worker failed."""
-    result: dict[str, tuple[str, str]] = {}
-    rank = {"passed": 0, "xfailed": 0, "skipped": 1, "failed": 2}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        outcome = "failed" if rec["outcome"] == "failed" else rec["outcome"]
-        old = result.get(rec["nodeid"])
-        if old is None or rank[outcome] > rank[old[0]]:
-            result[rec["nodeid"]] = (outcome, rec["longrepr"])
-    return result
+        return fold(read_jsonl(Path(out.name)), "nodeid")
 
 
 def exempt_reason(key: str) -> str | None:
@@ -149,34 +137,15 @@ def exempt_reason(key: str) -> str | None:
     return EXEMPT.get(function)
 
 
-def compare(
-    control: dict[str, tuple[str, str]], onedist: dict[str, tuple[str, str]], every_pass: bool = True
-) -> list[str]:
-    """The surprises: what passes on ignite and fails on onedist without being listed, a listed
-    failure that passes now, and list entries that name no test passing on ignite."""
-    problems = []
-    for key, (outcome, _) in sorted(control.items()):
-        if outcome != "passed":
-            continue
-        got, text = onedist.get(key, ("not run", ""))
-        if exempt_reason(key):
-            continue
-        if key in KNOWN_FAILURES:
-            if got == "passed":
-                problems.append(f"PASSES NOW (remove from KNOWN_FAILURES): {key}")
-            continue
-        if got != "passed":
-            last = text.strip().splitlines()[-1:] or [""]
-            problems.append(f"{got.upper()} on onedist, passes on ignite: {key}\n      {last[0][:300]}")
-    ran = {key.split("::", 1)[0] for key in control}  # the passes of this run
-    for key in sorted(KNOWN_FAILURES):
-        if key.split("::", 1)[0] in ran and control.get(key, ("",))[0] != "passed":
-            problems.append(f"LISTED but does not pass on ignite (stale entry): {key}")
+def stale_exempt(control: Outcomes) -> list[str]:
+    """EXEMPT entries that name no test passing on ignite (run only when every pass ran: an entry
+    may name one pass's test)."""
     passing = [key.split("::", 1)[1] for key, (outcome, _) in control.items() if outcome == "passed"]
-    for function in sorted(EXEMPT) if every_pass else ():  # an entry may name one pass's test
-        if not any(k == function or k.startswith(function + "[") for k in passing):
-            problems.append(f"EXEMPT but passes on ignite nowhere (stale entry): {function}")
-    return problems
+    return [
+        f"EXEMPT but passes on ignite nowhere (stale entry): {function}"
+        for function in sorted(EXEMPT)
+        if not any(k == function or k.startswith(function + "[") for k in passing)
+    ]
 
 
 def main() -> int:
@@ -189,8 +158,8 @@ def main() -> int:
     opts = parser.parse_args()
     root = sdist_root()
     add_split_tests(root)
-    control: dict[str, tuple[str, str]] = {}
-    mine: dict[str, tuple[str, str]] = {}
+    control: Outcomes = {}
+    mine: Outcomes = {}
     saved = CACHE / "control.json"
     impls = (("onedist", mine),) if opts.reuse_control else (("ignite", control), ("onedist", mine))
     with alias_pth():
@@ -207,7 +176,9 @@ def main() -> int:
     passing = [k for k, (o, _) in control.items() if o == "passed"]
     applicable = [k for k in passing if not exempt_reason(k)]
     ok = [k for k in applicable if mine.get(k, ("",))[0] == "passed"]
-    problems = compare(control, mine, every_pass=set(opts.passes.split(",")) == set(PASSES))
+    problems = compare(control, mine, exempt_reason, KNOWN_FAILURES, "onedist")
+    if set(opts.passes.split(",")) == set(PASSES):
+        problems += stale_exempt(control)
     if opts.verbose:
         for key in sorted(k for k in applicable if mine.get(k, ("",))[0] != "passed"):
             print(f"--- {key}\n{mine.get(key, ('', 'not run'))[1][-2500:]}")
