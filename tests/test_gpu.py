@@ -54,7 +54,10 @@ def _queries_and_collectives(local_rank: int) -> dict:
     dev = od.device()
     t = torch.arange(4.0, device=dev)
     summed = od.all_reduce(t.clone())
+    inplace = torch.ones(2, device=dev)
     return {
+        "in_place": od.all_reduce(inplace) is inplace and inplace.tolist() == [1.0, 1.0],
+        "copy_untouched": od.all_reduce(inplace, inplace=False) is not inplace,
         "backend": od.backend(),
         "device": str(dev),
         "current": torch.cuda.current_device(),
@@ -76,6 +79,7 @@ def test_nccl_world_size_1_queries_and_collectives() -> None:
     assert res["backend"] == "nccl"
     assert res["device"] == "cuda:0" and res["current"] == 0
     assert res["tensor_sum"] == [0.0, 1.0, 2.0, 3.0] and res["tensor_device"] == "cuda:0"
+    assert res["in_place"] and res["copy_untouched"]
     assert res["number"] == 3 and res["mean"] == 3.0
     assert res["strings"] == ["gpu"] and res["object"] == {"a": [1, 2]}
     assert res["gathered"] == [1.0, 1.0] and res["uneven"] == [3]
@@ -177,9 +181,11 @@ def test_nccl_checkpoint_maps_to_local_gpu(tmp_path) -> None:
 
 def _gloo_cuda(local_rank: int) -> dict:
     t = torch.full((3,), float(od.get_rank() + 1), device=od.device())
+    summed = od.all_reduce(t)
     return {
         "device": str(od.device()),
-        "sum": od.all_reduce(t).tolist(),
+        "in_place": summed is t,  # ignite's semantics: the tensor itself, reduced
+        "sum": t.tolist(),
         "ranks": od.all_gather(od.get_rank()),
         "names": od.all_gather(f"r{od.get_rank()}"),
     }
@@ -191,6 +197,7 @@ def test_gloo_with_cuda_tensors_two_ranks_share_the_gpu() -> None:
         res = parallel.run(_gloo_cuda)
     assert res["device"] == "cuda:0"
     assert res["sum"] == [3.0, 3.0, 3.0] and res["ranks"] == [0, 1] and res["names"] == ["r0", "r1"]
+    assert res["in_place"]
 
 
 def _two_on_one(local_rank: int) -> float:
