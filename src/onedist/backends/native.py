@@ -253,7 +253,6 @@ class NativeBackend(Backend):
             self._groups.clear()
             self._object_groups.clear()
             self._group_ranks.clear()
-            self._local_group = None
             _restore_env(self._env_set)
         _gloo_threads.settle()  # threads of groups that DDP still holds (see _gloo_threads)
 
