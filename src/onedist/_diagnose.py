@@ -14,7 +14,7 @@ answers in well under a second even when MASTER_ADDR is unroutable. No torch imp
 Example:
     >>> from onedist._diagnose import network_report, warnings
     >>> report = network_report({"MASTER_ADDR": "127.0.0.1"})
-    >>> report["master_addr"], report["source_ip"], report["interface"]  # doctest: +SKIP
+    >>> report["master_addr"], report["source_ip"], report["interface"]   # Linux names loopback lo
     ('127.0.0.1', '127.0.0.1', 'lo')
     >>> warnings({"RANK": "0"}, network={})  # doctest: +ELLIPSIS
     ['RANK is set but WORLD_SIZE is not...']
@@ -85,8 +85,8 @@ def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> list[str]:
     Example:
         >>> resolve("127.0.0.1")
         ['127.0.0.1']
-        >>> resolve("localhost")  # doctest: +SKIP
-        ['127.0.0.1']
+        >>> "127.0.0.1" in resolve("localhost")
+        True
     """
     literal = _ip_literal(host)
     if literal is not None:
@@ -149,8 +149,8 @@ def list_interfaces() -> Optional[dict[str, list[str]]]:
     primary IPv4 address of each interface; elsewhere the lists are empty).
 
     Example:
-        >>> list_interfaces()  # doctest: +SKIP
-        {'lo': ['127.0.0.1'], 'eth0': ['192.0.2.2']}
+        >>> list_interfaces()["lo"]                           # and e.g. 'eth0': ['192.0.2.2']
+        ['127.0.0.1']
     """
     try:
         names = [name for _, name in socket.if_nameindex()]

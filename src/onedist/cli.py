@@ -85,9 +85,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     Example:
         >>> from onedist.cli import main
-        >>> main(["--version"])  # doctest: +SKIP
-        onedist 0.1.0
-        0
+        >>> try:
+        ...     main(["--version"])
+        ... except SystemExit as done:                              # argparse's --version exits
+        ...     print("exit status", done.code)
+        onedist ...
+        exit status 0
     """
     parser = argparse.ArgumentParser(
         prog="onedist", description="One PyTorch script, every backend and launcher."

@@ -1530,10 +1530,14 @@ def send(tensor: Any, dst: int, group: GroupLike = None, tag: int = 0) -> None:
 
     Example:
         >>> import onedist as od
-        >>> if od.get_rank() == 0:                                  # doctest: +SKIP
-        ...     od.send({"step": 10}, dst=1)
-        ... elif od.get_rank() == 1:
-        ...     state = od.recv(src=0)
+        >>> def handover(local_rank):
+        ...     if od.get_rank() == 0:
+        ...         od.send({"step": 10}, dst=1)
+        ...     else:
+        ...         return od.recv(src=0)
+        >>> if __name__ == "__main__":
+        ...     print(od.spawn("gloo", handover, nproc_per_node=2, start_method="fork"))
+        [None, {'step': 10}]
     """
     b = current()
     g, _, ranks = _members("send", b, group)
@@ -1573,10 +1577,16 @@ def recv(
         The filled ``tensor``, or the received object.
 
     Example:
+        >>> import torch
         >>> import onedist as od
-        >>> buf = torch.empty(3)
-        >>> if od.get_rank() == 1:                                  # doctest: +SKIP
-        ...     od.recv(buf, src=0)
+        >>> def handover(local_rank):
+        ...     if od.get_rank() == 0:
+        ...         od.send(torch.arange(3.0), dst=1)
+        ...     else:
+        ...         return od.recv(torch.empty(3), src=0).tolist()
+        >>> if __name__ == "__main__":
+        ...     print(od.spawn("gloo", handover, nproc_per_node=2, start_method="fork"))
+        [None, [0.0, 1.0, 2.0]]
     """
     b = current()
     g, _, ranks = _members("recv", b, group)
@@ -1605,9 +1615,17 @@ def isend(tensor: torch.Tensor, dst: int, group: GroupLike = None, tag: int = 0)
     """Start sending a tensor to global rank ``dst``; ``.wait()`` on the result.
 
     Example:
+        >>> import torch
         >>> import onedist as od
-        >>> handle = od.isend(torch.ones(2), dst=1)                 # doctest: +SKIP
-        >>> handle.wait()
+        >>> def exchange(local_rank):
+        ...     peer = 1 - od.get_rank()
+        ...     sending = od.isend(torch.full((2,), float(od.get_rank())), dst=peer)
+        ...     received = od.irecv(torch.empty(2), src=peer)       # both in flight at once
+        ...     sending.wait()
+        ...     return received.wait().tolist()
+        >>> if __name__ == "__main__":
+        ...     print(od.spawn("gloo", exchange, nproc_per_node=2, start_method="fork"))
+        [[1.0, 1.0], [0.0, 0.0]]
     """
     b = current()
     g, _, ranks = _members("isend", b, group)
@@ -1626,9 +1644,16 @@ def irecv(
     """Start receiving into ``tensor``; ``.wait()`` returns the filled tensor.
 
     Example:
+        >>> import torch
         >>> import onedist as od
-        >>> handle = od.irecv(torch.empty(2), src=0)                # doctest: +SKIP
-        >>> tensor = handle.wait()
+        >>> def receive(local_rank):
+        ...     if od.get_rank() == 0:
+        ...         od.isend(torch.ones(2), dst=1).wait()
+        ...     else:
+        ...         return od.irecv(torch.empty(2), src=0).wait().tolist()
+        >>> if __name__ == "__main__":
+        ...     print(od.spawn("gloo", receive, nproc_per_node=2, start_method="fork"))
+        [None, [1.0, 1.0]]
     """
     b = current()
     g, _, ranks = _members("irecv", b, group)

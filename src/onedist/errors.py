@@ -13,7 +13,7 @@ Example:
     ...     od.initialize("glooo")
     ... except od.OnedistValueError as e:
     ...     print(str(e).splitlines()[0])
-    onedist.initialize: backend='glooo' is not a known backend; allowed: ...
+    onedist.initialize: Backend should be one of ...: backend='glooo' is not a known backend; allowed: ...
 """
 
 from __future__ import annotations

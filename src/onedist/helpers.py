@@ -144,6 +144,7 @@ def reduce_dict(
         group: None (every rank), a list of global ranks, or a group handle.
 
     Example:
+        >>> import torch
         >>> import onedist as od
         >>> od.reduce_dict({"loss": torch.tensor(0.25), "acc": 0.5})
         {'loss': tensor(0.2500), 'acc': 0.5}

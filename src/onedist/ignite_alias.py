@@ -162,12 +162,12 @@ def install() -> None:
 
     Call it before anything imports ``ignite``; modules already imported are left as they are.
 
-    Example:
-        >>> from onedist import ignite_alias
-        >>> ignite_alias.install()                  # doctest: +SKIP
-        >>> import ignite.distributed as idist      # doctest: +SKIP
-        >>> idist.all_reduce is __import__("onedist").all_reduce   # doctest: +SKIP
-        True
+    Example (in a fresh process: the alias stays for the process's life)::
+
+        from onedist import ignite_alias
+        ignite_alias.install()
+        import ignite.distributed as idist
+        idist.all_reduce is __import__("onedist").all_reduce    # True
     """
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)

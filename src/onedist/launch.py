@@ -689,7 +689,7 @@ def spawn(
         >>> import onedist as od
         >>> def train(local_rank, lr):
         ...     return od.all_reduce(lr, op="MEAN")
-        >>> if __name__ == "__main__":                                   # doctest: +SKIP
+        >>> if __name__ == "__main__":
         ...     print(od.spawn("gloo", train, args=(0.1,), nproc_per_node=2))
         [0.1, 0.1]
     """
@@ -854,20 +854,23 @@ class Parallel:
         >>> import onedist as od
         >>> def training(local_rank, config):
         ...     print(od.get_rank(), od.get_world_size(), config["lr"])
-        >>> if __name__ == "__main__":                                  # doctest: +SKIP
+        >>> if __name__ == "__main__":
         ...     with od.Parallel(backend="gloo", nproc_per_node=2) as parallel:
         ...         parallel.run(training, {"lr": 0.1})
 
         The same script under ``torchrun --nproc-per-node 2 script.py`` only initialises.
 
-        A function that cannot be pickled, with the script re-run for rank 1:
+        A function that cannot be pickled, with the script re-run for rank 1 (a script of its
+        own: it re-runs the command that started it; tests/test_reexec.py runs such scripts):
 
-        >>> if __name__ == "__main__":                                  # doctest: +SKIP
-        ...     scale = 10
-        ...     def train(local_rank):
-        ...         return od.all_reduce(scale * (od.get_rank() + 1))
-        ...     with od.Parallel(backend="gloo", nproc_per_node=2, start_method="subprocess") as p:
-        ...         print(p.run(train))                                 # 30 (only rank 0 returns here)
+            if __name__ == "__main__":
+                scale = 10
+
+                def train(local_rank):
+                    return od.all_reduce(scale * (od.get_rank() + 1))
+
+                with od.Parallel(backend="gloo", nproc_per_node=2, start_method="subprocess") as p:
+                    print(p.run(train))                             # 30 (only rank 0 returns here)
     """
 
     _SPAWN_KWARGS = ("timeout", "start_method", "hosts")

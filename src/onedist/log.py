@@ -66,8 +66,7 @@ def setup_logger(
     Example:
         >>> import onedist as od
         >>> log = od.setup_logger("train", all_ranks=True)
-        >>> log.info("epoch %d done", 1)  # doctest: +SKIP
-        2026-11-22 20:00:00,000 [rank0] train INFO: epoch 1 done
+        >>> log.info("epoch %d done", 1)   # stderr: 2026-11-22 20:00:00,000 [rank0] train INFO: epoch 1 done
     """
     logger = logging.getLogger(name)
     ours = [h for h in logger.handlers if getattr(h, "_onedist", False)]

@@ -888,7 +888,7 @@ class ShmProcessGroup(OrderedGroup):
         this group has no shared memory or a tensor is not on the CPU (the caller then uses an
         all_to_all or send/recv, which need the block once per peer or a round trip through gloo).
 
-        >>> pg.all_gather_uneven(out, block, sizes).wait()  # doctest: +SKIP
+        Called as ``pg.all_gather_uneven(out, block, sizes).wait()``.
         """
         if self._seg is None or not all_cpu([out, block]):
             return None
