@@ -61,16 +61,9 @@ from ._bootstrap import _write_error
 from ._net import STORE_FD_ENV, discard_store_fd, rendezvous_port
 from .environments import TORCHRUN_VARS
 from .errors import OnedistRuntimeError, WorkerFailedError, bad_value, format_user_traceback
-from .launch import (
-    GRACE_S,
-    TERM_S,
-    _check_rendezvous_port,
-    _check_spawn_args,
-    _Failure,
-    failure_report,
-    torchrun_env,
-    worker_threads_env,
-)
+from .launch import GRACE_S, TERM_S, _check_rendezvous_port, _check_spawn_args
+from .launchers.report import Failure, failure_report
+from .launchers.worker import torchrun_env, worker_threads_env
 
 __all__ = ["ERROR_FILE_ENV", "MAIN_GRACE_S", "MARKER_ENV", "child_init_args", "command_line", "record_error"]
 
@@ -158,7 +151,7 @@ class _Child:
     local_rank: int
     popen: subprocess.Popen[bytes]
     error_file: str
-    failure: Optional[_Failure] = None
+    failure: Optional[Failure] = None
 
 
 def _load_report(path: str) -> Optional[dict[str, Any]]:
@@ -170,13 +163,13 @@ def _load_report(path: str) -> Optional[dict[str, Any]]:
     return report if isinstance(report, dict) else None
 
 
-def _child_failure(c: _Child) -> Optional[_Failure]:
+def _child_failure(c: _Child) -> Optional[Failure]:
     """The child's failure: it exited non-zero, or wrote an error report and is still ending."""
     code = c.popen.poll()
     report = _load_report(c.error_file)
     if report is None and code in (None, 0):
         return None
-    failure = _Failure(c.rank, c.local_rank, c.popen.pid, time.time(), exitcode=code)
+    failure = Failure(c.rank, c.local_rank, c.popen.pid, time.time(), exitcode=code)
     if report is not None:
         failure.exc_type = str(report.get("type"))
         failure.message = str(report.get("message", ""))
@@ -190,7 +183,7 @@ def _child_failure(c: _Child) -> Optional[_Failure]:
     return failure
 
 
-def _failure_error(failures: list[_Failure]) -> WorkerFailedError:
+def _failure_error(failures: list[Failure]) -> WorkerFailedError:
     primary, report = failure_report(failures)
     return WorkerFailedError(report, primary.rank, primary.local_rank, primary.exitcode, primary.traceback)
 
@@ -367,13 +360,13 @@ class _Launch:
                 first = time.monotonic()
         return first
 
-    def failures(self, mark_stopped: bool) -> list[_Failure]:
-        out: list[_Failure] = []
+    def failures(self, mark_stopped: bool) -> list[Failure]:
+        out: list[Failure] = []
         for c in self.children:
             if c.failure is None:
                 c.failure = _child_failure(c)
             if c.failure is None and mark_stopped and c.popen.poll() is None:
-                c.failure = _Failure(c.rank, c.local_rank, c.popen.pid, time.time(), stopped=True)
+                c.failure = Failure(c.rank, c.local_rank, c.popen.pid, time.time(), stopped=True)
             if c.failure is not None:
                 out.append(c.failure)
         return out
@@ -499,7 +492,7 @@ class _Launch:
             self.join_watcher()
             self.stop()
             return exc
-        mine = _Failure(
+        mine = Failure(
             self.rank0,
             0,
             os.getpid(),

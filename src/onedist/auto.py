@@ -88,7 +88,12 @@ def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> 
     if not isinstance(sync_bn, bool):
         raise bad_type("auto_model", "sync_bn", sync_bn, "a bool")
     model.to(device())
-    return current().wrap_model(model, sync_bn, kwargs)
+    b = current()
+    if sync_bn and b.sync_bn_by_onedist:
+        from .syncbn import convert_sync_batchnorm
+
+        model = convert_sync_batchnorm(model)
+    return b.wrap_model(model, sync_bn, kwargs)
 
 
 def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:

@@ -16,7 +16,6 @@ death ("Connection closed by peer", ...) are never shown as the cause. Workers d
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -26,13 +25,17 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
 from .environments import detect, launched_externally
 from .errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value, format_user_traceback
+from .launchers import LaunchSpec, own_launcher
+from .launchers.checks import check_picklable
+from .launchers.report import Failure, failure_report
+from .launchers.worker import call_worker_fn, exit_failed, torchrun_env, worker_threads_env
 from .log import setup_logger
 
 __all__ = ["Parallel", "spawn"]
@@ -44,18 +47,6 @@ _START_METHODS = ("spawn", "fork", "forkserver")
 GRACE_S = 0.3  # wait this long after the first failure for near-simultaneous reports
 INTERRUPT_S = 2.0  # on Ctrl-C, how long the workers get to say where they were
 TERM_S = 3.0  # then SIGTERM, and SIGKILL whoever is left after this long
-# messages of errors that are only the consequence of a peer's death
-_PEER_LOST = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "socket closed",
-    "connection refused",
-    "read error",
-    "remote process exited",
-    "communicator was aborted",
-    "could not send its value",
-)
 
 
 # ============================================================================ worker side
@@ -83,34 +74,6 @@ def _die_with_parent(parent_pid: Optional[int]) -> None:
         return
     if parent_pid is not None and os.getppid() != parent_pid:  # died before prctl took effect
         os._exit(1)
-
-
-def torchrun_env(
-    local_rank: int, nproc_per_node: int, node_rank: int, nnodes: int, master_addr: str, master_port: int
-) -> dict[str, str]:
-    """The variables torchrun gives a worker (TORCHRUN_VARS), for local rank ``local_rank``."""
-    return {
-        "RANK": str(node_rank * nproc_per_node + local_rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(nnodes * nproc_per_node),
-        "LOCAL_WORLD_SIZE": str(nproc_per_node),
-        "GROUP_RANK": str(node_rank),
-        "GROUP_WORLD_SIZE": str(nnodes),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-    }
-
-
-def worker_threads_env(nproc_per_node: int) -> dict[str, str]:
-    """OMP_NUM_THREADS=1 for the workers when several share a node and the user set nothing.
-
-    As torchrun does: N processes using every core each would oversubscribe the machine. Shared by
-    :func:`spawn` and ``onedist run``.
-    """
-    if nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-        logger.info("onedist: OMP_NUM_THREADS=1 in each worker (set it to override)")
-        return {"OMP_NUM_THREADS": "1"}
-    return {}
 
 
 def _report(conn: Any, message: tuple[Any, ...]) -> None:
@@ -184,47 +147,12 @@ class _Worker:
     conn: Any
     reported: bool = False
     result: Any = None
-    failure: Optional[_Failure] = None
+    failure: Optional[Failure] = None
 
 
-@dataclass
-class _Failure:
-    rank: int
-    local_rank: int
-    pid: Optional[int]
-    when: float
-    exitcode: Optional[int] = None
-    exc_type: Optional[str] = None
-    message: str = ""
-    traceback: Optional[str] = None
-    stopped: bool = False  # stopped by onedist after another worker failed
-    extra: list[str] = field(default_factory=list)
-
-    @property
-    def secondary(self) -> bool:
-        if self.stopped or self.exc_type == "RemoteRankError":
-            return True
-        text = f"{self.message}\n{self.traceback or ''}".lower()
-        return any(p in text for p in _PEER_LOST)
-
-    def what(self) -> str:
-        if self.exc_type is not None:
-            return f"failed with {self.exc_type}: {self.message}"
-        if self.exitcode is not None and self.exitcode < 0:
-            try:
-                name = signal.Signals(-self.exitcode).name
-            except ValueError:
-                name = str(-self.exitcode)
-            return f"was killed by signal {name}"
-        return f"exited with code {self.exitcode} without raising an exception"
-
-    def headline(self) -> str:
-        return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) {self.what()}"
-
-
-def _exit_failure(w: _Worker) -> _Failure:
+def _exit_failure(w: _Worker) -> Failure:
     code = w.process.exitcode
-    failure = _Failure(w.rank, w.local_rank, w.process.pid, time.time(), exitcode=code)
+    failure = Failure(w.rank, w.local_rank, w.process.pid, time.time(), exitcode=code)
     if code == 1:
         failure.extra.append(
             "It exited before onedist could run your function. If the script starts workers at "
@@ -246,7 +174,7 @@ def _read(w: _Worker) -> None:
         return
     except Exception as e:  # the result could not be unpickled here
         w.reported = True
-        w.failure = _Failure(
+        w.failure = Failure(
             w.rank,
             w.local_rank,
             w.process.pid,
@@ -260,7 +188,7 @@ def _read(w: _Worker) -> None:
         w.result = msg[1]
     else:
         _, when, exc_type, message, tb = msg
-        w.failure = _Failure(
+        w.failure = Failure(
             w.rank, w.local_rank, w.process.pid, when, exc_type=exc_type, message=message, traceback=tb
         )
 
@@ -324,202 +252,9 @@ def _stop(workers: list[_Worker]) -> None:
             w.process.join()
 
 
-def check_picklable(fn: Callable[..., Any], how: str) -> None:
-    """Raise the standard error when ``fn`` cannot be pickled for workers started ``how``."""
-    try:
-        pickle.dumps(fn)
-    except Exception as e:
-        raise bad_type(
-            "spawn",
-            "fn",
-            fn,
-            "a function defined at the top level of a module",
-            hint=f"{how} must pickle fn ({e}); move it to module level, or use start_method='fork'",
-        ) from e
-
-
-def reported_failures(paths: list[str]) -> list[_Failure]:
-    """The failures that workers started by a backend's own launcher (``horovod.run``,
-    ``xmp.spawn``) wrote as JSON (rank, local_rank, pid, time, type, message, traceback)."""
-    failures = []
-    for path in paths:
-        try:
-            with open(path) as f:
-                r = json.load(f)
-        except (OSError, ValueError):
-            continue
-        failures.append(
-            _Failure(
-                r["rank"],
-                r["local_rank"],
-                r["pid"],
-                r["time"],
-                exitcode=1,
-                exc_type=r["type"],
-                message=r["message"],
-                traceback=r["traceback"],
-            )
-        )
-    return failures
-
-
-def check_one_host_launch(
-    backend: str,
-    hint: str,
-    *,
-    nnodes: int,
-    node_rank: int,
-    master_addr: str,
-    master_port: Optional[int],
-    init_method: Optional[str],
-    start_method: str,
-) -> None:
-    """The spawn arguments a backend that starts its workers with its own launcher on this host
-    (``horovod.run``, ``mpirun``) cannot honour: each raises, naming the value and ``hint``."""
-    from ._net import is_loopback
-
-    for arg, value, allowed, ok in (
-        ("nnodes", nnodes, "1", nnodes == 1),
-        ("node_rank", node_rank, "0", node_rank == 0),
-        ("master_addr", master_addr, "a loopback address ('127.0.0.1')", is_loopback(master_addr)),
-        ("master_port", master_port, "None", master_port is None),
-        ("init_method", init_method, "None or 'env://'", init_method in (None, "env://")),
-        ("start_method", start_method, "'spawn'", start_method == "spawn"),
-    ):
-        if not ok:
-            raise bad_value("spawn", arg, value, f"{allowed} with backend {backend!r}", hint=hint)
-
-
-def call_worker_fn(
-    fn: Callable[..., Any], local_rank: int, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> Any:
-    """``fn(local_rank, *args, **kwargs)`` in a worker; ``sys.exit(0)`` in it is a success (None)."""
-    try:
-        return fn(local_rank, *args, **kwargs)
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise
-        return None
-
-
-def write_result(path: str, result: Any, rank: int) -> None:
-    """Pickle a worker's result to ``path`` for the parent (None, with a warning, when it cannot
-    be pickled), atomically: the parent never reads half a file."""
-    try:
-        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        logger.warning(
-            "onedist.spawn: the return value of rank %d cannot be pickled (%s); returning None", rank, e
-        )
-        payload = pickle.dumps(None)
-    with open(path + ".tmp", "wb") as f:
-        f.write(payload)
-    os.replace(path + ".tmp", path)
-
-
-def write_failure_report(
-    exc: BaseException, report_dir: str, rank: int, local_rank: int, name: str = "", announce: bool = True
-) -> None:
-    """What a worker started by a backend's own launcher does when it fails: write the JSON report
-    :func:`reported_failures` reads (``name``, by default ``rank-<rank>.json``) and, with
-    ``announce``, publish the error to the other ranks and print the traceback."""
-    if announce:
-        from ._guard import publish_failure
-
-        publish_failure(exc)
-    text = format_user_traceback(exc)
-    report = {
-        "rank": rank,
-        "local_rank": local_rank,
-        "pid": os.getpid(),
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": text,
-    }
-    try:
-        path = os.path.join(report_dir, name or f"rank-{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(report, f)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
-    if not announce:
-        return
-    try:
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        sys.stdout.flush()
-    except Exception:
-        pass
-
-
-def reported_failure_error(
-    reports: list[str], finished: Callable[[int], bool] = lambda rank: False
-) -> Optional[WorkerFailedError]:
-    """The WorkerFailedError of workers started by a backend's own launcher, from their JSON
-    reports (``reports[rank]``: rank's path), or None when none reported. A rank that neither
-    reported nor ``finished`` is listed as stopped after the failure."""
-    failures = reported_failures(reports)
-    if not failures:
-        return None
-    reported = {f.rank for f in failures}
-    failures += [
-        _Failure(r, r, None, time.time(), stopped=True)
-        for r in range(len(reports))
-        if r not in reported and not finished(r)
-    ]
-    return failure_error(failures)
-
-
-def exit_failed() -> NoReturn:
-    """End a failed worker at once, output flushed: its peers may be blocked in a collective that
-    will never complete, and exiting normally would wait for them (or for MPI_Finalize)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    from ._guard import release_stderr
-
-    release_stderr()
-    os._exit(1)
-
-
-def failure_error(failures: list[_Failure]) -> WorkerFailedError:
-    """The WorkerFailedError of these failures (the failing rank's traceback first)."""
-    primary, message = failure_report(failures)
-    return WorkerFailedError(message, primary.rank, primary.local_rank, primary.exitcode, primary.traceback)
-
-
 def _failure_error(workers: list[_Worker]) -> WorkerFailedError:
     primary, message = failure_report([w.failure for w in workers if w.failure is not None])
     return WorkerFailedError(message, primary.rank, primary.local_rank, primary.exitcode, primary.traceback)
-
-
-def failure_report(failures: list[_Failure]) -> tuple[_Failure, str]:
-    """The failure to show first (the earliest that is not a consequence of another), and the report.
-
-    Shared by :func:`spawn` and ``onedist run``.
-    """
-    primary_pool = [f for f in failures if not f.secondary] or failures
-    primary = min(primary_pool, key=lambda f: f.when)
-    lines = [f"onedist: worker {primary.headline()}"]
-    lines.extend(primary.extra)
-    if primary.traceback:
-        lines.append(f"\nTraceback of rank {primary.rank}:\n{primary.traceback.rstrip()}")
-    others = [f for f in failures if f is not primary]
-    if others:
-        lines.append("\nOther workers:")
-        for f in sorted(others, key=lambda f: f.rank):
-            if f.stopped:
-                lines.append(f"  rank {f.rank}: stopped by onedist after rank {primary.rank} failed")
-            elif f.secondary:  # its message may quote the primary's whole traceback: the first line will do
-                first = f.what().splitlines()[0] if f.what() else ""
-                lines.append(f"  rank {f.rank}: {first} (a consequence of rank {primary.rank}'s failure)")
-            else:
-                lines.append(f"  rank {f.rank}: {f.what()}")
-    return primary, "\n".join(lines)
 
 
 def _watch(workers: list[_Worker]) -> list[Any]:
@@ -551,7 +286,7 @@ def _watch(workers: list[_Worker]) -> list[Any]:
             for w in pending.values():
                 _read(w)
                 if w.failure is None:
-                    w.failure = _Failure(w.rank, w.local_rank, w.process.pid, time.time(), stopped=True)
+                    w.failure = Failure(w.rank, w.local_rank, w.process.pid, time.time(), stopped=True)
             _stop(list(pending.values()))
             raise _failure_error(workers)
     if any(w.failure is not None for w in workers):
@@ -718,23 +453,26 @@ def spawn(
         initialize(name)  # raises the standard "not available" error, listing what is
         raise AssertionError("unreachable")
     td = _timeout("spawn", timeout)
-    own = cls.launch(
-        name,
-        fn,
-        tuple(args),
-        dict(kwargs_dict or {}),
-        nproc_per_node=nproc_per_node,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        init_method=init_method,
-        timeout=td,
-        start_method=start_method,
-        hosts=hosts,
-    )
-    if own is not None:
-        return own
+    own_launch = own_launcher(name)
+    if own_launch is not None:
+        spec = LaunchSpec(
+            name,
+            fn,
+            tuple(args),
+            dict(kwargs_dict or {}),
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            init_method=init_method,
+            timeout=td,
+            start_method=start_method,
+            hosts=hosts,
+        )
+        results = own_launch(spec)
+        if results is not None:
+            return results
     _check_rendezvous_port(nnodes, master_port, init_method)
     if start_method == "spawn" and _interactive_main(fn):
         import torch

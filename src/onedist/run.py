@@ -38,7 +38,9 @@ from typing import IO, Any, Optional
 
 from ._net import LOOPBACK, rendezvous_port
 from .environments import detect
-from .launch import GRACE_S, TERM_S, _Failure, failure_report, torchrun_env, worker_threads_env
+from .launch import GRACE_S, TERM_S
+from .launchers.report import Failure, failure_report
+from .launchers.worker import torchrun_env, worker_threads_env
 
 __all__ = ["build_parser", "main"]
 
@@ -152,7 +154,7 @@ class _Proc:
     popen: subprocess.Popen[bytes]
     error_file: str
     threads: list[threading.Thread] = field(default_factory=list)
-    failure: Optional[_Failure] = None
+    failure: Optional[Failure] = None
 
 
 def _die_with_launcher() -> None:  # runs in the child between fork and exec
@@ -174,9 +176,9 @@ def _pump(stream: IO[bytes], out: IO[bytes], prefix: bytes, show: bool, lock: th
     stream.close()
 
 
-def _read_failure(p: _Proc) -> _Failure:
+def _read_failure(p: _Proc) -> Failure:
     code = p.popen.returncode
-    failure = _Failure(p.rank, p.local_rank, p.popen.pid, time.time(), exitcode=code)
+    failure = Failure(p.rank, p.local_rank, p.popen.pid, time.time(), exitcode=code)
     try:
         with open(p.error_file) as f:
             report = json.load(f)
@@ -380,7 +382,7 @@ def _wait(procs: list[_Proc], received: list[int]) -> int:
         now = time.monotonic()
         if first_failure is not None and now >= first_failure + GRACE_S:
             for p in running:
-                p.failure = _Failure(p.rank, p.local_rank, p.popen.pid, time.time(), stopped=True)
+                p.failure = Failure(p.rank, p.local_rank, p.popen.pid, time.time(), stopped=True)
             _stop(running)
             break
         if signalled_at is not None and now >= signalled_at + 5.0:

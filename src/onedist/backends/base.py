@@ -105,35 +105,6 @@ class Backend(ABC):
     ) -> Backend:
         """Create the context (e.g. ``init_process_group``) and wrap it."""
 
-    @classmethod
-    def launch(
-        cls,
-        backend: str,
-        fn: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        nproc_per_node: int,
-        nnodes: int,
-        node_rank: int,
-        master_addr: str,
-        master_port: Optional[int],
-        init_method: Optional[str],
-        timeout: Optional[timedelta],
-        start_method: str,
-        hosts: Optional[str] = None,
-    ) -> Optional[list[Any]]:
-        """Start workers with the backend's own launcher (``horovod.run``, ``xmp.spawn``).
-
-        Called by :func:`onedist.spawn` with checked arguments. Each worker must create the
-        context, run ``fn(local_rank, *args, **kwargs)`` and finalise. Returns each local rank's
-        result in local-rank order, or None to let onedist's own process launcher start the
-        workers (the default: torch.distributed needs nothing else). ``hosts`` is only given to a
-        backend whose launcher spreads the processes over hosts itself (Horovod's ``horovod.run``);
-        spawn refuses it for the others.
-        """
-        return None
-
     @abstractmethod
     def is_stale(self) -> bool:
         """True when the context this object wraps is gone or replaced (cheap)."""
@@ -176,6 +147,10 @@ class Backend(ABC):
         """The group of the ranks on this node."""
 
     # ------------------------------------------------------------------ training objects
+    #: True when ``auto_model(sync_bn=True)`` should convert BatchNorm layers to onedist's
+    #: SyncBatchNorm before :meth:`wrap_model` (a backend without a SyncBatchNorm of its own)
+    sync_bn_by_onedist = False
+
     def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
         """Adapt a model already on :meth:`device` to this backend (auto_model's backend part).
 

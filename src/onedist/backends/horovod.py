@@ -45,9 +45,7 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
@@ -55,11 +53,9 @@ from typing import Any, Optional
 import torch
 
 from ..errors import (
-    LaunchArgumentError,
     OnedistRuntimeError,
     OnedistTypeError,
     OnedistValueError,
-    WorkerFailedError,
     bad_type,
     bad_value,
 )
@@ -243,6 +239,7 @@ class HorovodBackend(Backend):
     """
 
     model_name = "horovod-dist"
+    sync_bn_by_onedist = True  # onedist's SyncBatchNorm, which runs on this backend's collectives
     external_origin = "your code (hvd.init())"
     cpu_reduce_dtypes = _REDUCE_DTYPES
     p2p_bulk = False  # send/recv go through the side store: large gathers use Horovod's alltoall
@@ -361,104 +358,6 @@ class HorovodBackend(Backend):
             hvd.shutdown()
             _restore_env(env_set)
             raise
-
-    @classmethod
-    def launch(
-        cls,
-        backend: str,
-        fn: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        nproc_per_node: int,
-        nnodes: int,
-        node_rank: int,
-        master_addr: str,
-        master_port: Optional[int],
-        init_method: Optional[str],
-        timeout: Optional[timedelta],
-        start_method: str,
-        hosts: Optional[str] = None,
-    ) -> Optional[list[Any]]:
-        """Start ``nproc_per_node`` workers through ``horovod.run`` (Gloo controller), on this host or,
-        with ``hosts`` ("host1:slots,host2:slots", as ignite passes it), over those hosts.
-
-        Each worker runs ``fn(local_rank, *args, **kwargs)`` inside an initialised horovod context;
-        the results come back in rank order. A failing worker ends the run (Horovod stops the
-        others) and :class:`~onedist.WorkerFailedError` is raised with its rank and traceback.
-        """
-        from ..launch import check_one_host_launch
-
-        hint = (
-            "spawn('horovod', ...) starts the processes through horovod.run, which picks its own "
-            "rendezvous; for several hosts pass hosts='host1:n1,host2:n2' (nproc_per_node is then "
-            "the total), or run `horovodrun -np N -H host1:n1,host2:n2 python script.py` "
-            "(Parallel(backend='horovod') then only initialises)"
-        )
-        if nnodes != 1:  # (node_rank < nnodes is checked already) ignite's words and error type
-            raise bad_value(
-                "spawn",
-                "nnodes",
-                nnodes,
-                "1 with backend 'horovod'",
-                hint=hint,
-                says="For multi-node configuration, please set 'hosts' argument instead",
-                error=LaunchArgumentError,
-            )
-        host_list = (
-            _check_hosts(hosts, nproc_per_node) if hosts is not None else f"localhost:{nproc_per_node}"
-        )
-        check_one_host_launch(
-            "horovod",
-            hint,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            init_method=init_method,
-            start_method=start_method,
-        )
-        try:
-            import horovod
-        except ImportError as e:  # reported as unavailable before this; kept for a broken install
-            raise OnedistRuntimeError(f"onedist.spawn: horovod does not import ({e})") from e
-        from ..launch import worker_threads_env
-
-        del horovod  # imported here only to fail early; horovod.run runs in a child (below)
-        import multiprocessing
-
-        import cloudpickle
-
-        report_dir = tempfile.mkdtemp(prefix="onedist-horovod-")
-        cfg = {"timeout": timeout, "env": worker_threads_env(nproc_per_node), "report_dir": report_dir}
-        # horovod.run leaves its driver service listening on 0.0.0.0 in the calling process, and
-        # installs signal handlers there: it runs in a short-lived child process instead, so this
-        # process keeps nothing of it (cloudpickle carries fn, as horovod.run would)
-        payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs), cfg))
-        ctx = multiprocessing.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=_horovod_run, args=(payload, nproc_per_node, host_list, writer))
-        try:
-            child.start()
-            writer.close()
-            try:
-                status, value = reader.recv()
-            except EOFError:
-                status, value = "error", f"the horovod.run process died (exit code {child.exitcode})"
-            child.join()
-            if status == "ok":
-                return cloudpickle.loads(value)  # type: ignore[no-any-return]
-            if status == "failed":
-                raise _launch_failure(report_dir, nproc_per_node, RuntimeError(value))
-            raise OnedistRuntimeError(f"onedist.spawn: horovod.run failed:\n{value}")
-        finally:
-            if child.is_alive():
-                child.kill()
-                child.join()
-            reader.close()
-            import shutil
-
-            shutil.rmtree(report_dir, ignore_errors=True)
 
     def _share_cores(self) -> None:
         """Several ranks on this node and no OMP_NUM_THREADS (horovodrun sets none, unlike torchrun):
@@ -625,8 +524,9 @@ class HorovodBackend(Backend):
     # ------------------------------------------------------------------ training objects
     def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
         """Broadcast rank 0's parameters and buffers; no wrapper (gradients are averaged by the
-        optimizer, see :meth:`wrap_optimizer`). ``sync_bn`` swaps BatchNorm layers for
-        :class:`onedist.SyncBatchNorm`. DDP keyword arguments are checked and have no effect."""
+        optimizer, see :meth:`wrap_optimizer`). With ``sync_bn`` the BatchNorm layers are
+        :class:`onedist.SyncBatchNorm` already (``sync_bn_by_onedist``: auto_model converted them).
+        DDP keyword arguments are checked and have no effect."""
         from .ddp import check_options
 
         ours, _ = check_options(options)
@@ -639,10 +539,6 @@ class HorovodBackend(Backend):
                 "not given with backend 'horovod' (DDP communication hooks)",
                 hint="with Horovod, compress gradients with od.auto_optim(optimizer, compression='fp16')",
             )
-        if sync_bn:
-            from ..syncbn import convert_sync_batchnorm
-
-            model = convert_sync_batchnorm(model)
         self.broadcast_tensors_(list(model.state_dict().values()), src=0)
         return model
 
@@ -1092,111 +988,3 @@ def _optimizer_kwargs(hvd: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
                 "1.0 unless op is 'average' (Horovod's rule)",
             )
     return out
-
-
-# ============================================================================ spawn's workers
-def _worker(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], cfg: dict[str, Any]
-) -> Any:
-    """What ``horovod.run`` runs in each worker: initialise, ``fn(local_rank, ...)``, finalise.
-
-    A failure is written to ``cfg["report_dir"]`` (the parent turns it into WorkerFailedError) and
-    published to the other ranks, then the worker exits 1, so that Horovod stops the others.
-    """
-    os.environ.update(cfg["env"])
-    if "OMP_NUM_THREADS" in cfg["env"]:
-        torch.set_num_threads(int(cfg["env"]["OMP_NUM_THREADS"]))
-    from ..context import finalize, get_local_rank, initialize
-    from ..launch import call_worker_fn, exit_failed
-
-    try:
-        initialize(_NAME, timeout=cfg["timeout"])
-        result = call_worker_fn(fn, get_local_rank(), args, kwargs)
-        finalize()
-    except BaseException as e:
-        _report_failure(e, cfg["report_dir"])
-        exit_failed()
-    try:
-        import importlib
-
-        importlib.import_module("cloudpickle").dumps(result)  # how horovod.run returns it
-    except Exception as e:
-        logger.warning(
-            "onedist.spawn: the return value of rank %s cannot be pickled (%s); returning None",
-            os.environ.get("HOROVOD_RANK"),
-            e,
-        )
-        result = None
-    return result
-
-
-def _report_failure(exc: BaseException, report_dir: str) -> None:
-    from ..launch import write_failure_report
-
-    rank = int(os.environ.get("HOROVOD_RANK", "0"))
-    write_failure_report(exc, report_dir, rank, int(os.environ.get("HOROVOD_LOCAL_RANK", str(rank))))
-
-
-def _check_hosts(hosts: Any, nproc: int) -> str:
-    """``hosts`` as horovod.run takes it: "host:slots" items, comma-separated, with at least
-    ``nproc`` slots in all."""
-    allowed = "a str 'host1:slots,host2:slots' (slots: an int >= 1)"
-    if not isinstance(hosts, str):
-        raise bad_type("spawn", "hosts", hosts, allowed)
-    slots = 0
-    for item in hosts.split(","):
-        name, _, count = item.strip().rpartition(":")
-        if not name or not count.isdigit() or int(count) < 1:
-            raise bad_value("spawn", "hosts", hosts, allowed)
-        slots += int(count)
-    if slots < nproc:
-        raise bad_value(
-            "spawn",
-            "hosts",
-            hosts,
-            f"hosts with at least nproc_per_node={nproc} slots in all (these have {slots})",
-            hint="with hosts, nproc_per_node is the number of processes over all hosts",
-        )
-    return hosts
-
-
-def _horovod_run(payload: bytes, nproc: int, hosts: str, conn: Any) -> None:
-    """The child process of :meth:`HorovodBackend.launch`: ``horovod.run`` and its results."""
-    import cloudpickle
-    import horovod
-
-    fn, args, kwargs, cfg = cloudpickle.loads(payload)
-    try:
-        results = horovod.run(
-            _worker,
-            args=(fn, args, kwargs, cfg),
-            num_proc=nproc,
-            hosts=hosts,
-            use_gloo=True,
-        )
-        conn.send(("ok", cloudpickle.dumps(results)))
-    except RuntimeError as e:  # a worker failed: the parent reads the reports
-        conn.send(("failed", str(e)))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-def _launch_failure(report_dir: str, nproc: int, error: RuntimeError) -> WorkerFailedError:
-    """WorkerFailedError from the workers' reports (the failing rank's traceback first)."""
-    from ..launch import reported_failure_error
-
-    reported = reported_failure_error(
-        [os.path.join(report_dir, f"rank-{rank}.json") for rank in range(nproc)]
-    )
-    if reported is None:
-        return WorkerFailedError(
-            f"onedist.spawn: a horovod worker failed before onedist could run your function:\n{error}\n"
-            "(its output above shows why)",
-            -1,
-            -1,
-            None,
-            None,
-        )
-    return reported

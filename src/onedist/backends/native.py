@@ -201,47 +201,6 @@ class NativeBackend(Backend):
         made.init_method = init_method
         return made
 
-    @classmethod
-    def launch(
-        cls,
-        backend: str,
-        fn: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        nproc_per_node: int,
-        nnodes: int,
-        node_rank: int,
-        master_addr: str,
-        master_port: Optional[int],
-        init_method: Optional[str],
-        timeout: Optional[timedelta],
-        start_method: str,
-        hosts: Optional[str] = None,
-    ) -> Optional[list[Any]]:
-        if backend != "mpi" or nproc_per_node * nnodes == 1:
-            return None
-        # MPI's processes come from its launcher (processes spawned here would each be an MPI
-        # world of one): mpirun starts them, on this host
-        from ..launch import check_one_host_launch
-
-        check_one_host_launch(
-            "mpi",
-            "spawn('mpi', ...) starts the ranks on this host through mpirun, which connects them "
-            "itself; for several hosts run `mpirun -np N -H host1:n1,host2:n2 python script.py` "
-            "(Parallel(backend='mpi') then only initialises)",
-            nnodes=nnodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            init_method=init_method,
-            start_method=start_method,
-        )
-        from ..launch import worker_threads_env
-        from ._mpirun import launch as mpirun_launch
-
-        return mpirun_launch(fn, args, kwargs, nproc_per_node, timeout, worker_threads_env(nproc_per_node))
-
     def is_stale(self) -> bool:
         return dist.distributed_c10d.GroupMember.WORLD is not self._world
 

@@ -53,13 +53,8 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
-import pickle
-import shutil
 import sys
-import tempfile
 import threading
-import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
@@ -70,7 +65,6 @@ from ..errors import (
     BackendUnavailableError,
     OnedistRuntimeError,
     OnedistTypeError,
-    WorkerFailedError,
     bad_value,
 )
 from .base import Backend, Layout, Work
@@ -262,96 +256,6 @@ class XlaBackend(Backend):
                     f"None or {actual}, what torch_xla.runtime reports for this XLA world",
                 )
         return cls(owned=True)
-
-    @classmethod
-    def launch(
-        cls,
-        backend: str,
-        fn: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        nproc_per_node: int,
-        nnodes: int,
-        node_rank: int,
-        master_addr: str,
-        master_port: Optional[int],
-        init_method: Optional[str],
-        timeout: Optional[timedelta],
-        start_method: str,
-        hosts: Optional[str] = None,
-    ) -> Optional[list[Any]]:
-        """Run ``fn(local_rank, *args, **kwargs)`` on ``nproc_per_node`` XLA devices via ``xmp.spawn``.
-
-        ``nproc_per_node=1`` runs ``fn`` here, on this process's one device. More needs as many
-        XLA devices on this host: on the PJRT CPU device onedist sets ``CPU_NUM_DEVICES`` to
-        ``nproc_per_node`` for the run (unless set) and ``xmp.spawn`` starts one process with a
-        thread per device; on a TPU host the number must be the host's device count. A failing
-        worker ends the run within seconds and :class:`~onedist.WorkerFailedError` is raised with
-        its rank and traceback first.
-        """
-        from .._net import is_loopback
-
-        for arg, value, allowed, ok in (
-            ("nnodes", nnodes, "1", nnodes == 1),
-            ("node_rank", node_rank, "0", node_rank == 0),
-            ("master_addr", master_addr, "a loopback address ('127.0.0.1')", is_loopback(master_addr)),
-            ("master_port", master_port, "None", master_port is None),
-            ("init_method", init_method, "None", init_method is None),
-            ("timeout", timeout, "None (XLA collectives take no timeout)", timeout is None),
-        ):
-            if not ok:
-                raise bad_value(
-                    "spawn",
-                    arg,
-                    value,
-                    f"{allowed} with backend 'xla-tpu'",
-                    hint="xmp.spawn starts the replicas of this host and PJRT finds the other hosts of a "
-                    "TPU slice itself: run the same script on every host (e.g. `gcloud compute tpus tpu-vm "
-                    "ssh NAME --worker=all --command='python train.py'`) with nnodes=1",
-                )
-        _import_torch_xla("spawn")
-        import torch_xla
-        import torch_xla.runtime as xr
-
-        if nproc_per_node == 1:
-            return [_run_here(fn, args, kwargs)]
-        if start_method != "fork":
-            from ..launch import check_picklable
-
-            check_picklable(fn, f"xmp.spawn with start_method={start_method!r}")
-        env_set = _device_count_env(nproc_per_node, str(xr.device_type()))
-        report_dir = None
-        try:
-            if torch_xla._XLAC._xla_runtime_is_initialized():
-                raise OnedistRuntimeError(
-                    f"onedist.spawn: nproc_per_node={nproc_per_node} needs xmp.spawn, which torch_xla allows "
-                    "only in a process that has not used XLA yet, and this one has (an XLA tensor, "
-                    "initialize('xla-tpu') or a spawn with nproc_per_node=1 ran before).\n"
-                    "HINT: call onedist.spawn / Parallel before anything touches the XLA device (first "
-                    'thing under `if __name__ == "__main__":`)'
-                )
-            import torch_xla.distributed.xla_multiprocessing as xmp
-
-            report_dir = tempfile.mkdtemp(prefix="onedist-xla-")
-            try:
-                xmp.spawn(
-                    _worker,
-                    args=(fn, tuple(args), dict(kwargs), report_dir, nproc_per_node),
-                    nprocs=None,
-                    start_method=start_method,
-                )
-            except Exception as e:  # a worker's failure, or BrokenProcessPool when XLA aborted it
-                raise _launch_failure(report_dir, nproc_per_node, e) from None
-            return _results(report_dir, nproc_per_node)
-        finally:
-            for name, previous in env_set.items():
-                if previous is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = previous
-            if report_dir is not None:
-                shutil.rmtree(report_dir, ignore_errors=True)
 
     def is_stale(self) -> bool:
         return False if self.owned else not self.context_active()
@@ -702,6 +606,13 @@ def _device_loader_class() -> type:
 
 
 # ---------------------------------------------------------------------------- launching
+_CPU_THREADS_WARNING = (
+    "onedist.spawn: %d XLA CPU devices run as threads of one process, and torch_xla's collectives between "
+    "such threads race: XLA aborts them after 10 s ('Termination timeout for ... RendezvousKey') unless "
+    "graph launches are serialised, which only onedist's tests do (see onedist's XLA page)"
+)
+
+
 def _device_count_env(nproc: int, device_type: str) -> dict[str, Optional[str]]:
     """Make xmp.spawn start ``nproc`` devices; returns the variables set, with their old values."""
     if device_type != "CPU":
@@ -722,118 +633,3 @@ def _device_count_env(nproc: int, device_type: str) -> dict[str, Optional[str]]:
     os.environ["CPU_NUM_DEVICES"] = str(nproc)
     logger.info("onedist set CPU_NUM_DEVICES=%d for xmp.spawn (the environment did not set it)", nproc)
     return {"CPU_NUM_DEVICES": None}
-
-
-_CPU_THREADS_WARNING = (
-    "onedist.spawn: %d XLA CPU devices run as threads of one process, and torch_xla's collectives between "
-    "such threads race: XLA aborts them after 10 s ('Termination timeout for ... RendezvousKey') unless "
-    "graph launches are serialised, which only onedist's tests do (see onedist's XLA page)"
-)
-
-
-def _run_here(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``nproc_per_node=1``: ``fn(0, ...)`` in this process, on its one XLA device (xmp.spawn(nprocs=1))."""
-    import torch_xla.distributed.xla_multiprocessing as xmp
-
-    out: dict[str, Any] = {}
-
-    from ..launch import call_worker_fn
-
-    def body(index: int) -> None:
-        _tls.launched = True
-        try:
-            out["result"] = call_worker_fn(fn, 0, args, kwargs)
-        finally:
-            _tls.launched = False
-
-    try:
-        xmp.spawn(body, nprocs=1)
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        from ..launch import _Failure, failure_report
-
-        failure = _Failure(
-            0,
-            0,
-            os.getpid(),
-            time.time(),
-            exc_type=type(e).__name__,
-            message=str(e),
-            traceback=traceback.format_exc(),
-        )
-        _, message = failure_report([failure])
-        raise WorkerFailedError(message, 0, 0, None, failure.traceback) from e
-    return out.get("result")
-
-
-def _worker(
-    index: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    report_dir: str,
-    nproc: int,
-) -> None:
-    """What xmp.spawn runs on each device: ``fn(local_rank, ...)``, its result or failure to a file.
-
-    A failure ends this worker's whole process at once (``os._exit``): the other devices' threads
-    may be waiting in a collective that will never complete, and the parent then reports the
-    failure from its file.
-    """
-    import torch_xla.runtime as xr
-
-    from ..launch import call_worker_fn, exit_failed, write_failure_report, write_result
-
-    _tls.launched = True
-    rank, local_rank = int(xr.global_ordinal()), int(xr.local_ordinal())
-    try:
-        devices = int(xr.local_device_count())
-        if devices != nproc:
-            raise bad_value(
-                "spawn",
-                "nproc_per_node",
-                nproc,
-                f"1 or {devices}, the number of XLA devices on this host (PJRT_DEVICE={xr.device_type()})",
-            )
-        result = call_worker_fn(fn, local_rank, args, kwargs)
-    except BaseException as e:
-        write_failure_report(
-            e, report_dir, rank, local_rank, name=f"failure-{local_rank}.json", announce=False
-        )
-        exit_failed()
-    finally:
-        _tls.launched = False
-    write_result(os.path.join(report_dir, f"result-{local_rank}.pkl"), result, rank)
-
-
-def _results(report_dir: str, nproc: int) -> list[Any]:
-    results = []
-    for local_rank in range(nproc):
-        with open(os.path.join(report_dir, f"result-{local_rank}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
-    return results
-
-
-def _launch_failure(report_dir: str, nproc: int, error: BaseException) -> WorkerFailedError:
-    """WorkerFailedError from the workers' reports (the failing rank's traceback first)."""
-    from ..launch import reported_failure_error
-
-    reported = reported_failure_error(
-        [os.path.join(report_dir, f"failure-{r}.json") for r in range(nproc)],
-        finished=lambda r: os.path.exists(os.path.join(report_dir, f"result-{r}.pkl")),
-    )
-    if reported is None:
-        return WorkerFailedError(
-            "onedist.spawn: the XLA worker process ended before its devices finished "
-            f"({type(error).__name__}: {error}); its output above shows why.\n"
-            "HINT: an XLA abort such as 'Termination timeout for ... RendezvousKey' means a device waited "
-            "10 s for a collective that another device did not run: every rank must call the same "
-            "collectives in the same order (on the PJRT CPU devices, graph launches of the device threads "
-            "also race; see the XLA page of onedist's documentation)",
-            -1,
-            -1,
-            None,
-            None,
-        )
-    return reported

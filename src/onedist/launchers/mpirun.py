@@ -4,7 +4,7 @@ MPI processes cannot be forked or spawned into one world by Python: the MPI laun
 ``mpirun``, or MPICH's ``mpiexec``) starts them. So the parent writes the job to a private
 directory (``multiprocessing``'s preparation data, with which each rank imports the script that
 defined ``fn`` as ``__mp_main__``, as a spawned multiprocessing child does, then a pickle of ``fn``
-and its arguments), runs ``mpirun -np N python -m onedist.backends._mpirun DIR`` with its output
+and its arguments), runs ``mpirun -np N python -m onedist.launchers.mpirun DIR`` with its output
 passing through, and reads back each rank's result, or the failure reports from which
 :class:`~onedist.WorkerFailedError` is built (the failing rank's traceback first, as with every
 other backend). A failing rank publishes its error to the others and leaves without
@@ -25,6 +25,10 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from ..errors import BackendUnavailableError, WorkerFailedError
+from .checks import check_one_host_launch, check_picklable
+from .report import reported_failure_error
+from .spec import LaunchSpec
+from .worker import call_worker_fn, exit_failed, worker_threads_env, write_failure_report, write_result
 
 logger = logging.getLogger("onedist")
 
@@ -51,7 +55,7 @@ def _launcher() -> tuple[str, bool]:
     )
 
 
-def launch(
+def _run(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -62,8 +66,6 @@ def launch(
     """Run ``fn(local_rank, *args, **kwargs)`` on ``nproc`` MPI ranks of this host; results in rank
     order (see the module docstring)."""
     import multiprocessing.spawn
-
-    from ..launch import check_picklable, reported_failure_error
 
     check_picklable(fn, "spawn('mpi')")  # each rank imports fn, as a 'spawn' child would
     mpirun, open_mpi = _launcher()
@@ -83,7 +85,7 @@ def launch(
             if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without these
                 run_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
                 run_env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        cmd += [sys.executable, "-m", "onedist.backends._mpirun", job_dir]
+        cmd += [sys.executable, "-m", "onedist.launchers.mpirun", job_dir]
         logger.info("onedist.spawn: %s", " ".join(cmd))
         proc = subprocess.Popen(cmd, env=run_env)
         try:
@@ -120,6 +122,29 @@ def launch(
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
+def launch(spec: LaunchSpec) -> Optional[list[Any]]:
+    """Start the ranks of ``spawn("mpi", ...)`` with mpirun on this host (None for a world of one,
+    which onedist's own process launcher starts)."""
+    if spec.nproc_per_node * spec.nnodes == 1:
+        return None
+    # MPI's processes come from its launcher (processes spawned here would each be an MPI
+    # world of one): mpirun starts them, on this host
+    check_one_host_launch(
+        "mpi",
+        "spawn('mpi', ...) starts the ranks on this host through mpirun, which connects them "
+        "itself; for several hosts run `mpirun -np N -H host1:n1,host2:n2 python script.py` "
+        "(Parallel(backend='mpi') then only initialises)",
+        nnodes=spec.nnodes,
+        node_rank=spec.node_rank,
+        master_addr=spec.master_addr,
+        master_port=spec.master_port,
+        init_method=spec.init_method,
+        start_method=spec.start_method,
+    )
+    threads = worker_threads_env(spec.nproc_per_node)
+    return _run(spec.fn, spec.args, spec.kwargs, spec.nproc_per_node, spec.timeout, threads)
+
+
 def _main(job_dir: str) -> None:
     """One MPI rank: import fn's script as multiprocessing does, initialise, run, report."""
     import multiprocessing.spawn
@@ -131,7 +156,6 @@ def _main(job_dir: str) -> None:
         os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", str(rank)))
     )
     from ..context import finalize, get_local_rank, initialize
-    from ..launch import call_worker_fn, exit_failed, write_failure_report, write_result
 
     try:
         with open(os.path.join(job_dir, _JOB), "rb") as f:
