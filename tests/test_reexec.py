@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import onedist as od
-from onedist._reexec import command_line
+from onedist.launchers.reexec import command_line
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SCRIPT = str(SCRIPTS / "reexec_script.py")

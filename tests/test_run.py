@@ -189,7 +189,7 @@ def test_worker_traceback_starts_at_the_script_with_one_rank_prefix(tmp_path):
     assert own[0] == "[rank1]: Traceback (most recent call last):", own
     assert own[1].startswith(f'[rank1]:   File "{script}", line 10, in <module>'), own
     assert own[-1] == "[rank1]: ValueError: rank 1 raised on purpose", own
-    assert "_bootstrap" not in proc.stderr and "runpy" not in proc.stderr
+    assert "launchers/bootstrap" not in proc.stderr and "runpy" not in proc.stderr
     assert "[rank1]: [rank1]:" not in proc.stderr and "[rank0]: [rank0]:" not in proc.stderr
     summary = proc.stderr[proc.stderr.index("onedist run: worker rank 1") :]
     assert "Traceback of rank 1:\nTraceback (most recent call last):\n  File" in summary
@@ -225,7 +225,7 @@ def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
         assert f"[rank{rank}]: KeyboardInterrupt" in err, err  # where each rank was, to debug a hang
-    assert "_bootstrap" not in err
+    assert "launchers/bootstrap" not in err
 
 
 @pytest.mark.parametrize(

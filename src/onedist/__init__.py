@@ -183,14 +183,14 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
     from .helpers import (
         synchronize as synchronize,
     )
-    from .launch import (
-        Parallel as Parallel,
-    )
-    from .launch import (
+    from .launchers.spawn import (
         spawn as spawn,
     )
     from .log import (
         setup_logger as setup_logger,
+    )
+    from .parallel import (
+        Parallel as Parallel,
     )
     from .samplers import DistributedEvalSampler as DistributedEvalSampler
     from .samplers import DistributedProxySampler as DistributedProxySampler
@@ -345,8 +345,8 @@ _LAZY = {
     "reduce_dict": "helpers",
     "shared_random_seed": "helpers",
     "synchronize": "helpers",
-    "Parallel": "launch",
-    "spawn": "launch",
+    "Parallel": "parallel",
+    "spawn": "launchers.spawn",
     "setup_logger": "log",
 }
 

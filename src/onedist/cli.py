@@ -99,12 +99,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="what is installed, which backends work here, what launcher set")
     info.add_argument("--json", action="store_true", help="print JSON")
-    from .run import build_parser
+    from .launchers.run import build_parser
 
     build_parser(sub.add_parser("run", help="start the workers of a script (torchrun-compatible)"))
     args = parser.parse_args(argv)
     if args.command == "run":
-        from .run import main as run_main
+        from .launchers.run import main as run_main
 
         return run_main(args)
     if args.command == "info":

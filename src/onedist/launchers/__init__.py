@@ -1,5 +1,8 @@
 """Starting worker processes: the launch arguments, the launchers, one failure report.
 
+* :mod:`.spawn`: :func:`onedist.spawn`, workers started by multiprocessing, and their supervisor.
+* :mod:`.reexec`: ``Parallel(start_method="subprocess")``, the script re-run for the other ranks.
+* :mod:`.run` and :mod:`.bootstrap`: ``onedist run`` (torchrun's flags) and its workers' entry.
 * :mod:`.spec`: :class:`~.spec.LaunchSpec`, the arguments of one launch.
 * :mod:`.checks`: arguments a way of starting cannot honour, refused before anything starts.
 * :mod:`.worker`: what a worker is given (torchrun's variables, its thread count) and does at its
@@ -9,9 +12,8 @@
   :mod:`.mpirun` (``mpirun``), :mod:`.horovodrun` (``horovod.run``), :mod:`.xmp`
   (``xmp.spawn``), found by :func:`own_launcher`.
 
-``onedist.spawn``/``Parallel`` (``onedist/launch.py``), the re-exec start method and ``onedist run``
-start the other backends' workers themselves. Backends never import this package (CI checks it:
-``lint-imports``).
+Backends never import this package, and the building blocks (spec, checks, worker, report) never
+import the launchers that use them (CI checks both: ``lint-imports``).
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ Failure handling (nothing may hang; every process is gone within a few seconds o
 * Children die with this process (Linux ``PR_SET_PDEATHSIG``) and run in their own session, so a
   terminal's Ctrl-C reaches this process only, which stops them.
 * A watcher thread polls the children while this process is inside ``fn``. When one exits non-zero,
-  it waits :data:`~onedist.launch.GRACE_S` for near-simultaneous failures, stops the other children
-  (SIGTERM, SIGKILL after :data:`~onedist.launch.TERM_S`) and raises :class:`WorkerFailedError` in the
-  main thread through a SIGINT sent to it. The main thread may be blocked in a collective with the
-  GIL released, where no exception can be delivered: if it has not left ``fn`` within
-  :data:`MAIN_GRACE_S`, the watcher prints the failure report (failing rank first) to stderr and
-  ends the process with ``os._exit(1)``.
+  it waits :data:`~onedist.launchers.spawn.GRACE_S` for near-simultaneous failures, stops the
+  other children (SIGTERM, SIGKILL after :data:`~onedist.launchers.spawn.TERM_S`) and raises
+  :class:`WorkerFailedError` in the main thread through a SIGINT sent to it. The main thread may
+  be blocked in a collective with the GIL released, where no exception can be delivered: if it
+  has not left ``fn`` within :data:`MAIN_GRACE_S`, the watcher prints the failure report (failing
+  rank first) to stderr and ends the process with ``os._exit(1)``.
 * When ``fn`` raises here, the children's reports that arrive within a short grace are collected,
   the children are stopped, and the exception is re-raised, unless it is only a consequence of a
   child's failure ("Connection closed by peer", ...): then :class:`WorkerFailedError` with the
@@ -57,13 +57,13 @@ from subprocess import _args_from_interpreter_flags  # type: ignore[attr-defined
 from types import FrameType
 from typing import Any, Optional, cast
 
-from ._bootstrap import _write_error
-from ._net import STORE_FD_ENV, discard_store_fd, rendezvous_port
-from .environments import TORCHRUN_VARS
-from .errors import OnedistRuntimeError, WorkerFailedError, bad_value, format_user_traceback
-from .launch import GRACE_S, TERM_S, _check_rendezvous_port, _check_spawn_args
-from .launchers.report import Failure, failure_report
-from .launchers.worker import torchrun_env, worker_threads_env
+from .._net import STORE_FD_ENV, discard_store_fd, rendezvous_port
+from ..environments import TORCHRUN_VARS
+from ..errors import OnedistRuntimeError, WorkerFailedError, bad_value, format_user_traceback
+from .bootstrap import _write_error
+from .report import Failure, failure_report
+from .spawn import GRACE_S, TERM_S, _check_rendezvous_port, _check_spawn_args
+from .worker import torchrun_env, worker_threads_env
 
 __all__ = ["ERROR_FILE_ENV", "MAIN_GRACE_S", "MARKER_ENV", "child_init_args", "command_line", "record_error"]
 
@@ -194,7 +194,7 @@ def _write_stderr(text: str) -> None:
             stream.flush()
         except Exception:
             pass
-    from ._guard import release_stderr
+    from .._guard import release_stderr
 
     release_stderr()  # the main thread may be holding stderr back (and this process may end next)
     try:
@@ -581,8 +581,8 @@ def run_subprocess(
         None,  # hosts: Parallel refuses it with start_method='subprocess'
     )
     _check_rendezvous_port(nnodes, master_port, init_method)
-    from .backends import class_for_backend
-    from .context import _resolve_backend_name, _timeout, finalize, initialize
+    from ..backends import class_for_backend
+    from ..context import _resolve_backend_name, _timeout, finalize, initialize
 
     name = _resolve_backend_name(backend, nnodes, nproc_per_node)
     if class_for_backend(name) is None:

@@ -1,8 +1,8 @@
 """Worker bootstrap of ``onedist run``: run a script or module as ``__main__``, report its error.
 
-``python -m onedist._bootstrap script.py args...`` or ``python -m onedist._bootstrap -m pkg.mod args...``
-behaves like ``python script.py args...`` (same ``sys.argv``, ``sys.path[0]``, ``__main__``), and
-if the script raises, writes the exception's type, message, traceback and time as JSON to
+``python -m onedist.launchers.bootstrap script.py args...`` (or ``-m pkg.mod args...``) behaves
+like ``python script.py args...`` (same ``sys.argv``, ``sys.path[0]``, ``__main__``), and if the
+script raises, writes the exception's type, message, traceback and time as JSON to
 ``$ONEDIST_ERROR_FILE`` before Python prints the traceback as usual. The launcher reads that file to
 show the failing rank's error first (the role of torchelastic's ``@record``, without a decorator).
 """
@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 
-from .errors import user_traceback
+from ..errors import user_traceback
 
 __all__ = ["main", "run_target"]
 

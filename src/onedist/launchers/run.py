@@ -36,11 +36,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import IO, Any, Optional
 
-from ._net import LOOPBACK, rendezvous_port
-from .environments import detect
-from .launch import GRACE_S, TERM_S
-from .launchers.report import Failure, failure_report
-from .launchers.worker import torchrun_env, worker_threads_env
+from .._net import LOOPBACK, rendezvous_port
+from ..environments import detect
+from .report import Failure, failure_report
+from .spawn import GRACE_S, TERM_S
+from .worker import torchrun_env, worker_threads_env
 
 __all__ = ["build_parser", "main"]
 
@@ -279,7 +279,7 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
     if args.backend:
         base_env["ONEDIST_BACKEND"] = args.backend
     target = ["-m", args.target] if args.module else [args.target]
-    cmd = [sys.executable, "-m", "onedist._bootstrap", *target, *args.args]
+    cmd = [sys.executable, "-m", "onedist.launchers.bootstrap", *target, *args.args]
     lock = threading.Lock()
     procs: list[_Proc] = []
     received: list[int] = []
@@ -406,7 +406,7 @@ def _wait(procs: list[_Proc], received: list[int]) -> int:
 
 def _run_in_place(args: argparse.Namespace) -> int:
     """Under srun / mpirun / torchrun the processes exist already: run the script here."""
-    from ._bootstrap import run_target
+    from .bootstrap import run_target
 
     if args.backend:
         os.environ["ONEDIST_BACKEND"] = args.backend

@@ -1,9 +1,10 @@
-"""Starting worker processes (:func:`spawn`) and running a function distributed (:class:`Parallel`).
+"""Starting worker processes from Python: :func:`spawn`, and the supervisor that watches them.
 
 Starting processes and initialising a group are separate: :func:`spawn` starts and watches the
-workers, each worker calls :func:`onedist.initialize`; :class:`Parallel` decides whether to spawn,
-only initialise (an external launcher such as torchrun already started the processes), or run
-serially.
+workers, each worker calls :func:`onedist.initialize`; :class:`onedist.Parallel` decides whether
+to spawn, only initialise (an external launcher such as torchrun already started the processes),
+or run serially. Backends whose workers a launcher of their own starts (mpirun, horovod.run,
+xmp.spawn) go through :func:`onedist.launchers.own_launcher` instead.
 
 Failure handling: every worker reports its exception (type, message, traceback, time) to the
 parent through a pipe. When one fails, the parent collects what arrives within a short grace
@@ -26,19 +27,16 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Optional
 
-from ._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
-from .environments import detect, launched_externally
-from .errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value, format_user_traceback
-from .launchers import LaunchSpec, own_launcher
-from .launchers.checks import check_picklable
-from .launchers.report import Failure, failure_report
-from .launchers.worker import call_worker_fn, exit_failed, torchrun_env, worker_threads_env
-from .log import setup_logger
+from .._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
+from ..errors import OnedistRuntimeError, WorkerFailedError, bad_type, bad_value, format_user_traceback
+from . import LaunchSpec, own_launcher
+from .checks import check_picklable
+from .report import Failure, failure_report
+from .worker import call_worker_fn, exit_failed, torchrun_env, worker_threads_env
 
-__all__ = ["Parallel", "spawn"]
+__all__ = ["spawn"]
 
 logger = logging.getLogger("onedist")
 
@@ -47,19 +45,6 @@ _START_METHODS = ("spawn", "fork", "forkserver")
 GRACE_S = 0.3  # wait this long after the first failure for near-simultaneous reports
 INTERRUPT_S = 2.0  # on Ctrl-C, how long the workers get to say where they were
 TERM_S = 3.0  # then SIGTERM, and SIGKILL whoever is left after this long
-
-
-# ============================================================================ worker side
-def _warn_if_srun_was_skipped() -> None:
-    """A one-process run inside a SLURM job of several tasks, not started by srun (``python
-    train.py`` in an sbatch script): say so, it would otherwise train on 1 process silently."""
-    import shutil
-
-    from ._diagnose import srun_warnings
-    from .environments import detect
-
-    for text in srun_warnings(os.environ, detect(os.environ), shutil.which):
-        logger.warning("onedist: %s", text)
 
 
 def _die_with_parent(parent_pid: Optional[int]) -> None:
@@ -105,7 +90,7 @@ def _worker_main(
         # imported torch (unpickling fn re-imports the script) before OMP_NUM_THREADS=1 reached
         # its environment, so torch's pool must be resized here too.
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    from .context import finalize, initialize
+    from ..context import finalize, initialize
 
     try:
         initialize(
@@ -118,7 +103,7 @@ def _worker_main(
         result = call_worker_fn(fn, local_rank, args, kwargs)
         finalize()
     except BaseException as e:
-        from ._guard import publish_failure
+        from .._guard import publish_failure
 
         if isinstance(e, KeyboardInterrupt):  # a second SIGINT (see _interrupted) must not cut the report
             signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -442,13 +427,13 @@ def spawn(
         start_method,
         hosts,
     )
-    from .backends import class_for_backend
-    from .context import _resolve_backend_name, _timeout
+    from ..backends import class_for_backend
+    from ..context import _resolve_backend_name, _timeout
 
     name = _resolve_backend_name(backend, nnodes, nproc_per_node)
     cls = class_for_backend(name)
     if cls is None:
-        from .context import initialize
+        from ..context import initialize
 
         initialize(name)  # raises the standard "not available" error, listing what is
         raise AssertionError("unreachable")
@@ -546,313 +531,3 @@ def spawn(
             store_sock.close()
         for w in workers:
             w.conn.close()
-
-
-# ============================================================================ Parallel
-class Parallel:
-    """Run a function distributed: spawn workers, only initialise under a launcher, or run serially.
-
-    * ``backend=None``: serial; ``run(fn)`` calls ``fn(0, ...)`` here.
-    * Under an external launcher (torchrun, srun, ... set RANK and WORLD_SIZE) or with a process
-      group already created: initialise (if needed) on ``__enter__``; ``run`` calls
-      ``fn(local_rank, ...)`` here. Spawn arguments, if given, must agree with the launcher.
-    * Else with ``nproc_per_node``: ``run`` spawns the workers (:func:`spawn`), or with
-      ``start_method="subprocess"`` this process becomes local rank 0 and the script re-runs
-      itself for local ranks 1..N-1 (below).
-    * Else: a group of this one process.
-
-    ``start_method="subprocess"`` (PyTorch Lightning's way) is for functions that cannot be pickled:
-    closures, lambdas, functions defined under ``if __name__ == "__main__":``. The command that
-    started this process (``python [flags] script.py args`` or ``python -m pkg.mod args``) is run
-    again, in the same directory and environment, with torchrun's variables (RANK, LOCAL_RANK,
-    WORLD_SIZE, ...): there the same ``Parallel(...)`` only initialises and ``run`` calls
-    ``fn(local_rank, ...)``. Here, ``run`` initialises as rank 0, calls ``fn(0, ...)``, waits for
-    the others and returns ``fn``'s result. The whole script runs in every process, so code outside
-    ``run`` runs N times, and there can be one such run per process. The children share this
-    process's stdout / stderr (no rank prefix) and read nothing from stdin. A failing child stops
-    the run: the others are stopped and :class:`WorkerFailedError` is raised here with its traceback
-    first; if this process is stuck in a collective it cannot leave, the report is printed and the
-    process exits with status 1 within a few seconds. Not possible from ``python -c``, a REPL or a
-    notebook: use "spawn" or "fork" there.
-
-    Args:
-        backend: "gloo", "nccl", "shm", "mpi" (under ``mpirun``), "horovod", "xla-tpu", "auto",
-            or None for serial (see :func:`onedist.spawn` for what "auto" picks).
-        nproc_per_node: workers to start on this node.
-        nnodes: nodes (spawn mode).
-        node_rank: this node's index (spawn mode).
-        master_addr: node 0's address (spawn mode).
-        master_port: rendezvous port (spawn mode; None picks a free one on one node).
-        init_method: "env://", "tcp://..." or "file://...".
-        **spawn_kwargs: ``timeout`` (see :func:`spawn`), ``start_method``: "spawn" (default; fn
-            must be importable), "fork", "forkserver" (see :func:`spawn`) or "subprocess" (re-run
-            the script; any fn), and ``hosts`` for backend "horovod" (see :func:`spawn`).
-
-    Example:
-        >>> import onedist as od
-        >>> def training(local_rank, config):
-        ...     print(od.get_rank(), od.get_world_size(), config["lr"])
-        >>> if __name__ == "__main__":
-        ...     with od.Parallel(backend="gloo", nproc_per_node=2) as parallel:
-        ...         parallel.run(training, {"lr": 0.1})
-
-        The same script under ``torchrun --nproc-per-node 2 script.py`` only initialises.
-
-        A function that cannot be pickled, with the script re-run for rank 1 (a script of its
-        own: it re-runs the command that started it; tests/test_reexec.py runs such scripts):
-
-            if __name__ == "__main__":
-                scale = 10
-
-                def train(local_rank):
-                    return od.all_reduce(scale * (od.get_rank() + 1))
-
-                with od.Parallel(backend="gloo", nproc_per_node=2, start_method="subprocess") as p:
-                    print(p.run(train))                             # 30 (only rank 0 returns here)
-    """
-
-    _SPAWN_KWARGS = ("timeout", "start_method", "hosts")
-
-    def __init__(
-        self,
-        backend: Optional[str] = None,
-        nproc_per_node: Optional[int] = None,
-        nnodes: Optional[int] = None,
-        node_rank: Optional[int] = None,
-        master_addr: Optional[str] = None,
-        master_port: Optional[int] = None,
-        init_method: Optional[str] = None,
-        **spawn_kwargs: Any,
-    ) -> None:
-        unknown = sorted(set(spawn_kwargs) - set(self._SPAWN_KWARGS))
-        if unknown:
-            raise bad_value(
-                "Parallel",
-                unknown[0],
-                spawn_kwargs[unknown[0]],
-                "keyword arguments " + ", ".join(self._SPAWN_KWARGS),
-            )
-        method = spawn_kwargs.get("start_method", "spawn")
-        if method not in (*_START_METHODS, "subprocess"):
-            allowed = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
-            raise bad_value("Parallel", "start_method", method, [*allowed, "subprocess"])
-        if method == "subprocess" and spawn_kwargs.get("hosts") is not None:
-            raise bad_value(
-                "Parallel",
-                "hosts",
-                spawn_kwargs["hosts"],
-                "None with start_method='subprocess' (hosts is for backend 'horovod', whose "
-                "workers horovod.run starts)",
-            )
-        from ._parallel_args import check_parallel_args, port_number
-
-        master_port = port_number("Parallel", master_port)
-        spawn_args = {
-            "nproc_per_node": nproc_per_node,
-            "nnodes": nnodes,
-            "node_rank": node_rank,
-            "master_addr": master_addr,
-            "master_port": master_port,
-        }
-        launcher = detect(os.environ)
-        hosts_rank0 = (node_rank or 0) == 0 and (launcher is None or launcher.rank == 0)
-        check_parallel_args(backend, init_method, spawn_args, hosts_rank0)
-        self.backend = backend
-        self.nproc_per_node = nproc_per_node
-        self.nnodes = nnodes
-        self.node_rank = node_rank
-        self.master_addr = master_addr
-        self.master_port = master_port
-        self.init_method = init_method
-        self.spawn_kwargs = spawn_kwargs
-        self._initialized_here = False
-        self._log = setup_logger("onedist.Parallel")
-        given = {k: v for k, v in spawn_args.items() if v is not None}
-        if backend is None:
-            if init_method is not None:
-                raise bad_value(
-                    "Parallel",
-                    "init_method",
-                    init_method,
-                    "None when backend is None (serial run)",
-                    hint="pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
-                )
-            self.mode = "serial"
-            _warn_if_srun_was_skipped()
-        elif launched_externally(os.environ) or _context_active():
-            self._check_against_launcher(given)
-            self.mode = "external"
-        elif nproc_per_node is not None and spawn_kwargs.get("start_method") == "subprocess":
-            from ._reexec import command_line
-
-            command_line()  # fails now when there is no command to re-run (python -c, notebook)
-            self.mode = "subprocess"
-        elif nproc_per_node is not None:
-            self.mode = "spawn"
-        else:
-            if given:
-                first = next(iter(given))
-                raise bad_value(
-                    "Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)"
-                )
-            self.mode = "external"
-            _warn_if_srun_was_skipped()
-
-    @staticmethod
-    def _check_against_launcher(given: dict[str, Any]) -> None:
-        env = detect(os.environ)
-        if env is None:  # a group created by the user: nothing to compare with
-            return
-        expected = {
-            "nproc_per_node": env.nproc_per_node,
-            "nnodes": env.nnodes,
-            "node_rank": env.node_rank,
-            "master_addr": env.master_addr,
-            "master_port": None if env.master_port_derived else env.master_port,
-        }
-        for key, value in given.items():
-            known = expected.get(key)
-            if known is not None and str(value) != str(known):
-                raise bad_value(
-                    "Parallel",
-                    key,
-                    value,
-                    f"{known!r}, the value the launcher that started this process set",
-                    hint="an external launcher (torchrun, srun, ...) already started the processes; drop the "
-                    "spawn arguments or make them match",
-                )
-
-    def __enter__(self) -> Parallel:
-        if self.mode == "external" and not _context_active():
-            from ._reexec import child_init_args, record_error
-            from .context import initialize
-
-            try:
-                initialize(
-                    self.backend,  # type: ignore[arg-type]
-                    timeout=self.spawn_kwargs.get("timeout"),
-                    init_method=self.init_method,
-                    **child_init_args(self.init_method),
-                )
-            except BaseException as e:
-                record_error(e)  # a child of start_method="subprocess": tell the parent
-                raise
-            self._initialized_here = True
-        self._log_start()
-        return self
-
-    def _log_start(self) -> None:
-        """What ignite's Parallel logs on entry (rank 0, INFO, to stderr): scripts and their tests
-        read these lines."""
-        if self.backend is None:
-            return
-        if self.mode not in ("spawn", "subprocess"):
-            self._log.info(f"Initialized processing group with backend: '{self.backend}'")
-            return
-        self._log.info(f"Initialized distributed launcher with backend: '{self.backend}'")
-        params = {
-            "nproc_per_node": self.nproc_per_node,
-            "nnodes": self.nnodes or 1,
-            "node_rank": self.node_rank or 0,
-            "master_addr": self.master_addr,
-            "master_port": self.master_port,
-            "init_method": self.init_method,
-            **self.spawn_kwargs,
-        }
-        shown = "\n\t".join(f"{k}: {v}" for k, v in params.items() if v is not None)
-        self._log.info(f"- Parameters to spawn processes: \n\t{shown}")
-
-    def run(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``func(local_rank, *args, **kwargs)`` in the mode this object chose.
-
-        Args:
-            func: the function (named ``func`` as in ignite, so ``parallel.run(func=...)`` works);
-                it cannot take a keyword argument named ``func`` through ``kwargs``.
-            *args: positional arguments after ``local_rank``.
-            **kwargs: keyword arguments.
-
-        Returns:
-            ``func``'s return value (in spawn and subprocess modes: local rank 0's).
-
-        Example:
-            >>> import onedist as od
-            >>> with od.Parallel(backend=None) as parallel:
-            ...     parallel.run(lambda local_rank, x: x + local_rank, 1)
-            1
-        """
-        if self.mode in ("spawn", "subprocess"):
-            self._log.info(f"Spawn function '{func}' in {self.nproc_per_node} processes")
-        else:
-            from .context import get_world_size
-
-            self._log.info(f"- Run '{func}' in {get_world_size()} processes")
-        result = self._run(func, *args, **kwargs)
-        self._log.info("End of run")
-        return result
-
-    def _run(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self.mode == "serial":
-            return func(0, *args, **kwargs)
-        if self.mode == "external":
-            from ._reexec import record_error
-            from .context import get_local_rank
-
-            try:
-                return func(get_local_rank(), *args, **kwargs)
-            except BaseException as e:
-                record_error(e)  # a child of start_method="subprocess": tell the parent
-                raise
-        if self.mode == "subprocess":
-            from ._reexec import run_subprocess
-
-            return run_subprocess(
-                self.backend,
-                func,
-                args,
-                kwargs,
-                nproc_per_node=self.nproc_per_node,
-                nnodes=self.nnodes or 1,
-                node_rank=self.node_rank or 0,
-                master_addr=self.master_addr or LOOPBACK,
-                master_port=self.master_port,
-                init_method=self.init_method,
-                timeout=self.spawn_kwargs.get("timeout"),
-            )
-        results = spawn(
-            self.backend,  # type: ignore[arg-type]
-            func,
-            args=args,
-            kwargs_dict=kwargs,
-            nproc_per_node=self.nproc_per_node,  # type: ignore[arg-type]
-            nnodes=self.nnodes or 1,
-            node_rank=self.node_rank or 0,
-            master_addr=self.master_addr or LOOPBACK,
-            master_port=self.master_port,
-            init_method=self.init_method,
-            **self.spawn_kwargs,
-        )
-        return results[0]
-
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        if self._initialized_here:
-            from .context import finalize
-
-            self._log.info(f"Finalized processing group with backend: '{self.backend}'")
-            if exc is not None:
-                from ._guard import let_failed_rank_exit_first, report_and_release
-
-                report_and_release(exc, tb)  # before the group goes: this rank's error is printed first
-                let_failed_rank_exit_first(exc)
-            finalize()
-            self._initialized_here = False
-
-
-def _context_active() -> bool:
-    from .backends import external_context_active
-
-    return external_context_active()
