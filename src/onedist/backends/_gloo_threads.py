@@ -76,12 +76,7 @@ def settle(max_wait_s: float = 2.0) -> bool:
     return True
 
 
-_hooked = False
-
-
 def install_exit_hook() -> None:
     """Run :func:`settle` at exit (once per process, however many groups come and go)."""
-    global _hooked
-    if not _hooked:
-        atexit.register(settle)
-        _hooked = True
+    atexit.unregister(settle)
+    atexit.register(settle)

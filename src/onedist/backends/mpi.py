@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from functools import cache, partial
+from itertools import accumulate
 from typing import Any, Optional
 
 import torch
@@ -179,6 +180,11 @@ def _buf(t: torch.Tensor, count: Optional[int] = None, datatype: Any = None) -> 
     return [mem, t.numel() if count is None else count, datatype]
 
 
+def _displacements(counts: list[int]) -> list[int]:
+    """Where each rank's part starts in a v-collective's buffer (the running sum of ``counts``)."""
+    return list(accumulate(counts, initial=0))[:-1]
+
+
 def _bytes(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A contiguous uint8 view of ``t`` (or of a contiguous copy: then True)."""
     flat, copied = _flat(t)
@@ -309,8 +315,7 @@ class MpiProcessGroup(OrderedGroup):
         for mine, into in ((indices, all_indices), (values, all_values)):
             row = into[0].numel() * into.element_size() if total else 0
             sizes = [n * row for n in counts]
-            offsets = [sum(sizes[:r]) for r in range(self._size)]
-            recv = [_buf(into)[0], sizes, offsets, _mpi().BYTE]
+            recv = [_buf(into)[0], sizes, _displacements(sizes), _mpi().BYTE]
             self._call("all_reduce", self._comm.Allgatherv, _buf(mine), recv)
         t.copy_(torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape).coalesce())
 
@@ -565,19 +570,11 @@ class MpiProcessGroup(OrderedGroup):
         self, recv: torch.Tensor, send: torch.Tensor, counts_out: list[int], counts_in: list[int]
     ) -> None:
         MPI = _mpi()
-
-        def displs(counts: list[int]) -> list[int]:
-            out, at = [], 0
-            for c in counts:
-                out.append(at)
-                at += c
-            return out
-
         self._call(
             "all_to_all",
             self._comm.Alltoallv,
-            [_buf(send)[0], (counts_in, displs(counts_in)), MPI.BYTE],
-            [_buf(recv)[0], (counts_out, displs(counts_out)), MPI.BYTE],
+            [_buf(send)[0], (counts_in, _displacements(counts_in)), MPI.BYTE],
+            [_buf(recv)[0], (counts_out, _displacements(counts_out)), MPI.BYTE],
         )
 
     def barrier(self, opts: Any = None) -> Any:

@@ -81,7 +81,7 @@ def launch(spec: LaunchSpec) -> Optional[list[Any]]:
     # horovod.run leaves its driver service listening on 0.0.0.0 in the calling process, and
     # installs signal handlers there: it runs in a short-lived child process instead, so this
     # process keeps nothing of it (cloudpickle carries fn, as horovod.run would)
-    payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs), cfg))
+    payload = cloudpickle.dumps((fn, args, kwargs, cfg))
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_horovod_run, args=(payload, nproc_per_node, host_list, writer))

@@ -39,13 +39,8 @@ def launch(spec: LaunchSpec) -> Optional[list[Any]]:
     worker ends the run within seconds and :class:`~onedist.WorkerFailedError` is raised with
     its rank and traceback first.
     """
-    fn, args, kwargs, nproc_per_node, start_method = (
-        spec.fn,
-        spec.args,
-        spec.kwargs,
-        spec.nproc_per_node,
-        spec.start_method,
-    )
+    fn, args, kwargs = spec.fn, spec.args, spec.kwargs
+    nproc_per_node, start_method = spec.nproc_per_node, spec.start_method
     for arg, value, allowed, ok in (
         ("nnodes", spec.nnodes, "1", spec.nnodes == 1),
         ("node_rank", spec.node_rank, "0", spec.node_rank == 0),
@@ -89,7 +84,7 @@ def launch(spec: LaunchSpec) -> Optional[list[Any]]:
         try:
             xmp.spawn(
                 _worker,
-                args=(fn, tuple(args), dict(kwargs), report_dir, nproc_per_node),
+                args=(fn, args, kwargs, report_dir, nproc_per_node),
                 nprocs=None,
                 start_method=start_method,
             )
