@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-from torch.utils.data import DistributedSampler as TorchDistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler as TorchDistributedSampler, TensorDataset
 
 import onedist as od
 from checks import count_primitives, rounds, rw
-from onedist.checkpoint import CheckpointNotFoundError
+from onedist.training.checkpoint import CheckpointNotFoundError
 
 N = 100
 BATCH = 12  # global: divisible by every world size 1..4

@@ -350,7 +350,7 @@ _HELD_BACK = """
 import os, subprocess, sys
 from datetime import timedelta
 import torch.distributed as dist
-from onedist._guard import _store_noise_held_back
+from onedist.failures.stderr import store_noise_held_back
 
 serve = (
     "import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, None, True, wait_for_workers=False);"
@@ -361,7 +361,7 @@ client = dist.TCPStore("127.0.0.1", int(host.stdout.readline()), None, False, ti
 client.set("k", "v")
 host.kill()
 host.wait()
-with _store_noise_held_back():
+with store_noise_held_back():
     os.write(2, b"mine before\\n")
     try:
         client.check(["k"])

@@ -20,168 +20,72 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
+from ._version import __version__ as __version__
 
-if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
-    from ._guard import is_debug as is_debug
-    from ._guard import set_debug as set_debug
-    from .auto import auto_dataloader as auto_dataloader
-    from .auto import auto_model as auto_model
-    from .auto import auto_optim as auto_optim
-    from .auto import unwrap as unwrap
+if TYPE_CHECKING:  # for type checkers; at run time each name is imported on first use (__getattr__)
     from .backends import (
         available_backends as available_backends,
     )
-    from .checkpoint import CheckpointNotFoundError as CheckpointNotFoundError
-    from .checkpoint import load_checkpoint as load_checkpoint
-    from .checkpoint import save_checkpoint as save_checkpoint
     from .collectives import (
         AsyncResult as AsyncResult,
-    )
-    from .collectives import (
         all_gather as all_gather,
-    )
-    from .collectives import (
         all_gather_object as all_gather_object,
-    )
-    from .collectives import (
         all_gather_tensors_with_shapes as all_gather_tensors_with_shapes,
-    )
-    from .collectives import (
         all_reduce as all_reduce,
-    )
-    from .collectives import (
         barrier as barrier,
-    )
-    from .collectives import (
         broadcast as broadcast,
-    )
-    from .collectives import (
         broadcast_object as broadcast_object,
-    )
-    from .collectives import (
         gather as gather,
-    )
-    from .collectives import (
         irecv as irecv,
-    )
-    from .collectives import (
         isend as isend,
-    )
-    from .collectives import (
         new_group as new_group,
-    )
-    from .collectives import (
         recv as recv,
-    )
-    from .collectives import (
         reduce as reduce,
-    )
-    from .collectives import (
         scatter as scatter,
-    )
-    from .collectives import (
         send as send,
+    )
+    from .collectives.debug import (
+        is_debug as is_debug,
+        set_debug as set_debug,
+    )
+    from .collectives.helpers import (
+        one_rank_first as one_rank_first,
+        one_rank_only as one_rank_only,
+        reduce_dict as reduce_dict,
+        shared_random_seed as shared_random_seed,
+        synchronize as synchronize,
     )
     from .context import (
         backend as backend,
-    )
-    from .context import (
         device as device,
-    )
-    from .context import (
         finalize as finalize,
-    )
-    from .context import (
         get_local_process_group as get_local_process_group,
-    )
-    from .context import (
         get_local_rank as get_local_rank,
-    )
-    from .context import (
         get_local_size as get_local_size,
-    )
-    from .context import (
         get_nnodes as get_nnodes,
-    )
-    from .context import (
         get_node_rank as get_node_rank,
-    )
-    from .context import (
         get_nproc_per_node as get_nproc_per_node,
-    )
-    from .context import (
         get_rank as get_rank,
-    )
-    from .context import (
         get_world_size as get_world_size,
-    )
-    from .context import (
         hostname as hostname,
-    )
-    from .context import (
         initialize as initialize,
-    )
-    from .context import (
         is_main_process as is_main_process,
-    )
-    from .context import (
         model_name as model_name,
-    )
-    from .context import (
         set_local_rank as set_local_rank,
-    )
-    from .context import (
         show_config as show_config,
-    )
-    from .context import (
         sync as sync,
     )
     from .errors import (
         BackendUnavailableError as BackendUnavailableError,
-    )
-    from .errors import (
         CollectiveMismatchError as CollectiveMismatchError,
-    )
-    from .errors import (
         LaunchArgumentError as LaunchArgumentError,
-    )
-    from .errors import (
         OnedistError as OnedistError,
-    )
-    from .errors import (
         OnedistRuntimeError as OnedistRuntimeError,
-    )
-    from .errors import (
         OnedistTimeoutError as OnedistTimeoutError,
-    )
-    from .errors import (
         OnedistTypeError as OnedistTypeError,
-    )
-    from .errors import (
         OnedistValueError as OnedistValueError,
-    )
-    from .errors import (
         RemoteRankError as RemoteRankError,
-    )
-    from .errors import (
         WorkerFailedError as WorkerFailedError,
-    )
-    from .evaluation import all_gather_eval as all_gather_eval
-    from .helpers import (
-        one_rank_first as one_rank_first,
-    )
-    from .helpers import (
-        one_rank_only as one_rank_only,
-    )
-    from .helpers import (
-        reduce_dict as reduce_dict,
-    )
-    from .helpers import (
-        shared_random_seed as shared_random_seed,
-    )
-    from .helpers import (
-        synchronize as synchronize,
     )
     from .launchers.spawn import (
         spawn as spawn,
@@ -192,109 +96,33 @@ if TYPE_CHECKING:  # the names below are imported on first use (see __getattr__)
     from .parallel import (
         Parallel as Parallel,
     )
-    from .samplers import DistributedEvalSampler as DistributedEvalSampler
-    from .samplers import DistributedProxySampler as DistributedProxySampler
-    from .samplers import DistributedSampler as DistributedSampler
-    from .syncbn import SyncBatchNorm as SyncBatchNorm
-    from .syncbn import convert_sync_batchnorm as convert_sync_batchnorm
-
-    has_native_dist_support: bool
-    has_hvd_support: bool
-    has_xla_support: bool
-
-__all__ = [
-    "set_debug",
-    "is_debug",
-    "CheckpointNotFoundError",
-    "SyncBatchNorm",
-    "convert_sync_batchnorm",
-    "AsyncResult",
-    "BackendUnavailableError",
-    "CollectiveMismatchError",
-    "DistributedEvalSampler",
-    "DistributedProxySampler",
-    "DistributedSampler",
-    "LaunchArgumentError",
-    "OnedistError",
-    "OnedistRuntimeError",
-    "OnedistTimeoutError",
-    "OnedistTypeError",
-    "OnedistValueError",
-    "Parallel",
-    "RemoteRankError",
-    "WorkerFailedError",
-    "__version__",
-    "all_gather",
-    "all_gather_eval",
-    "all_gather_object",
-    "all_gather_tensors_with_shapes",
-    "all_reduce",
-    "auto_dataloader",
-    "auto_model",
-    "auto_optim",
-    "available_backends",
-    "backend",
-    "barrier",
-    "broadcast",
-    "broadcast_object",
-    "device",
-    "finalize",
-    "gather",
-    "get_local_process_group",
-    "get_local_rank",
-    "get_local_size",
-    "get_nnodes",
-    "get_node_rank",
-    "get_nproc_per_node",
-    "get_rank",
-    "get_world_size",
-    "has_hvd_support",
-    "has_native_dist_support",
-    "has_xla_support",
-    "hostname",
-    "initialize",
-    "irecv",
-    "is_main_process",
-    "isend",
-    "load_checkpoint",
-    "model_name",
-    "new_group",
-    "one_rank_first",
-    "one_rank_only",
-    "recv",
-    "reduce",
-    "reduce_dict",
-    "save_checkpoint",
-    "scatter",
-    "send",
-    "set_local_rank",
-    "setup_logger",
-    "shared_random_seed",
-    "show_config",
-    "spawn",
-    "sync",
-    "synchronize",
-    "unwrap",
-]
+    from .training.auto import (
+        auto_dataloader as auto_dataloader,
+        auto_model as auto_model,
+        auto_optim as auto_optim,
+        unwrap as unwrap,
+    )
+    from .training.checkpoint import (
+        CheckpointNotFoundError as CheckpointNotFoundError,
+        load_checkpoint as load_checkpoint,
+        save_checkpoint as save_checkpoint,
+    )
+    from .training.evaluation import (
+        all_gather_eval as all_gather_eval,
+    )
+    from .training.samplers import (
+        DistributedEvalSampler as DistributedEvalSampler,
+        DistributedProxySampler as DistributedProxySampler,
+        DistributedSampler as DistributedSampler,
+    )
+    from .training.syncbn import (
+        SyncBatchNorm as SyncBatchNorm,
+        convert_sync_batchnorm as convert_sync_batchnorm,
+    )
 
 # public name -> submodule that defines it. `import onedist` imports none of them (nor torch):
 # the launcher (`onedist run`) starts workers without paying for torch in its own process.
 _LAZY = {
-    "set_debug": "_guard",
-    "is_debug": "_guard",
-    "CheckpointNotFoundError": "checkpoint",
-    "SyncBatchNorm": "syncbn",
-    "convert_sync_batchnorm": "syncbn",
-    "auto_model": "auto",
-    "auto_optim": "auto",
-    "auto_dataloader": "auto",
-    "unwrap": "auto",
-    "DistributedSampler": "samplers",
-    "DistributedProxySampler": "samplers",
-    "DistributedEvalSampler": "samplers",
-    "all_gather_eval": "evaluation",
-    "save_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
     "available_backends": "backends",
     "AsyncResult": "collectives",
     "all_gather": "collectives",
@@ -312,6 +140,13 @@ _LAZY = {
     "reduce": "collectives",
     "scatter": "collectives",
     "send": "collectives",
+    "is_debug": "collectives.debug",
+    "set_debug": "collectives.debug",
+    "one_rank_first": "collectives.helpers",
+    "one_rank_only": "collectives.helpers",
+    "reduce_dict": "collectives.helpers",
+    "shared_random_seed": "collectives.helpers",
+    "synchronize": "collectives.helpers",
     "backend": "context",
     "device": "context",
     "finalize": "context",
@@ -340,15 +175,26 @@ _LAZY = {
     "OnedistValueError": "errors",
     "RemoteRankError": "errors",
     "WorkerFailedError": "errors",
-    "one_rank_first": "helpers",
-    "one_rank_only": "helpers",
-    "reduce_dict": "helpers",
-    "shared_random_seed": "helpers",
-    "synchronize": "helpers",
-    "Parallel": "parallel",
     "spawn": "launchers.spawn",
     "setup_logger": "log",
+    "Parallel": "parallel",
+    "auto_dataloader": "training.auto",
+    "auto_model": "training.auto",
+    "auto_optim": "training.auto",
+    "unwrap": "training.auto",
+    "CheckpointNotFoundError": "training.checkpoint",
+    "load_checkpoint": "training.checkpoint",
+    "save_checkpoint": "training.checkpoint",
+    "all_gather_eval": "training.evaluation",
+    "DistributedEvalSampler": "training.samplers",
+    "DistributedProxySampler": "training.samplers",
+    "DistributedSampler": "training.samplers",
+    "SyncBatchNorm": "training.syncbn",
+    "convert_sync_batchnorm": "training.syncbn",
 }
+_COMPUTED = ("has_hvd_support", "has_native_dist_support", "has_xla_support")
+
+__all__ = sorted(["__version__", *_LAZY, *_COMPUTED])
 
 
 def __getattr__(name: str) -> Any:

@@ -16,8 +16,10 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .backends import Backend, SerialBackend, available_backends, class_for_backend, detect
+from . import failures
+from .backends import Backend, SerialBackend, available_backends, class_for_backend
 from .errors import BackendUnavailableError, OnedistRuntimeError, bad_type, bad_value
+from .state import current, world
 
 __all__ = [
     "available_backends",
@@ -62,28 +64,6 @@ _KNOWN_BACKENDS = {
 }
 
 TimeoutLike = Union[timedelta, float, int, None]
-
-
-class _State:
-    """Holds the active backend. One instance, module-level; only this module writes it."""
-
-    __slots__ = ("backend",)
-
-    def __init__(self) -> None:
-        self.backend: Backend = SerialBackend()
-
-
-_state = _State()
-
-
-def current() -> Backend:
-    """The active backend, re-detected only when the one held went stale (a pointer check)."""
-    b = _state.backend
-    if b.is_stale():
-        if not isinstance(b, SerialBackend):
-            b.finalize()  # the user destroyed the group: restore what onedist set
-        b = _state.backend = detect()
-    return b
 
 
 def sync(temporary: bool = False) -> None:
@@ -229,14 +209,12 @@ def initialize(
             f"{active.world_size}) is already initialized by {origin}\n"
             "HINT: call onedist.finalize() before initializing again"
         )
-    _state.backend = cls.create_from_backend(
+    world.backend = cls.create_from_backend(
         name, timeout=td, init_method=init_method, rank=rank, world_size=world_size, **kwargs
     )
-    if _state.backend.world_size > 1:
-        from . import _guard
-
-        _guard.install()  # an uncaught exception here is reported to the other ranks
-        _guard.start_watch()  # and a failure of another rank ends this one, even outside collectives
+    if world.backend.world_size > 1:
+        failures.install()  # an uncaught exception here is reported to the other ranks
+        failures.start_watch()  # and a failure of another rank ends this one, even outside collectives
 
 
 def finalize() -> None:
@@ -251,13 +229,11 @@ def finalize() -> None:
         >>> od.get_world_size()
         1
     """
-    b = _state.backend
-    _state.backend = SerialBackend()
+    b = world.backend
+    world.backend = SerialBackend()
     Backend.local_rank_hint = None  # a hint describes one context
     if not isinstance(b, SerialBackend):
-        from . import _guard
-
-        _guard.stop_watch()
+        failures.stop_watch()
         b.finalize()
 
 
@@ -418,7 +394,7 @@ def set_local_rank(index: int) -> None:
     if index < 0:
         raise bad_value("set_local_rank", "index", index, "an int >= 0")
     Backend.local_rank_hint = index
-    _state.backend.reset_layout()
+    world.backend.reset_layout()
 
 
 def get_local_process_group() -> Any:

@@ -27,9 +27,9 @@ class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rank = self.distributed_rank
         if rank is None:
-            from .context import get_rank
+            from .state import current
 
-            rank = get_rank()
+            rank = current().rank
         record.rank = rank
         return self.all_ranks or rank == 0
 

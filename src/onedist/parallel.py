@@ -333,7 +333,7 @@ class Parallel:
 
             self._log.info(f"Finalized processing group with backend: '{self.backend}'")
             if exc is not None:
-                from ._guard import let_failed_rank_exit_first, report_and_release
+                from .failures import let_failed_rank_exit_first, report_and_release
 
                 report_and_release(exc, tb)  # before the group goes: this rank's error is printed first
                 let_failed_rank_exit_first(exc)

@@ -194,7 +194,7 @@ def _write_stderr(text: str) -> None:
             stream.flush()
         except Exception:
             pass
-    from .._guard import release_stderr
+    from ..failures import release_stderr
 
     release_stderr()  # the main thread may be holding stderr back (and this process may end next)
     try:

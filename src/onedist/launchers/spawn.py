@@ -103,7 +103,7 @@ def _worker_main(
         result = call_worker_fn(fn, local_rank, args, kwargs)
         finalize()
     except BaseException as e:
-        from .._guard import publish_failure
+        from ..failures import publish_failure
 
         if isinstance(e, KeyboardInterrupt):  # a second SIGINT (see _interrupted) must not cut the report
             signal.signal(signal.SIGINT, signal.SIG_IGN)

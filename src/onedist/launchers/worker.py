@@ -93,7 +93,7 @@ def write_failure_report(
     ``rank-<rank>.json``) and, with ``announce``, publish the error to the other ranks and print
     the traceback."""
     if announce:
-        from .._guard import publish_failure
+        from ..failures import publish_failure
 
         publish_failure(exc)
     text = format_user_traceback(exc)
@@ -131,7 +131,7 @@ def exit_failed() -> NoReturn:
             stream.flush()
         except Exception:
             pass
-    from .._guard import release_stderr
+    from ..failures import release_stderr
 
     release_stderr()
     os._exit(1)

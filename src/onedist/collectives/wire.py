@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError
 
 __all__ = [
     "HEADER_BYTES",

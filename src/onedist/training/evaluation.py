@@ -14,10 +14,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Sampler, SequentialSampler
-from torch.utils.data import DistributedSampler as _TorchDistributedSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler as _TorchDistributedSampler,
+    Sampler,
+    SequentialSampler,
+)
 
-from .errors import (
+from ..errors import (
     CollectiveMismatchError,
     OnedistError,
     OnedistValueError,
@@ -110,8 +115,8 @@ def all_gather_eval(values: Any, loader: Any = None, *, indices: Any = None) -> 
         >>> len(out["pred"]), (out["pred"] == out["label"]).float().mean().item()   # any world size
         (10, 1.0)
     """
-    from .collectives import all_gather_object
-    from .context import current
+    from ..collectives import all_gather_object
+    from ..context import current
 
     world = current().world_size
     if loader is not None and indices is not None:

@@ -8,10 +8,14 @@ from contextlib import contextmanager
 from functools import wraps
 from typing import Any, Optional, TypeVar
 
-from ._guard import _guard
-from .collectives import GroupLike, all_gather_object, all_reduce, barrier, broadcast
-from .context import current
-from .errors import RemoteRankError, bad_type, bad_value
+from ..context import current
+from ..errors import RemoteRankError, bad_type, bad_value
+from ..state import world
+from .base import GroupLike
+from .broadcasts import broadcast
+from .gathers import all_gather_object
+from .groups import barrier
+from .reductions import all_reduce
 
 __all__ = ["one_rank_first", "one_rank_only", "reduce_dict", "shared_random_seed", "synchronize"]
 
@@ -48,11 +52,11 @@ def one_rank_only(rank: int = 0, with_barrier: bool = False) -> Callable[[F], F]
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             result = None
             if current().rank == rank:
-                _guard.one_rank_depth += 1  # debug mode flags collectives in here
+                world.one_rank_depth += 1  # debug mode flags collectives in here
                 try:
                     result = func(*args, **kwargs)
                 finally:
-                    _guard.one_rank_depth -= 1
+                    world.one_rank_depth -= 1
             if with_barrier:
                 barrier()
             return result

@@ -21,7 +21,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .errors import OnedistError, RemoteRankError, bad_type, bad_value
+from ..errors import OnedistError, RemoteRankError, bad_type, bad_value
 
 __all__ = ["CheckpointNotFoundError", "load_checkpoint", "save_checkpoint"]
 
@@ -64,8 +64,8 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
         >>> od.load_checkpoint("/tmp/ckpt/last.pt")["epoch"]
         3
     """
-    from .collectives import broadcast_object
-    from .context import current
+    from ..collectives import broadcast_object
+    from ..context import current
 
     b = current()
     if not isinstance(rank, int) or isinstance(rank, bool):
@@ -201,8 +201,8 @@ def load_checkpoint(
         >>> ckpt["epoch"] + 1, torch.equal(fresh.weight, od.unwrap(model).weight)
         (4, True)
     """
-    from .collectives import all_gather_object
-    from .context import current, device
+    from ..collectives import all_gather_object
+    from ..context import current, device
 
     b = current()
     target = _check_path("load_checkpoint", path)

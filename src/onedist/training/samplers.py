@@ -8,7 +8,7 @@
 * :class:`DistributedEvalSampler` shards a dataset without padding: every sample is seen exactly
   once, so gathered predictions have no duplicates (ranks may get one sample more than others).
 
-:func:`auto_dataloader <onedist.auto.auto_dataloader>` picks these for you.
+:func:`auto_dataloader <onedist.training.auto.auto_dataloader>` picks these for you.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from collections.abc import Iterator, Sized
 from typing import Any, Optional
 
 import torch
-from torch.utils.data import DistributedSampler as _TorchDistributedSampler
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler as _TorchDistributedSampler, Sampler
 
-from .errors import bad_type, bad_value
+from ..errors import bad_type, bad_value
 
 __all__ = ["DistributedEvalSampler", "DistributedProxySampler", "DistributedSampler", "rank_indices"]
 
 
 def _world(num_replicas: Optional[int], rank: Optional[int], where: str) -> tuple[int, int]:
-    from .context import get_rank, get_world_size
+    from ..context import get_rank, get_world_size
 
     n = get_world_size() if num_replicas is None else num_replicas
     r = get_rank() if rank is None else rank

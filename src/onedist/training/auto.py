@@ -18,10 +18,15 @@ import warnings
 from typing import Any, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
-from torch.utils.data import DistributedSampler as _TorchDistributedSampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler as _TorchDistributedSampler,
+    IterableDataset,
+    Sampler,
+)
 
-from .errors import bad_type, bad_value
+from ..errors import bad_type, bad_value
 from .samplers import DistributedEvalSampler, DistributedProxySampler, DistributedSampler
 
 __all__ = ["auto_dataloader", "auto_model", "auto_optim", "unwrap"]
@@ -73,7 +78,7 @@ def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> 
         >>> # under 4 gloo processes, a DDP whose gradients travel as fp16:
         >>> # od.auto_model(net, comm_hook="fp16", find_unused_parameters=True)
     """
-    from .context import current, device
+    from ..context import current, device
 
     if not isinstance(model, torch.nn.Module):
         raise bad_type("auto_model", "model", model, "a torch.nn.Module")
@@ -114,7 +119,7 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
         >>> isinstance(opt, torch.optim.Optimizer)
         True
     """
-    from .context import current
+    from ..context import current
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise bad_type("auto_optim", "optimizer", optimizer, "a torch.optim.Optimizer")
@@ -173,7 +178,7 @@ def auto_dataloader(dataset: Any, *, evaluation: bool = False, **kwargs: Any) ->
         >>> sum(len(b[0]) for b in loader)
         10
     """
-    from .context import current, device, get_nproc_per_node, get_rank, get_world_size
+    from ..context import current, device, get_nproc_per_node, get_rank, get_world_size
 
     if not isinstance(dataset, (Dataset, IterableDataset)) and not hasattr(dataset, "__getitem__"):
         raise bad_type(

@@ -35,7 +35,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         factor: float,
         group: Any,
     ) -> torch.Tensor:
-        from .collectives import all_gather
+        from ..collectives import all_gather
 
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
@@ -70,7 +70,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        from .collectives import all_reduce
+        from ..collectives import all_reduce
 
         xhat, weight, invstd = ctx.saved_tensors
         channels = xhat.shape[1]
@@ -132,12 +132,12 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            from .errors import bad_value
+            from ..errors import bad_value
 
             raise bad_value("SyncBatchNorm", "input", tuple(input.shape), "a tensor of shape (N, C, ...)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        from .context import get_world_size
+        from ..context import get_world_size
 
         self._check_input_dim(input)
         use_batch = self.training or not self.track_running_stats

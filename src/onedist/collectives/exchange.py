@@ -1,0 +1,370 @@
+"""The value exchange under every data-moving collective: any value, from every rank, to every rank.
+
+Round 1 gathers one fixed-size slot per rank (its header, and the value itself when it is small);
+round 2 moves the rest, exact sizes and no padding, over the object channel (CPU bytes) and the
+tensor channel (the backend's device). A rank that cannot pack its value sends an error slot, so
+every rank raises instead of hanging. The wire format is in :mod:`onedist.collectives.wire`.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..backends import Backend, Work
+from ..context import current
+from ..errors import CollectiveMismatchError, OnedistTypeError, RemoteRankError
+from . import wire as W
+from .base import CPU, U8, AsyncResult, GroupLike, done, resolve_group
+from .packing import sorted_keys
+
+
+# ============================================================================ data movement
+class Channels:
+    """Where packed bytes travel: the object channel (CPU bytes, gloo-capable group) and the
+    tensor channel (the backend's device). On gloo they are one and the same."""
+
+    __slots__ = ("b", "g", "merged", "og", "size", "slot", "tdev")
+
+    def __init__(self, b: Backend, g: Any, op: str, size: int) -> None:
+        self.b, self.g, self.size = b, g, size
+        self.og = b.object_group(g)
+        self.tdev = b.comm_device(CPU, op)
+        self.merged = self.tdev.type == "cpu" and self.og is g
+        self.slot = W.slot_size(size)
+
+
+def pack_or_error(
+    func: str, value: Any, ch: Channels, slot: torch.Tensor
+) -> tuple[Optional[W.Packed], int, str]:
+    """Pack ``value`` into ``slot``; on failure write an error slot and return the message."""
+    try:
+        packed = W.pack(value, ch.tdev)
+        return packed, W.fill_slot(slot, packed, ch.merged), ""
+    except Exception as e:  # anything: the other ranks must get an error slot, never a hang
+        msg = (
+            f"onedist.{func}: {e}"
+            if isinstance(e, W.PackError)
+            else f"onedist.{func}: {type(e).__name__}: {e}"
+        )
+        slot.zero_()
+        W.error_slot(slot, msg)
+        return None, W.INLINE_META, msg
+
+
+def _slot_message(slot: torch.Tensor, h: W.Header) -> str:
+    return bytes(slot[W.HEADER_BYTES : W.HEADER_BYTES + h.meta_len].numpy()).decode("utf-8", "replace")
+
+
+def _remote_error(func: str, rank: int, message: str) -> RemoteRankError:
+    return RemoteRankError(
+        f"onedist.{func}: rank {rank} could not send its value, so this collective was abandoned "
+        f"on every rank. Its error:\n{message}",
+        rank=rank,
+    )
+
+
+def raise_slot_errors(
+    func: str,
+    ch: Channels,
+    slots: torch.Tensor,
+    headers: list[W.Header],
+    ranks: Sequence[int],
+    me: int,
+    own_error: str,
+) -> None:
+    """Raise on every rank when any rank could not pack: its own error there, a remote one elsewhere."""
+    bad = [i for i, h in enumerate(headers) if h.status != 0]
+    if not bad:
+        return
+    if me in bad:
+        raise OnedistTypeError(own_error)
+    first = bad[0]
+    raise _remote_error(
+        func, ranks[first], _slot_message(slots.view(len(headers), ch.slot)[first], headers[first])
+    )
+
+
+def obj_len(h: W.Header, merged: bool) -> int:
+    n = W.align(h.meta_len) if h.inline == W.INLINE_NONE else 0
+    if merged and h.inline != W.INLINE_ALL:
+        n += h.tensor_len
+    return n
+
+
+def my_blocks(
+    packed: Optional[W.Packed], inline: int, ch: Channels, obj_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's round-2 bytes: (object channel block, tensor channel block)."""
+    empty = torch.empty(0, dtype=U8)
+    if packed is None:
+        return empty, torch.empty(0, dtype=U8, device=ch.tdev)
+    meta_part = W.align(len(packed.meta)) if inline == W.INLINE_NONE else 0
+    tensors_here = packed.tensor_len if inline != W.INLINE_ALL else 0
+    if not ch.merged:
+        tblock = torch.empty(packed.tensor_len, dtype=U8, device=ch.tdev)
+        W.copy_tensors_into(packed, tblock)
+        tensors_here = 0
+    else:
+        tblock = torch.empty(0, dtype=U8)
+    if obj_len == 0:
+        return empty, tblock
+    if meta_part == 0 and packed.kind == W.K_TENSOR:
+        return W.tensor_bytes(packed.tensors[0]), tblock  # the tensor's own memory: no copy
+    block = torch.empty(obj_len, dtype=U8)
+    if meta_part:
+        block[: len(packed.meta)].copy_(torch.frombuffer(bytearray(packed.meta), dtype=U8))
+    if tensors_here:
+        W.copy_tensors_into(packed, block[meta_part:])
+    return block, tblock
+
+
+# Uneven round 2 with blocks this large goes over concurrent isend/irecv with every peer: no
+# repeated input (all_to_all_single needs the block once per peer) and, on gloo, about 2x faster at
+# 4 MB+ (benchmarks/bench_collectives.py). The tag keeps it apart from the user's own p2p traffic.
+_P2P_MIN_BYTES = 256 * 1024
+
+
+_EXCHANGE_TAG = 0x6F6E64
+
+
+def gather_bytes(
+    b: Backend,
+    group: Any,
+    ranks: Sequence[int],
+    me: int,
+    dev: torch.device,
+    block: torch.Tensor,
+    sizes: list[int],
+    async_op: bool,
+) -> tuple[Optional[torch.Tensor], list[Optional[Work]]]:
+    """Every rank's block, concatenated in group-rank order; exact sizes, no padding."""
+    total = sum(sizes)
+    if total == 0:
+        return None, []
+    out = torch.empty(total, dtype=U8, device=dev)
+    if all(s == sizes[0] for s in sizes):
+        return out, [b.all_gather_into_(out, block, group, async_op)]
+    own = b.all_gather_uneven_(out, block, sizes, group, async_op)
+    if own is not None:
+        return out, list(own)
+    if max(sizes) >= _P2P_MIN_BYTES and b.p2p_bulk:
+        views = slices(out, sizes)
+        mine = views[me]
+        assert mine is not None
+        mine.copy_(block)
+        works: list[Optional[Work]] = []
+        for i, peer in enumerate(ranks):
+            if i != me:
+                if block.numel():
+                    works.append(b.send_(block, peer, group, _EXCHANGE_TAG, True))
+                view = views[i]
+                if view is not None and view.numel():
+                    works.append(b.recv_(view, peer, group, _EXCHANGE_TAG, True))
+        if not async_op:
+            for w in works:
+                if w is not None:
+                    w.wait()
+            works = []
+        return out, works
+    inp = block.repeat(len(sizes)) if block.numel() else block
+    return out, [b.all_to_all_single_(out, inp, sizes, [block.numel()] * len(sizes), group, async_op)]
+
+
+def decode(
+    ch: Channels,
+    h: W.Header,
+    slot: torch.Tensor,
+    obj: Optional[torch.Tensor],
+    tens: Optional[torch.Tensor],
+) -> tuple[int, list[W.TensorSpec], list[torch.Tensor], bytes]:
+    """One rank's value parts from its slot and its round-2 bytes (``obj``/``tens`` may be None)."""
+    obj_rest: Optional[torch.Tensor]
+    if h.inline == W.INLINE_NONE:
+        assert obj is not None
+        meta = bytes(obj[: h.meta_len].numpy())  # the object channel is on the CPU
+        obj_rest = obj[W.align(h.meta_len) :]
+    else:
+        meta = bytes(slot[W.HEADER_BYTES : W.HEADER_BYTES + h.meta_len].numpy())
+        obj_rest = obj
+    specs, offsets, rest = W.split_meta(h.kind, meta)
+    data: Optional[torch.Tensor]
+    if h.inline == W.INLINE_ALL:
+        data = slot[W.HEADER_BYTES + W.align(h.meta_len) :]
+    elif ch.merged:
+        data = obj_rest
+    else:
+        data = tens
+    if not specs:
+        return h.kind, specs, [], rest
+    assert data is not None, "tensor bytes announced but not received"
+    tensors = [W.view_tensor(data, off, spec) for spec, off in zip(specs, offsets)]
+    return h.kind, specs, tensors, rest
+
+
+def slices(buf: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torch.Tensor]]:
+    if buf is None:
+        return [None] * len(sizes)
+    out: list[Optional[torch.Tensor]] = []
+    off = 0
+    for s in sizes:
+        out.append(buf[off : off + s])
+        off += s
+    return out
+
+
+def gather_values(func: str, value: Any, group: GroupLike, async_op: bool, merge: bool) -> Any:
+    b = current()
+    g, me, ranks = resolve_group(func, b, group)
+    if me < 0:  # all_gather gives its input back (as ignite); all_gather_object a list, as torch
+        return done(value if func == "all_gather" else [value], async_op)
+    size = len(ranks)
+    ch = Channels(b, g, "all_gather", size)
+    slot = torch.empty(ch.slot, dtype=U8)
+    packed, inline, err = pack_or_error(func, value, ch, slot)
+    slots = torch.empty(size * ch.slot, dtype=U8)
+    b.all_gather_into_(slots, slot, ch.og, False)
+    headers = W.parse_headers(slots, size)
+    raise_slot_errors(func, ch, slots, headers, ranks, me, err)
+    obj_sizes = [obj_len(h, ch.merged) for h in headers]
+    my_obj, my_t = my_blocks(packed, inline, ch, obj_sizes[me])
+    obj_buf, w1 = gather_bytes(b, ch.og, ranks, me, CPU, my_obj, obj_sizes, async_op)
+    t_sizes = [0 if ch.merged else h.tensor_len for h in headers]
+    t_buf, w2 = (
+        gather_bytes(b, g, ranks, me, ch.tdev, my_t, t_sizes, async_op) if not ch.merged else (None, [])
+    )
+
+    def finish() -> Any:
+        slot_views = slots.view(size, ch.slot)
+        objs, tens = slices(obj_buf, obj_sizes), slices(t_buf, t_sizes)
+        parts = [decode(ch, h, slot_views[i], objs[i], tens[i]) for i, h in enumerate(headers)]
+        if merge:
+            return _merge_gathered(value, parts, headers, obj_buf, obj_sizes, ch)
+        return [localize(W.unpack(kind, rest, tensors), value) for kind, _, tensors, rest in parts]
+
+    if async_op:
+        return AsyncResult(w1 + w2, finish)
+    return finish()
+
+
+def localize(value: Any, local: Any) -> Any:
+    """A received tensor goes to the device of the tensor this rank passed (if it passed one)."""
+    if isinstance(value, torch.Tensor) and isinstance(local, torch.Tensor) and value.device != local.device:
+        return value.to(local.device)
+    return value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)} {value.dtype}"
+    if isinstance(value, Mapping):
+        return f"{type(value).__name__} with keys {sorted_keys(value)}"
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of length {len(value)}"
+    return type(value).__name__
+
+
+def _mismatch(func: str, what: str, values: Sequence[Any], path: str) -> CollectiveMismatchError:
+    lines = "\n".join(f"  rank {i}: {_describe(v)}" for i, v in enumerate(values))
+    where = f" at {path}" if path else ""
+    return CollectiveMismatchError(f"onedist.{func}: the ranks passed {what}{where}:\n{lines}")
+
+
+def _merge_gathered(
+    local: Any,
+    parts: list[tuple[int, list[W.TensorSpec], list[torch.Tensor], bytes]],
+    headers: list[W.Header],
+    obj_buf: Optional[torch.Tensor],
+    obj_sizes: list[int],
+    ch: Channels,
+) -> Any:
+    kinds = {p[0] for p in parts}
+    if kinds == {W.K_TENSOR}:
+        return _cat_tensors(local, [p[2][0] for p in parts], headers, obj_buf, obj_sizes, ch)
+    values = [W.unpack(kind, rest, tensors) for kind, _, tensors, rest in parts]
+    return _merge_values(local, values, "")
+
+
+def _cat_tensors(
+    local: torch.Tensor,
+    tensors: list[torch.Tensor],
+    headers: list[W.Header],
+    obj_buf: Optional[torch.Tensor],
+    obj_sizes: list[int],
+    ch: Channels,
+) -> torch.Tensor:
+    first = tensors[0]
+    trailing = tuple(first.shape[1:]) if first.dim() else ()
+    for t in tensors:
+        if t.dtype != first.dtype or t.dim() != first.dim() or tuple(t.shape[1:]) != trailing:
+            raise _mismatch("all_gather", "tensors that cannot be concatenated on dim 0", tensors, "")
+    contiguous = (
+        ch.merged
+        and obj_buf is not None
+        and all(h.inline == W.INLINE_META for h in headers)
+        and sum(obj_sizes) == obj_buf.numel()
+    )
+    if contiguous and obj_buf is not None and obj_buf.numel() % first.element_size() == 0:
+        out = obj_buf.view(first.dtype).view(-1, *trailing)  # the receive buffer itself
+    elif first.dim() == 0:
+        out = torch.stack(tensors)
+    else:
+        out = torch.cat(tensors)
+    if isinstance(local, torch.Tensor) and out.device != local.device:
+        out = out.to(local.device)
+    return out
+
+
+def _merge_values(local: Any, values: list[Any], path: str) -> Any:
+    first = values[0]
+    if all(isinstance(v, torch.Tensor) for v in values):
+        first_t: torch.Tensor = first
+        trailing = tuple(first_t.shape[1:])
+        if any(
+            v.dtype != first_t.dtype or v.dim() != first_t.dim() or tuple(v.shape[1:]) != trailing
+            for v in values
+        ):
+            raise _mismatch("all_gather", "tensors that cannot be concatenated on dim 0", values, path)
+        out = torch.stack(values) if first_t.dim() == 0 else torch.cat(values)
+        if isinstance(local, torch.Tensor) and out.device != local.device:
+            out = out.to(local.device)
+        return out
+    if all(isinstance(v, numbers.Number) and not isinstance(v, complex) for v in values):
+        if all(isinstance(v, bool) for v in values):
+            dtype = torch.bool
+        elif all(isinstance(v, numbers.Integral) for v in values):
+            dtype = torch.int64
+        else:
+            dtype = torch.float64
+        try:
+            return torch.tensor(values, dtype=dtype)
+        except (OverflowError, RuntimeError, ValueError):
+            return list(values)
+    if isinstance(first, Mapping) and not isinstance(first, str):
+        if not all(isinstance(v, Mapping) and set(v) == set(first) for v in values):
+            raise _mismatch("all_gather", "dicts with different keys", values, path)
+        merged = {
+            k: _merge_values(
+                local.get(k) if isinstance(local, Mapping) else None, [v[k] for v in values], f"{path}[{k!r}]"
+            )
+            for k in first
+        }
+        if type(local) is dict or not isinstance(local, MutableMapping):
+            return merged
+        new = copy.copy(local)
+        for k, v in merged.items():
+            new[k] = v
+        return new
+    if isinstance(first, (list, tuple)):
+        if not all(type(v) is type(first) and len(v) == len(first) for v in values):
+            raise _mismatch("all_gather", "sequences of different types or lengths", values, path)
+        loc = local if isinstance(local, (list, tuple)) and len(local) == len(first) else [None] * len(first)
+        items = [_merge_values(loc[i], [v[i] for v in values], f"{path}[{i}]") for i in range(len(first))]
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)._make(items)  # type: ignore[attr-defined]
+        return type(first)(items) if isinstance(first, tuple) else items
+    return list(values)

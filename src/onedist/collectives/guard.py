@@ -1,0 +1,61 @@
+"""The guard every public collective runs through: debug checks before, explanations after.
+
+On the default path it costs one function call and a ``try`` (no communication, no frame
+inspection); see :mod:`onedist.failures.explain` for what a failure becomes, and
+:mod:`onedist.collectives.debug` for debug mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import CollectiveMismatchError, OnedistError
+from ..failures.explain import explain
+from ..failures.stderr import store_noise_held_back
+from ..state import world
+from .debug import debug_check
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# ---------------------------------------------------------------------------- the decorator
+def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F], F]:
+    """Decorate a public collective.
+
+    ``group_arg``: position of its ``group`` parameter; ``spec``: the arguments debug mode compares,
+    as ``name=(position, default)`` (e.g. ``op=(1, "SUM")``).
+    """
+
+    def decorator(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.monotonic()
+            try:
+                if world.debug:  # its exchange is a collective too: a dead peer shows here first
+                    group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
+                    debug_check(name, args, kwargs, group, spec)
+                return fn(*args, **kwargs)
+            except CollectiveMismatchError as e:  # the ranks' calls tell it all, not onedist's frames
+                raise e.with_traceback(None) from None
+            except OnedistError:
+                raise
+            except RuntimeError as e:
+                group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
+                world.explaining += 1
+                try:
+                    with store_noise_held_back():
+                        err = explain(name, e, group, started)
+                finally:
+                    world.explaining -= 1
+                if err is e:
+                    raise
+                if isinstance(err, OnedistError):
+                    err.backend_error = e
+                raise err from None  # the explanation stands alone (see OnedistError.backend_error)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorator

@@ -1,0 +1,270 @@
+"""Reductions: :func:`all_reduce` and :func:`reduce`, on tensors, numbers and nested containers."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..backends import Backend, Work
+from ..context import current
+from ..errors import OnedistTypeError
+from ..state import world
+from .base import (
+    CHECKED_OPS,
+    OP_NAMES,
+    PLAIN_OPS,
+    AsyncResult,
+    GroupLike,
+    check_op_dtype,
+    check_peer,
+    done,
+    op_name,
+    resolve_group,
+)
+from .guard import guarded
+from .packing import buckets, fill, flatten, unfill, unflatten
+
+
+# ============================================================================ reductions
+@guarded("all_reduce", 2, op=(1, "SUM"))
+def all_reduce(
+    tensor: Any,
+    op: Any = "SUM",
+    group: GroupLike = None,
+    *,
+    async_op: bool = False,
+    inplace: Optional[bool] = None,
+) -> Any:
+    """Reduce a value across ranks; every rank gets the result.
+
+    Args:
+        tensor: a tensor, a Python number, or a dict/list/tuple (nested) of those. A nested value
+            costs one collective per (device, dtype), whatever the number of leaves. Dict keys are
+            taken in sorted order, so ranks may build their dicts in any order.
+        op: "SUM", "PRODUCT", "MIN", "MAX", "AND", "OR", "MEAN" (alias "AVERAGE"), case-insensitive,
+            or a ``torch.distributed.ReduceOp``. MEAN of integers returns floats.
+        group: None (every rank), a list of global ranks, or a group handle.
+        async_op: return an :class:`AsyncResult` instead of waiting.
+        inplace: where the result goes. None (default): a tensor is reduced in place and
+            returned, as in ignite and torch.distributed (but for MEAN of an integer tensor,
+            whose float result is a new tensor); tensors in a nested value get new tensors.
+            True: write into the input tensors, nested ones too. False: leave every input as
+            it is and return new tensors. Numbers are returned, never written.
+
+    Returns:
+        The reduced value, of the input's structure, types, devices and dtypes. Ranks outside
+        ``group`` get their input back.
+
+    Example:
+        >>> import onedist as od
+        >>> t = torch.tensor([1.0, 2.0])
+        >>> od.all_reduce(t) is t                           # in place, as in ignite
+        True
+        >>> od.all_reduce(t, inplace=False) is t            # a new tensor; t is left as it is
+        False
+        >>> od.all_reduce({"loss": 0.5, "correct": 3}, op="MEAN")
+        {'loss': 0.5, 'correct': 3.0}
+    """
+    b = world.backend
+    if b.is_stale():
+        b = current()
+    opn = OP_NAMES.get(op) if op.__class__ is str else None
+    if opn is None:
+        opn = op_name("all_reduce", op)
+    if group is None:
+        # fast path: a CPU tensor the backend reduces as it is, synchronously, with a plain op
+        if (
+            tensor.__class__ is torch.Tensor
+            and not async_op
+            and opn in PLAIN_OPS
+            and tensor.is_cpu
+            and tensor.dtype in b.cpu_reduce_dtypes
+        ):
+            if inplace is False:
+                buf = tensor.detach().clone(memory_format=torch.contiguous_format)
+                b.all_reduce_(buf, opn, None, False)
+                return buf
+            if tensor.is_contiguous():
+                if tensor.requires_grad:  # into it all the same, as torch's c10d (off the hot path)
+                    with torch.no_grad():
+                        b.all_reduce_(tensor, opn, None, False)
+                else:
+                    b.all_reduce_(tensor, opn, None, False)
+                return tensor
+        g, size = None, b.world_size
+    else:
+        g, me, ranks = resolve_group("all_reduce", b, group)
+        if me < 0:
+            return done(tensor, async_op)
+        size = len(ranks)
+    return _reduce(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
+
+
+@guarded("reduce", 3, dst=(1, 0), op=(2, "SUM"))
+def reduce(
+    tensor: Any,
+    dst: int = 0,
+    op: Any = "SUM",
+    group: GroupLike = None,
+    *,
+    async_op: bool = False,
+) -> Any:
+    """Reduce a value across ranks onto global rank ``dst``.
+
+    Args:
+        tensor: as for :func:`all_reduce`.
+        dst: global rank that receives the result.
+        op: as for :func:`all_reduce`.
+        group: as for :func:`all_reduce`.
+        async_op: return an :class:`AsyncResult` instead of waiting.
+
+    Returns:
+        On ``dst`` the reduced value; on the other ranks their input, unchanged.
+
+    Example:
+        >>> import onedist as od
+        >>> total = od.reduce(torch.tensor(3), dst=0)   # the sum on rank 0
+    """
+    b = current()
+    opn = op_name("reduce", op)
+    g, me, ranks = resolve_group("reduce", b, group)
+    check_peer("reduce", "dst", dst, b, ranks)
+    if me < 0:
+        return done(tensor, async_op)
+    return _reduce(b, "reduce", tensor, opn, g, len(ranks), dst, async_op, False)
+
+
+def _reduce(
+    b: Backend,
+    func: str,
+    x: Any,
+    op: str,
+    g: Any,
+    size: int,
+    dst: Optional[int],
+    async_op: bool,
+    inplace: Optional[bool],
+) -> Any:
+    """all_reduce (``dst`` None) or reduce of a tensor or of a nested value; ``inplace`` None:
+    a tensor in place when its result fits it, a nested value's tensors not."""
+    if isinstance(x, torch.Tensor):
+        if inplace is None:  # in place when the result fits: a float mean of integers does not,
+            # nor an expanded tensor whose elements share memory (one write would hit several)
+            fits = op != "MEAN" or x.dtype.is_floating_point or x.dtype.is_complex
+            inplace = fits and (x.is_contiguous() or not _overlaps(x))
+        return _reduce_tensor(b, func, x, op, g, size, dst, async_op, inplace)
+    return _reduce_tree(b, func, x, op, g, size, dst, async_op, bool(inplace))
+
+
+def _overlaps(x: torch.Tensor) -> bool:
+    """Whether elements of ``x`` share memory (an ``expand``ed view)."""
+    return any(stride == 0 and n > 1 for stride, n in zip(x.stride(), x.shape))
+
+
+def _issue(
+    b: Backend, buf: torch.Tensor, op: str, g: Any, dst: Optional[int], async_op: bool
+) -> Optional[Work]:
+    op = "SUM" if op == "MEAN" else op
+    with torch.no_grad():  # a reduction into a tensor that requires grad, as torch's c10d allows
+        if dst is None:
+            return b.all_reduce_(buf, op, g, async_op)
+        return b.reduce_(buf, dst, op, g, async_op)
+
+
+def _reduce_tensor(
+    b: Backend,
+    func: str,
+    x: torch.Tensor,
+    op: str,
+    g: Any,
+    size: int,
+    dst: Optional[int],
+    async_op: bool,
+    inplace: bool,
+) -> Any:
+    # the hot path of the library: every attribute is read once and the common case
+    # (same device and dtype on the wire, synchronous) takes no detour
+    dtype, device = x.dtype, x.device
+    if op in CHECKED_OPS or dtype.is_complex:
+        check_op_dtype(func, op, dtype)
+    dev = b.comm_device(device, "all_reduce")
+    mean_int = op == "MEAN" and not (dtype.is_floating_point or dtype.is_complex)
+    # the mean of integers/bools: sum in int64 (no wrap-around, no bool saturation), divide in float64
+    wire = torch.int64 if mean_int else b.reduce_dtype(dtype)
+    same = dev == device and wire == dtype
+    if inplace and mean_int:
+        raise OnedistTypeError(
+            f"onedist.{func}: op='MEAN' with inplace=True needs a floating-point tensor, got {dtype} "
+            "(the mean of integers is not an integer)\nHINT: drop inplace=True to get a float result"
+        )
+    if inplace and same and x.is_contiguous():
+        buf = x
+    elif same:  # results are not differentiable, as in torch.distributed
+        buf = x.detach().clone(memory_format=torch.contiguous_format)
+    else:
+        buf = x.detach().to(device=dev, dtype=wire, copy=True, memory_format=torch.contiguous_format)
+    work = _issue(b, buf, op, g, dst, async_op)
+    if not async_op and op != "MEAN" and same and not inplace and (dst is None or dst == b.rank):
+        return buf
+
+    def finish() -> torch.Tensor:
+        if dst is not None and dst != b.rank:
+            return x
+        out = buf
+        if op == "MEAN":
+            out = (out.double() / size).to(torch.get_default_dtype()) if mean_int else out.div_(size)
+        if inplace:
+            if out is not x:
+                with torch.no_grad():  # a leaf that requires grad takes the result, as in torch
+                    x.copy_(out)
+            return x
+        if out.device != device or (out.dtype != dtype and not mean_int):
+            out = out.to(device=device, dtype=out.dtype if mean_int else dtype)
+        return out
+
+    if async_op:
+        return AsyncResult([work], finish)
+    return finish()
+
+
+def _reduce_tree(
+    b: Backend,
+    func: str,
+    obj: Any,
+    op: str,
+    g: Any,
+    size: int,
+    dst: Optional[int],
+    async_op: bool,
+    inplace: bool,
+) -> Any:
+    leaves: list[Any] = []
+    spec = flatten(func, obj, leaves, ())
+    packed = buckets(func, leaves, op)
+    if inplace and op == "MEAN":
+        for bucket in packed:
+            if bucket.tensors and not (bucket.dtype.is_floating_point or bucket.dtype.is_complex):
+                raise OnedistTypeError(
+                    f"onedist.{func}: op='MEAN' with inplace=True needs floating-point tensors, got "
+                    f"{bucket.dtype} (leaf {bucket.leaf_ids[0]})\n"
+                    "HINT: drop inplace=True to get float results"
+                )
+    works: list[Optional[Work]] = []
+    with torch.no_grad():  # results are not differentiable, as in torch.distributed
+        for bucket in packed:
+            bucket.buf = fill(func, b, bucket, leaves, op)
+            works.append(_issue(b, bucket.buf, op, g, dst, async_op))
+    is_dst = dst is None or dst == b.rank
+
+    def finish() -> Any:
+        if not is_dst:
+            return obj
+        results: list[Any] = [None] * len(leaves)
+        for bucket in packed:
+            unfill(bucket, leaves, results, op, size, inplace)
+        return unflatten(spec, iter(results))
+
+    if async_op:
+        return AsyncResult(works, finish)
+    return finish()

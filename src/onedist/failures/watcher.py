@@ -1,0 +1,122 @@
+"""The failure watcher: a thread per rank that ends the rank soon after another rank failed."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from ..errors import RemoteRankError
+from ..state import world
+from .channel import FAILED_COUNT, ServerProbe, failed_reports, rank_and_world, side_store
+from .stderr import release_stderr
+
+_WATCH_S = 1.0  # how often each rank asks the store whether another rank failed
+
+
+_WATCH_GRACE_S = 3.0  # how long a rank blocked outside Python gets before it is ended
+
+
+def _watch(stop: Any, store: Any, rank: int, world_size: int, main_ident: int) -> None:
+    """Background thread of every rank: end this rank soon after another rank failed.
+
+    A rank that waits in a collective learns of a peer's death from the communication library; a
+    rank that computes (or sleeps) outside collectives would run on until its next one, or forever
+    under launchers that do not kill the job (plain ``srun``). Once a second, one ``add(key, 0)``
+    round trip asks the store how many ranks failed; when one did, this rank gets that rank's
+    error as a :class:`RemoteRankError` raised in its main thread, and if it is blocked outside
+    Python for longer than 3 s, the error is printed and the process ends (exit status 1).
+    """
+    probe = ServerProbe(store)
+    try:
+        _poll(stop, store, probe, rank, world_size, main_ident)
+    finally:
+        probe.close()
+
+
+def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int, main_ident: int) -> None:
+    import ctypes
+
+    handled = 0
+    while not stop.wait(_WATCH_S):
+        if probe.gone():
+            return  # the rank hosting the store exited: the job is ending
+        try:
+            count = int(store.add(FAILED_COUNT, 0))
+            if count <= handled or world.published or world.explaining:
+                continue
+            handled = count
+            failed = failed_reports(range(world_size), rank)
+        except Exception:
+            return  # the store is gone: the job is ending anyway
+        if not failed:
+            continue
+        r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
+        message = (
+            f"onedist: rank {r} failed, so rank {rank} stops too:\n{report.get('traceback', '').rstrip()}"
+        )
+
+        remote = _remote_error_class(message, r)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main_ident), ctypes.py_object(remote))
+        if stop.wait(_WATCH_GRACE_S):
+            return
+        try:
+            release_stderr()
+            sys.stderr.write(message + f"\n(rank {rank} was blocked outside Python; ending it)\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+
+
+def _remote_error_class(message: str, rank: int) -> type[RemoteRankError]:
+    """A RemoteRankError subclass whose no-argument constructor gives ``message`` (an exception
+    raised in another thread through PyThreadState_SetAsyncExc is built without arguments)."""
+
+    class _Remote(RemoteRankError):
+        def __init__(self) -> None:
+            super().__init__(message, rank)
+
+    _Remote.__name__ = _Remote.__qualname__ = "RemoteRankError"
+    return _Remote
+
+
+def start_watch() -> None:
+    """Start the failure watcher of this rank (called by initialize; ONEDIST_WATCH=0 turns it off)."""
+    import threading
+
+    if world.watcher is not None or os.environ.get("ONEDIST_WATCH", "1").lower() in ("0", "false", "off"):
+        return
+    try:
+        rank, world_size = rank_and_world()
+        store = side_store() if world_size > 1 else None
+    except Exception:
+        return
+    if store is None:
+        return
+    world.published = False
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=_watch,
+        args=(stop, store, rank, world_size, threading.main_thread().ident),
+        name="onedist-failure-watch",
+        daemon=True,
+    )
+    thread.start()
+    world.watcher, world.watch_stop = thread, stop
+    # and at exit, for a program that never calls finalize: the interpreter kills a daemon thread
+    # that is inside torch's C++ code (a store call) as it finalizes, which aborts the process
+    import atexit
+
+    atexit.unregister(stop_watch)
+    atexit.register(stop_watch)
+
+
+def stop_watch() -> None:
+    """Stop the failure watcher (called by finalize, and at exit)."""
+    if world.watcher is not None:
+        world.watch_stop.set()
+        # a watcher left inside a store call would take the GIL back while the interpreter
+        # finalizes, which can abort the process: its calls end within seconds (a store whose host
+        # left fails at once), so wait long enough for one, and bounded all the same
+        world.watcher.join(timeout=_WATCH_S + 10)
+        world.watcher = world.watch_stop = None

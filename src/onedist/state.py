@@ -1,0 +1,75 @@
+"""The one object that holds this process's distributed state (:data:`world`).
+
+Everything onedist remembers between calls lives here, in one place, as c10d keeps its mutable
+world in one ``_World``: the active backend, debug mode, and the failure machinery's flags. The
+modules that own each part write it (``context`` the backend, ``collectives.debug`` the debug
+flag, ``failures`` the watcher); everyone else only reads. Nothing here imports above the
+backends, so every layer can use it.
+
+Example:
+    >>> from onedist.state import world
+    >>> world.backend.model_name, world.backend.world_size
+    ('serial', 1)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .backends import Backend, SerialBackend, detect
+
+__all__ = ["World", "current", "world"]
+
+
+def _debug_from_environment() -> bool:
+    return os.environ.get("ONEDIST_DEBUG", "").lower() in ("1", "true", "yes", "on")
+
+
+class World:
+    """This process's distributed state; one instance, :data:`world`."""
+
+    __slots__ = (
+        "backend",
+        "debug",
+        "explaining",
+        "hook_installed",
+        "one_rank_depth",
+        "previous_hook",
+        "published",
+        "watch_stop",
+        "watcher",
+    )
+
+    def __init__(self) -> None:
+        #: the active backend (``context`` re-detects it when the group it holds went stale)
+        self.backend: Backend = SerialBackend()
+        #: debug mode: every collective checks that the ranks make the same call first
+        self.debug = _debug_from_environment()
+        #: > 0 while inside a ``one_rank_only`` function (debug mode flags collectives there)
+        self.one_rank_depth = 0
+        #: > 0 while the main thread turns a failed collective into its own error (a timeout
+        #: report takes seconds): the failure watcher leaves it alone meanwhile
+        self.explaining = 0
+        #: this rank published its own failure to the store
+        self.published = False
+        #: the failure excepthook is installed; the hook it replaced
+        self.hook_installed = False
+        self.previous_hook: Any = None
+        #: the failure watcher thread and the event that stops it (None when not running)
+        self.watcher: Any = None
+        self.watch_stop: Any = None
+
+
+#: the state of this process
+world = World()
+
+
+def current() -> Backend:
+    """The active backend, re-detected only when the one held went stale (a pointer check)."""
+    b = world.backend
+    if b.is_stale():
+        if not isinstance(b, SerialBackend):
+            b.finalize()  # the user destroyed the group: restore what onedist set
+        b = world.backend = detect()
+    return b

@@ -1,0 +1,12 @@
+"""The training layer: what a training loop needs on top of the collectives.
+
+* ``auto.py``: :func:`~onedist.auto_model`, :func:`~onedist.auto_optim`,
+  :func:`~onedist.auto_dataloader`, :func:`~onedist.unwrap` (the backend picks the wrapper);
+* ``samplers.py``: the distributed samplers;
+* ``syncbn.py``: onedist's SyncBatchNorm (CPU and any backend), and the conversion;
+* ``evaluation.py``: :func:`~onedist.all_gather_eval`, exact distributed evaluation;
+* ``checkpoint.py``: :func:`~onedist.save_checkpoint`, :func:`~onedist.load_checkpoint`.
+
+Nothing below this layer imports it. The modules import nothing at package import time, so
+``import onedist`` stays free of torch.
+"""
