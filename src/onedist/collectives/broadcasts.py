@@ -15,7 +15,7 @@ from ..context import current
 from ..errors import OnedistTypeError, bad_type, bad_value
 from . import wire as W
 from .base import CPU, U8, AsyncResult, GroupLike, check_peer, done, resolve_group
-from .exchange import Channels, _remote_error, _slot_message, decode, my_blocks, obj_len, pack_or_error
+from .exchange import Channels, decode, my_blocks, obj_len, pack_or_error, remote_error, slot_message
 from .guard import guarded
 
 
@@ -152,7 +152,7 @@ def _broadcast(tensor: Any, src: int, safe_mode: bool, group: GroupLike, async_o
     if h.status != 0:
         if is_src:
             raise OnedistTypeError(err)
-        raise _remote_error("broadcast", src, _slot_message(slot, h))
+        raise remote_error("broadcast", src, slot_message(slot, h))
     if is_src:
         n_obj = obj_len(h, ch.merged)
         obj, tens = my_blocks(packed, inline, ch, n_obj)
@@ -212,23 +212,7 @@ def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None
     local_error: Optional[Exception] = None
     if is_src:
         slots_in = torch.empty(size * S, dtype=U8)
-        views = slots_in.view(size, S)
-        if not isinstance(data, (list, tuple)) or len(data) != size:
-            local_error = bad_value(
-                "scatter",
-                "data",
-                _short(data),
-                f"a list or tuple of {size} values (one per rank of the group)",
-            )
-        else:
-            for i in range(size):
-                p, inline, err = pack_or_error("scatter", data[i], ch, views[i])
-                packs.append((p, inline))
-                if p is None and local_error is None:
-                    local_error = OnedistTypeError(f"{err} (item {i})")
-        if local_error is not None:  # every rank learns it, not only the failing item's rank
-            for i in range(size):
-                W.error_slot(views[i], str(local_error))
+        packs, local_error = _pack_items(data, ch, slots_in.view(size, S))
         in_splits = [S] * size
     else:
         slots_in = torch.empty(0, dtype=U8)
@@ -240,7 +224,7 @@ def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None
     if h.status != 0:
         if local_error is not None:
             raise local_error
-        raise _remote_error("scatter", src, _slot_message(slot, h))
+        raise remote_error("scatter", src, slot_message(slot, h))
     # round 2: each rank's bytes from src only
     if is_src:
         headers = [W.parse_headers(slots_in.view(size, S)[i], 1)[0] for i in range(size)]
@@ -260,6 +244,30 @@ def scatter(data: Optional[Sequence[Any]], src: int = 0, group: GroupLike = None
         return data[me]  # type: ignore[index]
     _, _, tensors, rest = decode(ch, h, slot, obj, tens)
     return W.unpack(h.kind, rest, tensors)
+
+
+def _pack_items(
+    data: Optional[Sequence[Any]], ch: Channels, views: torch.Tensor
+) -> tuple[list[tuple[Optional[W.Packed], int]], Optional[Exception]]:
+    """On scatter's source: pack item ``i`` of ``data`` into slot ``views[i]``. On an error every
+    slot carries it, so every rank learns it, not only the failing item's rank."""
+    size = len(views)
+    packs: list[tuple[Optional[W.Packed], int]] = []
+    local_error: Optional[Exception] = None
+    if not isinstance(data, (list, tuple)) or len(data) != size:
+        local_error = bad_value(
+            "scatter", "data", _short(data), f"a list or tuple of {size} values (one per rank of the group)"
+        )
+    else:
+        for i in range(size):
+            p, inline, err = pack_or_error("scatter", data[i], ch, views[i])
+            packs.append((p, inline))
+            if p is None and local_error is None:
+                local_error = OnedistTypeError(f"{err} (item {i})")
+    if local_error is not None:
+        for i in range(size):
+            W.error_slot(views[i], str(local_error))
+    return packs, local_error
 
 
 def _from_one(

@@ -56,11 +56,11 @@ def pack_or_error(
         return None, W.INLINE_META, msg
 
 
-def _slot_message(slot: torch.Tensor, h: W.Header) -> str:
+def slot_message(slot: torch.Tensor, h: W.Header) -> str:
     return bytes(slot[W.HEADER_BYTES : W.HEADER_BYTES + h.meta_len].numpy()).decode("utf-8", "replace")
 
 
-def _remote_error(func: str, rank: int, message: str) -> RemoteRankError:
+def remote_error(func: str, rank: int, message: str) -> RemoteRankError:
     return RemoteRankError(
         f"onedist.{func}: rank {rank} could not send its value, so this collective was abandoned "
         f"on every rank. Its error:\n{message}",
@@ -84,8 +84,8 @@ def raise_slot_errors(
     if me in bad:
         raise OnedistTypeError(own_error)
     first = bad[0]
-    raise _remote_error(
-        func, ranks[first], _slot_message(slots.view(len(headers), ch.slot)[first], headers[first])
+    raise remote_error(
+        func, ranks[first], slot_message(slots.view(len(headers), ch.slot)[first], headers[first])
     )
 
 

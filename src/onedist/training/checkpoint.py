@@ -208,20 +208,12 @@ def load_checkpoint(
     target = _check_path("load_checkpoint", path)
     if not isinstance(weights_only, bool):
         raise bad_type("load_checkpoint", "weights_only", weights_only, "a bool")
-    error: Optional[BaseException] = None
     state: Any = None
+    error: Optional[BaseException] = None
     try:
-        if not target.is_file():
-            what = "a directory" if target.is_dir() else "no file"
-            raise CheckpointNotFoundError(
-                f"onedist.load_checkpoint: there is {what} at {str(target)!r} (rank {b.rank})\n"
-                "HINT: check the path; save_checkpoint returns on every rank only after the file exists, "
-                "and every rank must see the same filesystem"
-            )
-        location = device() if map_location is None else map_location
-        state = torch.load(target, map_location=location, weights_only=weights_only)
-        if to is not None:
-            _load_into(to, state, "to")
+        state = _load_here(
+            target, b.rank, device() if map_location is None else map_location, weights_only, to
+        )
     except Exception as e:
         error = e
     if b.world_size > 1:
@@ -236,6 +228,21 @@ def load_checkpoint(
                     )
     if error is not None:
         raise error
+    return state
+
+
+def _load_here(target: Path, rank: int, location: Any, weights_only: bool, to: Any) -> Any:
+    """This rank's load of ``target`` (into ``to``'s objects when given)."""
+    if not target.is_file():
+        what = "a directory" if target.is_dir() else "no file"
+        raise CheckpointNotFoundError(
+            f"onedist.load_checkpoint: there is {what} at {str(target)!r} (rank {rank})\n"
+            "HINT: check the path; save_checkpoint returns on every rank only after the file exists, "
+            "and every rank must see the same filesystem"
+        )
+    state = torch.load(target, map_location=location, weights_only=weights_only)
+    if to is not None:
+        _load_into(to, state, "to")
     return state
 
 

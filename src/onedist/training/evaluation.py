@@ -119,22 +119,8 @@ def all_gather_eval(values: Any, loader: Any = None, *, indices: Any = None) -> 
     from ..context import current
 
     world = current().world_size
-    if loader is not None and indices is not None:
-        raise bad_value(
-            _FUNC, "indices", _short(indices), "None when loader is given (pass one of loader and indices)"
-        )
-    if loader is None and indices is None:
-        if world == 1:
-            return values
-        raise bad_value(
-            _FUNC,
-            "loader",
-            None,
-            "a DataLoader or a sampler (or indices=...) in a distributed run",
-            hint="without them the padding samples of a DistributedSampler would be counted twice and the "
-            "rows would be in rank order; pass the evaluation loader: all_gather_eval(values, loader)",
-        )
-
+    if _nothing_to_gather(loader, indices, world):
+        return values
     local_error: Optional[BaseException] = None
     try:
         payload = _prepare(values, loader, indices, world)
@@ -145,6 +131,26 @@ def all_gather_eval(values: Any, loader: Any = None, *, indices: Any = None) -> 
     parts: list[_Payload] = [payload] if world == 1 else all_gather_object(payload)
     _raise_remote_errors(parts, local_error)
     return _assemble(values, parts, loader)
+
+
+def _nothing_to_gather(loader: Any, indices: Any, world: int) -> bool:
+    """True in a serial run given neither ``loader`` nor ``indices``; raises on a bad combination."""
+    if loader is not None and indices is not None:
+        raise bad_value(
+            _FUNC, "indices", _short(indices), "None when loader is given (pass one of loader and indices)"
+        )
+    if loader is None and indices is None:
+        if world == 1:
+            return True
+        raise bad_value(
+            _FUNC,
+            "loader",
+            None,
+            "a DataLoader or a sampler (or indices=...) in a distributed run",
+            hint="without them the padding samples of a DistributedSampler would be counted twice and the "
+            "rows would be in rank order; pass the evaluation loader: all_gather_eval(values, loader)",
+        )
+    return False
 
 
 # ============================================================================ this rank's part
