@@ -77,6 +77,7 @@ def _remote_error_class(message: str, rank: int) -> type[RemoteRankError]:
             super().__init__(message, rank)
 
     _Remote.__name__ = _Remote.__qualname__ = "RemoteRankError"
+    _Remote.__module__ = RemoteRankError.__module__  # printed as onedist.errors.RemoteRankError
     return _Remote
 
 

@@ -1,0 +1,70 @@
+"""The rules docs/architecture.md states that import-linter does not check (it checks the layers).
+
+Each rule is read from the source tree itself, so a file or function that outgrows it, or a module
+the page names that no longer exists, fails here with its name.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "onedist"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+MAX_FILE_LINES = 800
+MAX_FUNCTION_LINES = 80
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_no_source_file_over_800_lines() -> None:
+    too_long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in _sources()
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert too_long == {}
+
+
+def test_no_function_over_80_lines() -> None:
+    too_long = {}
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    too_long[f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"] = n
+    assert too_long == {}
+
+
+def _named_paths() -> list[str]:
+    """The source paths docs/architecture.md names: ``onedist/x/y.py`` and ``x/`` folders."""
+    text = ARCHITECTURE.read_text()
+    return sorted(set(re.findall(r"\bonedist/[\w/]*\w(?:\.py|/)", text)))
+
+
+def test_architecture_page_names_modules() -> None:
+    assert len(_named_paths()) > 30  # the page lists the modules; a regex that finds none proves nothing
+
+
+@pytest.mark.parametrize("named", _named_paths())
+def test_every_module_the_architecture_page_names_exists(named: str) -> None:
+    assert (PACKAGE.parent / named).exists(), f"docs/architecture.md names {named}, which does not exist"
+
+
+def test_every_module_is_on_the_architecture_page() -> None:
+    named = set(_named_paths())
+    missing = [
+        str(p.relative_to(PACKAGE.parent))
+        for p in _sources()
+        if p.name not in ("__init__.py", "__main__.py", "_version.py")
+        and str(p.relative_to(PACKAGE.parent)) not in named
+    ]
+    assert missing == []
