@@ -103,16 +103,16 @@ def test_env_rendezvous_with_partial_environment_says_what_is_missing():
 def test_env_rendezvous_on_one_host_takes_ignites_defaults(monkeypatch):
     """Several processes, no MASTER_ADDR/PORT, nothing saying there are several nodes: every
     process computes ignite's 127.0.0.1:15000 alike; onedist sets and logs them, and restores."""
-    from onedist.backends import native
+    from onedist.backends import _environ, _rendezvous
 
     for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "1")  # a rank other than 0 listens on nothing
     monkeypatch.setenv("WORLD_SIZE", "2")
     env_set: dict = {}
-    native._prepare_env_rendezvous(None, None, env_set)
+    _rendezvous.prepare_env_rendezvous(None, None, env_set)
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("127.0.0.1", "15000")
-    native._restore_env(env_set)
+    _environ.restore_env(env_set)
     assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ
 
 

@@ -39,7 +39,7 @@ def test_available():
 
 def test_slot_size_follows_the_setting_else_fits_the_l3_cache(monkeypatch):
     from onedist import OnedistValueError
-    from onedist.backends import shm as shm_module
+    from onedist.backends.shm import segment as shm_module  # where the slot size is chosen
 
     MiB = 1 << 20
     l3 = shm_module._l3_bytes()  # this machine's, from sysfs

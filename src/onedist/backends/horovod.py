@@ -2,7 +2,9 @@
 
 Processes come from ``horovodrun`` (or from :func:`onedist.spawn` / :class:`onedist.Parallel`
 with ``backend="horovod"``, which start them through ``horovod.run``); ``initialize("horovod")``
-calls ``hvd.init()``. Everything Horovod-specific lives here:
+calls ``hvd.init()``. Everything Horovod-specific lives here and in the two modules beside it
+(``_horovod_store.py``: the side store and send / recv; ``_horovod_training.py``: ``auto_model``
+and ``auto_optim``):
 
 * Collectives are Horovod's allreduce / allgather / broadcast / alltoall / barrier. Horovod
   matches operations across ranks by *name*, so onedist names each one from what every member
@@ -39,8 +41,6 @@ such scripts)::
 from __future__ import annotations
 
 import functools
-import io
-import json
 import logging
 import os
 import socket
@@ -59,6 +59,9 @@ from ..errors import (
     bad_type,
     bad_value,
 )
+from ._environ import restore_env, set_env
+from ._horovod_store import StoreMessages, start_side_store
+from ._horovod_training import HorovodTraining
 from .base import Backend, Layout, Work
 
 __all__ = ["HorovodBackend"]
@@ -66,7 +69,6 @@ __all__ = ["HorovodBackend"]
 logger = logging.getLogger("onedist")
 
 _NAME = "horovod"
-_LOOPBACK = "127.0.0.1"
 _CPU = torch.device("cpu")
 
 # Horovod's ops and the dtypes its CPU (and GPU) kernels take, read from its torch extension:
@@ -86,24 +88,6 @@ _WIDEN = {
 }
 _HVD_OPS = {"SUM": "Sum", "PRODUCT": "Product", "MIN": "Min", "MAX": "Max"}
 _BITWISE = {"AND": torch.bitwise_and, "OR": torch.bitwise_or}
-
-# hvd.DistributedOptimizer's keyword arguments that auto_optim passes through
-_OPTIM_KWARGS = (
-    "named_parameters",
-    "compression",
-    "backward_passes_per_step",
-    "op",
-    "gradient_predivide_factor",
-    "num_groups",
-    "groups",
-    "sparse_as_dense",
-)
-_HVD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
-_FINALIZE_WAIT_S = 30.0  # rank 0 keeps the side store this long for ranks still finishing
-_P2P_KEY = "onedist/p2p/{}/{}>{}/{}/{}"  # group, src, dst, tag, sequence number
-_CHUNK = 4 << 20  # bytes per store value (TCPStore refuses values over 8 MiB)
-_DONE_KEY = "onedist/hvd-finalized"
-_FAILED_COUNT = "onedist/failed-count"  # _guard's key: stop waiting for ranks that failed
 
 
 # ============================================================================ installation
@@ -203,24 +187,6 @@ class _HorovodWork:
         return self._handles is None or all(self._hvd.poll(h) for h in self._handles)
 
 
-class _StoreWork:
-    """A send or receive through the side store; ``wait()`` runs the receive."""
-
-    __slots__ = ("_run",)
-
-    def __init__(self, run: Optional[Callable[[], Any]]) -> None:
-        self._run = run
-
-    def wait(self) -> bool:
-        if self._run is not None:
-            run, self._run = self._run, None
-            run()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._run is None
-
-
 def _movable(t: torch.Tensor) -> torch.Tensor:
     """``t`` flat, as a dtype Horovod moves: itself, or a view of its bytes."""
     flat = t.reshape(-1)
@@ -228,7 +194,7 @@ def _movable(t: torch.Tensor) -> torch.Tensor:
 
 
 # ============================================================================ the backend
-class HorovodBackend(Backend):
+class HorovodBackend(HorovodTraining, StoreMessages):
     """A Horovod context (``hvd.init()``), created by onedist or by the user.
 
     Example (under ``horovodrun``)::
@@ -341,22 +307,22 @@ class HorovodBackend(Backend):
         env_set: dict[str, Optional[str]] = {}
         # process sets (groups) made after hvd.init(), by every rank
         if "HOROVOD_DYNAMIC_PROCESS_SETS" not in os.environ:
-            _set_env("HOROVOD_DYNAMIC_PROCESS_SETS", "1", env_set)
+            set_env("HOROVOD_DYNAMIC_PROCESS_SETS", "1", env_set)
         try:
             hvd.init()
         except BaseException:
-            _restore_env(env_set)
+            restore_env(env_set)
             raise
         store = None
         try:
             if hvd.size() > 1:
-                store = _side_store(hvd, timeout)
+                store = start_side_store(hvd, timeout)
             backend_ = cls(owned=True, env_set=env_set, store=store, timeout=timeout)
             backend_._share_cores()
             return backend_
         except BaseException:
             hvd.shutdown()
-            _restore_env(env_set)
+            restore_env(env_set)
             raise
 
     def _share_cores(self) -> None:
@@ -391,26 +357,10 @@ class HorovodBackend(Backend):
             self._seq.clear()
             self._local_group, self._local_group_made = None, False
             self._store = None
-            _restore_env(self._env_set)
+            restore_env(self._env_set)
             if self._threads is not None:
                 torch.set_num_threads(self._threads)
                 self._threads = None
-
-    def _keep_store_for_others(self) -> None:
-        """Rank 0 hosts the store: keep it until every rank finalised (a message sent to a rank
-        that has not received it yet is still delivered), at most 30 s, less when a rank failed."""
-        store = self._store
-        try:
-            store.add(_DONE_KEY, 1)
-            if self.rank != 0:
-                return
-            deadline = time.monotonic() + _FINALIZE_WAIT_S
-            while time.monotonic() < deadline:
-                if int(store.add(_DONE_KEY, 0)) >= self.world_size or int(store.add(_FAILED_COUNT, 0)) > 0:
-                    return
-                time.sleep(0.01)
-        except Exception:  # a peer's store connection broke: the job is ending
-            return
 
     # ------------------------------------------------------------------ queries
     def layout(self) -> Layout:
@@ -520,92 +470,6 @@ class HorovodBackend(Backend):
                         self._local_group = group
             self._local_group_made = True
         return self._local_group
-
-    # ------------------------------------------------------------------ training objects
-    def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
-        """Broadcast rank 0's parameters and buffers; no wrapper (gradients are averaged by the
-        optimizer, see :meth:`wrap_optimizer`). With ``sync_bn`` the BatchNorm layers are
-        :class:`onedist.SyncBatchNorm` already (``sync_bn_by_onedist``: auto_model converted them).
-        DDP keyword arguments are checked and have no effect."""
-        from .ddp import check_options
-
-        ours, _ = check_options(options)
-        if ours:
-            name = sorted(ours)[0]
-            raise bad_value(
-                "auto_model",
-                name,
-                ours[name],
-                "not given with backend 'horovod' (DDP communication hooks)",
-                hint="with Horovod, compress gradients with od.auto_optim(optimizer, compression='fp16')",
-            )
-        self.broadcast_tensors_(list(model.state_dict().values()), src=0)
-        return model
-
-    def broadcast_tensors_(self, tensors: list[torch.Tensor], src: int) -> None:
-        """Broadcast every tensor in place from global rank ``src`` (one concurrent round)."""
-        works: list[Optional[Work]] = []
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        seen: set[tuple[int, int]] = set()
-        with torch.no_grad():
-            for t in tensors:
-                key = (t.data_ptr(), t.numel())
-                if t.numel() == 0 or key in seen:  # tied weights: once
-                    continue
-                seen.add(key)
-                dev = self.comm_device(t.device, "broadcast")
-                buf = t if (t.device == dev and t.is_contiguous()) else t.detach().to(dev).contiguous()
-                if buf is not t:
-                    copies.append((t, buf))
-                works.append(self.broadcast_(buf, src, None, True))
-            for w in works:
-                if w is not None:
-                    w.wait()
-            for t, buf in copies:
-                t.copy_(buf)
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
-        """``hvd.DistributedOptimizer`` around ``optimizer`` (gradients averaged over the ranks at
-        ``step()``), with rank 0's state and hyperparameters on every rank."""
-        hvd = self._hvd
-        # hvd.DistributedOptimizer builds a class from the optimizer's class and a copy of its own
-        # methods (no common base class): recognise it by the module they come from
-        if type(optimizer).__module__ == _HVD_OPTIMIZER_MODULE:
-            raise bad_type(
-                "auto_optim",
-                "optimizer",
-                optimizer,
-                "an optimizer not wrapped by horovod yet",
-                hint="pass the plain torch optimizer; auto_optim wraps it in hvd.DistributedOptimizer",
-            )
-        hvd_kwargs = _optimizer_kwargs(hvd, kwargs)
-        state = optimizer.state_dict()
-        wrapped: torch.optim.Optimizer = hvd.DistributedOptimizer(optimizer, **hvd_kwargs)
-        if state["state"]:
-            wrapped.load_state_dict(state)  # hvd.DistributedOptimizer starts from an empty state
-        self.broadcast_optimizer_state_(wrapped, src=0)
-        return wrapped
-
-    def broadcast_optimizer_state_(self, optimizer: torch.optim.Optimizer, src: int) -> None:
-        """Load rank ``src``'s ``optimizer.state_dict()`` (state and hyperparameters) on every rank.
-
-        Unlike ``hvd.broadcast_optimizer_state``, no step with zero gradients is taken to create
-        the state (which would apply weight decay and advance Adam's step count): the state
-        travels as it is, empty or not.
-        """
-        payload = torch.empty(0, dtype=torch.uint8)
-        if self.rank == src:
-            buffer = io.BytesIO()
-            torch.save(optimizer.state_dict(), buffer)
-            payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        self.broadcast_(size, src, None, False)
-        if self.rank != src:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.broadcast_(payload, src, None, False)
-        if self.rank != src:
-            state = torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=False)
-            optimizer.load_state_dict(state)
 
     # ------------------------------------------------------------------ primitives
     def comm_device(self, device: torch.device, op: str) -> torch.device:
@@ -753,110 +617,8 @@ class HorovodBackend(Backend):
         handle = self._hvd.allreduce_async_(token, name=name, op=self._hvd.Sum, process_set=ps)
         return self._done([handle], None, async_op)
 
-    # ------------------------------------------------------------------ point to point (side store)
-    def _p2p_store(self, func: str) -> Any:
-        if self._store is None:
-            raise OnedistRuntimeError(
-                f"onedist.{func}: Horovod has no point-to-point operations; onedist carries them through the "
-                "key-value store it starts with the context, and this context was created outside onedist "
-                "(hvd.init()) or has one process\nHINT: let onedist initialise Horovod "
-                "(onedist.initialize('horovod')), or use a collective (broadcast / scatter with src=...)"
-            )
-        return self._store
-
-    def _group_key(self, group: Any) -> str:
-        return "w" if group is None else "-".join(map(str, self.group_ranks(group)))
-
-    def send_(self, t: torch.Tensor, dst: int, group: Any, tag: int, async_op: bool) -> Optional[Work]:
-        store = self._p2p_store("send")
-        gk = self._group_key(group)
-        slot = (gk, dst, tag)
-        n = self._sent.get(slot, 0)
-        self._sent[slot] = n + 1
-        key = _P2P_KEY.format(gk, self.rank, dst, tag, n)
-        raw = t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        data = memoryview(raw)
-        # the store takes values up to 8 MiB: chunks first, then the header that announces them
-        for i, start in enumerate(range(0, len(data), _CHUNK)):
-            store.set(f"{key}/{i}", bytes(data[start : start + _CHUNK]))
-        store.set(key, str(len(data)))
-        return _StoreWork(None) if async_op else None
-
-    def recv_(self, t: torch.Tensor, src: Optional[int], group: Any, tag: int, async_op: bool) -> Any:
-        store = self._p2p_store("recv")
-        gk = self._group_key(group)
-        posted: Optional[tuple[str, int]] = None
-        if src is not None:  # the message's place in the (src, tag) sequence is taken when posted
-            slot = (gk, src, tag)
-            n = self._received.get(slot, 0)
-            self._received[slot] = n + 1
-            posted = (_P2P_KEY.format(gk, src, self.rank, tag, n), src)
-        result: list[int] = []
-
-        def receive() -> None:
-            key, sender = posted if posted is not None else self._any_source(store, gk, group, tag)
-            total = int(store.get(key))
-            store.delete_key(key)
-            nbytes = t.numel() * t.element_size()
-            out = t.reshape(-1).view(torch.uint8) if nbytes == total else None
-            for i, start in enumerate(range(0, total, _CHUNK)):
-                chunk = store.get(f"{key}/{i}")
-                store.delete_key(f"{key}/{i}")
-                if out is not None:
-                    out[start : start + len(chunk)].copy_(
-                        torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
-                    )
-            if out is None:
-                raise OnedistRuntimeError(
-                    f"onedist.recv (rank {self.rank}): rank {sender} sent {total} bytes with tag "
-                    f"{tag}, but the receive buffer holds {nbytes} ({tuple(t.shape)}, {t.dtype})\n"
-                    "HINT: receive into a tensor of the sent shape and dtype"
-                )
-            result.append(sender)
-
-        if async_op:
-            return _StoreWork(receive)
-        receive()
-        return result[0]
-
-    def _any_source(self, store: Any, gk: str, group: Any, tag: int) -> tuple[str, int]:
-        """The next message with ``tag`` from any rank of the group (``recv(src=None)``): poll."""
-        peers = [r for r in self.group_ranks(group) if r != self.rank]
-        limit = store.timeout.total_seconds()
-        start = time.monotonic()
-        pause = 0.0005
-        while True:
-            for peer in peers:
-                n = self._received.get((gk, peer, tag), 0)
-                key = _P2P_KEY.format(gk, peer, self.rank, tag, n)
-                if store.check([key]):
-                    self._received[(gk, peer, tag)] = n + 1
-                    return key, peer
-            if time.monotonic() - start > limit:
-                raise OnedistRuntimeError(
-                    f"onedist.recv (rank {self.rank}): timed out after {limit:.0f} s waiting for a message "
-                    f"with tag {tag} from any of ranks {peers}"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-
 
 # ============================================================================ helpers
-def _set_env(name: str, value: str, env_set: dict[str, Optional[str]]) -> None:
-    env_set.setdefault(name, os.environ.get(name))
-    os.environ[name] = value
-    logger.info("onedist set %s=%s (the environment did not set it)", name, value)
-
-
-def _restore_env(env_set: dict[str, Optional[str]]) -> None:
-    for name, previous in env_set.items():
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
-    env_set.clear()
-
-
 def _launcher_rank_size() -> tuple[int, int]:
     """The rank and world size Horovod will have: horovodrun's, or 0 of 1 for a plain process.
 
@@ -889,102 +651,3 @@ def _launcher_rank_size() -> tuple[int, int]:
             "od.Parallel(backend='horovod', nproc_per_node=N), or backend='gloo' under this launcher"
         )
     return (env.rank, env.world_size) if mpi else (0, 1)
-
-
-def _side_store(hvd: Any, timeout: Optional[timedelta]) -> Any:
-    """A TCPStore hosted by rank 0, for failure reports and point-to-point messages.
-
-    One node: on 127.0.0.1 (no port opened to the network). Several: on every interface of rank
-    0's host, reached by the name horovodrun used for it (HOROVOD_HOSTNAME). Its address travels
-    in one Horovod broadcast.
-    """
-    import torch.distributed as dist
-
-    from .._net import listen_socket
-
-    _TCPStore: Any = getattr(dist, "TCPStore", None)  # re-exported by torch.distributed without __all__
-
-    rank, size = int(hvd.rank()), int(hvd.size())
-    single = int(hvd.local_size()) == size
-    store_timeout = timeout or timedelta(minutes=30)
-    info = torch.zeros(256, dtype=torch.uint8)
-    store = None
-    if rank == 0:
-        host = _LOOPBACK if single else (os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname())
-        sock = listen_socket(_LOOPBACK if single else "", 0)
-        port = sock.getsockname()[1]
-        store = _TCPStore(
-            host,
-            port,
-            size,
-            True,
-            timeout=store_timeout,
-            wait_for_workers=False,
-            master_listen_fd=sock.detach(),
-            use_libuv=True,
-        )
-        text = json.dumps([host, port]).encode()
-        info[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    hvd.broadcast_(info, root_rank=0, name="onedist.side-store")
-    if rank != 0:
-        host, port = json.loads(bytes(info.numpy()).rstrip(b"\0"))
-        store = _TCPStore(host, port, size, False, timeout=store_timeout)
-    return store
-
-
-def _optimizer_kwargs(hvd: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Check auto_optim's keyword arguments for ``hvd.DistributedOptimizer``; strings name
-    compressions ("none", "fp16") and ops ("average", "sum", "adasum")."""
-    out = dict(kwargs)
-    for name, value in kwargs.items():
-        if name not in _OPTIM_KWARGS:
-            raise bad_value(
-                "auto_optim",
-                name,
-                value,
-                "keyword arguments of hvd.DistributedOptimizer: " + ", ".join(_OPTIM_KWARGS),
-            )
-    if "compression" in out:
-        value = out["compression"]
-        names = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
-        if isinstance(value, str):
-            if value.lower() not in names:
-                raise bad_value(
-                    "auto_optim", "compression", value, ["none", "fp16"], hint="or hvd.Compression.fp16"
-                )
-            out["compression"] = names[value.lower()]
-        elif not (isinstance(value, type) and hasattr(value, "compress") and hasattr(value, "decompress")):
-            raise bad_type("auto_optim", "compression", value, "'none', 'fp16' or a horovod Compressor class")
-    if "op" in out:
-        value = out["op"]
-        ops = {"average": hvd.Average, "mean": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}
-        if isinstance(value, str):
-            if value.lower() not in ops:
-                raise bad_value(
-                    "auto_optim",
-                    "op",
-                    value,
-                    ["average", "sum", "adasum"],
-                    hint="or hvd.Average / hvd.Sum / hvd.Adasum",
-                )
-            out["op"] = ops[value.lower()]
-        elif value not in (hvd.Average, hvd.Sum, hvd.Adasum):
-            raise bad_value(
-                "auto_optim", "op", value, "'average', 'sum', 'adasum' or hvd.Average / hvd.Sum / hvd.Adasum"
-            )
-    if "backward_passes_per_step" in out:
-        value = out["backward_passes_per_step"]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise bad_value("auto_optim", "backward_passes_per_step", value, "an int >= 1")
-    if "gradient_predivide_factor" in out:
-        value = out["gradient_predivide_factor"]
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise bad_value("auto_optim", "gradient_predivide_factor", value, "a number > 0")
-        if value != 1.0 and out.get("op", hvd.Average) != hvd.Average:
-            raise bad_value(
-                "auto_optim",
-                "gradient_predivide_factor",
-                value,
-                "1.0 unless op is 'average' (Horovod's rule)",
-            )
-    return out

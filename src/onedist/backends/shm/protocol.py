@@ -1,0 +1,307 @@
+"""The synchronisation protocol of a shm group: barriers, the call check, failure marks.
+
+Ranks meet at barriers made of per-rank generation counters in the segment (one writer each),
+waited on with ``futex(2)`` after a short spin; beside its counter each rank writes the call it
+is making (a ``_CALL`` record), which its peers compare after the barrier (see the package
+docstring). A rank that fails inside a collective marks the segment so that its peers raise at
+once (:func:`_poison_on_error`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import time
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...errors import CollectiveMismatchError
+from .._pygroup import OrderedGroup, op_name
+from .segment import _HEADER, _LINE, _Segment
+
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_WAIT_SLICE_S = 0.05  # between liveness checks while blocked in futex_wait
+_MASK = 0xFFFFFFFF
+_HALF = 0x80000000
+#: what a rank is calling at a barrier (see ShmProcessGroup._barrier): kind, reduce op, root,
+#: dtype, count (elements, or bytes where the dtype does not matter), step within the call
+_CALL = struct.Struct("<iiiiqi")
+_STEP = struct.Struct("<i")  # the record's last field
+#: where, in a rank's counter line, its call for a barrier of even / odd generation goes: a peer
+#: reads it after that barrier, and the rank cannot write the slot again before the barrier after next
+_CALL_AT = (8, 8 + _CALL.size)
+assert _CALL_AT[1] + _CALL.size <= 64
+_KIND_ALL_REDUCE, _KIND_REDUCE, _KIND_BROADCAST, _KIND_ALL_GATHER = 1, 2, 3, 4
+_KIND_REDUCE_SCATTER, _KIND_BARRIER = 5, 6
+_KIND_GATHER, _KIND_SCATTER, _KIND_ALL_TO_ALL = 7, 8, 9
+_KIND_ALL_GATHER_COALESCED = 10  # gloo runs it, after one barrier that checks the calls (_agree)
+_KIND_ALL_GATHER_UNEVEN = 11
+_KINDS = {
+    _KIND_ALL_REDUCE: "all_reduce",
+    _KIND_REDUCE: "reduce",
+    _KIND_BROADCAST: "broadcast",
+    _KIND_ALL_GATHER: "all_gather",
+    _KIND_REDUCE_SCATTER: "reduce_scatter",
+    _KIND_BARRIER: "barrier",
+    _KIND_GATHER: "gather",
+    _KIND_SCATTER: "scatter",
+    _KIND_ALL_TO_ALL: "all_to_all",
+    _KIND_ALL_GATHER_COALESCED: "all_gather_coalesced",
+    _KIND_ALL_GATHER_UNEVEN: "all_gather_uneven",  # onedist.all_gather of tensors whose sizes differ
+}
+_DTYPES: list[torch.dtype] = []  # code - 1 -> dtype: every torch dtype, sorted by name (see _dtypes)
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+
+
+def _dtypes() -> list[torch.dtype]:
+    """Every torch dtype, in an order that is the same in every process running this torch."""
+    if not _DTYPES:
+        _DTYPES.extend(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+        _DTYPE_CODES.update({d: i + 1 for i, d in enumerate(_DTYPES)})
+    return _DTYPES
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A number for ``dtype`` that is the same in every process running this torch (from 1)."""
+    _dtypes()
+    return _DTYPE_CODES.get(dtype, -1)
+
+
+def _describe(call: tuple[int, ...]) -> str:
+    """One rank's call (a _CALL record), as a user would write it."""
+    kind, op, root, dtype, count, step = call
+    name = _KINDS.get(kind)
+    if name is None:
+        return "nothing onedist knows (its shared memory was written by something else)"
+    if name == "barrier":
+        return "barrier()"
+    args = []
+    if op >= 0:
+        args.append(op_name(dist.ReduceOp.RedOpType(op)))
+    if root >= 0:
+        args.append(f"root={root}")
+    known = 0 < dtype <= len(_dtypes())
+    if count < 0:  # a call whose size may differ between ranks (all_to_all)
+        what = f"{_dtypes()[dtype - 1]} tensors" if known else "tensors"
+    else:
+        what = f"{count} {_dtypes()[dtype - 1]} elements" if known else f"{count} bytes"
+    later = f", step {step}" if step else ""
+    return f"{name}({', '.join(args)}) of {what}{later}"
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc: Any = None
+
+
+def _futex() -> Any:
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        _libc = libc
+    return _libc.syscall
+
+
+class ShmError(RuntimeError):
+    """A shm collective could not complete (a peer exited, or the timeout passed).
+
+    ``culprit``: the group rank that exited (``exited``) or failed inside a collective, when that
+    is the cause (marked in the segment for the other peers, so that every rank names the rank
+    that died, not the first to notice it; onedist's collectives name a rank that exited in their
+    RemoteRankError).
+    """
+
+    def __init__(self, message: str, culprit: Optional[int] = None, exited: bool = False) -> None:
+        super().__init__(message)
+        self.culprit = culprit
+        self.exited = exited
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is gone too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _poison_on_error(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A rank that fails inside a shm collective marks the segment, so that its peers, waiting in
+    the same collective, raise at once instead of at the timeout (the group is unusable after)."""
+
+    def wrapper(self: SegmentSync, *args: Any, **kwargs: Any) -> Any:
+        return self._poisoning(method, self, *args, **kwargs)
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+class SegmentSync(OrderedGroup):
+    """The protocol side of :class:`~.group.ShmProcessGroup`: what a rank calls, the barriers that
+    check it, and the marks that fail the group for every rank (set up by its ``__init__``)."""
+
+    _seg: Optional[_Segment]
+    _rank: int
+    _size: int
+    _timeout: float
+    _gen: int
+    _record: bytes
+    _step: int
+    _others: list[int]
+    _spin: int
+    _shown_as: Optional[list[int]]
+
+    def _poisoning(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)``, marking the segment when it fails (see _poison_on_error)."""
+        gen = self._gen
+        try:
+            return call(*args, **kwargs)
+        except (ValueError, TypeError):
+            if self._gen != gen:  # an argument error before any barrier is every rank's: no harm
+                self.abort()
+            raise
+        except ShmError as e:
+            self._mark(e.culprit)
+            raise
+        except CollectiveMismatchError:  # every rank raises it at the same barrier: no harm
+            raise
+        except BaseException:
+            self.abort()
+            raise
+
+    # ------------------------------------------------------------------ synchronisation
+    def _begin(self, kind: int, count: int, dtype: int = 0, op: int = -1, root: int = -1) -> None:
+        """What this rank calls now, for the check at each of the call's barriers (see _barrier):
+        ``count`` elements of the dtype numbered ``dtype`` (see _reduction), or bytes where the
+        dtype does not matter (0); ``op``, ``root``: -1 where the call has none."""
+        self._record = _CALL.pack(kind, op, root, dtype, count, 0)
+        self._step = 0
+
+    def _barrier(self, what: str) -> None:
+        """Wait until every rank has reached this barrier; raise CollectiveMismatchError on every
+        rank when they are not all at the same step of the same call (see _begin)."""
+        seg = self._seg
+        assert seg is not None
+        if seg.abort.value:
+            raise self._aborted(what)
+        self._gen = g = (self._gen + 1) & _MASK
+        counters, mm = seg.counters, seg.mm
+        stride = _LINE // 4
+        at = _HEADER + _CALL_AT[g & 1]
+        mine = self._record if not self._step else self._record[:-4] + _STEP.pack(self._step)
+        mm[at + self._rank * _LINE : at + self._rank * _LINE + _CALL.size] = mine  # before the counter
+        counters[self._rank * stride] = g - (1 << 32) if g >= _HALF else g
+        syscall = _futex()
+        syscall(
+            _SYS_FUTEX, ctypes.c_void_p(seg.base + self._rank * _LINE), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0
+        )
+        for j in self._others:
+            idx = j * stride
+            if (counters[idx] - g) & _MASK < _HALF:
+                continue
+            for _ in range(self._spin):
+                if (counters[idx] - g) & _MASK < _HALF:
+                    break
+            else:
+                self._block(j, g, what)
+        self._step += 1
+        for j in self._others:
+            if mm[at + j * _LINE : at + j * _LINE + _CALL.size] != mine:
+                raise self._mismatch(at)
+
+    def _mismatch(self, at: int) -> CollectiveMismatchError:
+        """Every rank's call at this barrier (whose records start at ``at``), as an error that every
+        rank raises alike. At the first barrier of their calls, the ranks have written only to the
+        segment, and the group stays usable. A difference at a later step would mean ranks out of
+        step since an earlier call, which the size in the record and the barrier of empty calls
+        rule out; should it happen, the group is marked failed."""
+        seg = self._seg
+        assert seg is not None
+        calls = [_CALL.unpack_from(seg.mm, at + j * _LINE) for j in range(self._size)]
+        usable = not any(c[-1] for c in calls)
+        if not usable:
+            self._mark(None)
+        ranks = self._shown_as or list(range(self._size))
+        if self._shown_as is None:
+            lines = [f"onedist shm: the {self._size} ranks of the group called different collectives:"]
+        else:  # one host's part of the call: the other hosts' ranks may be waiting for this one's
+            lines = [
+                f"onedist shm: the group's ranks {ranks} (this host) called different collectives (over "
+                "several hosts, an all_reduce runs on each host as a reduce to its first rank, then a "
+                "broadcast):"
+            ]
+            usable = False
+        lines += [f"  rank {r}: {_describe(call)}" for r, call in zip(ranks, calls)]
+        lines.append(
+            "HINT: every rank of a group must call the same collectives, in the same order, with tensors "
+            "of the same size and dtype (and the same op and root); ONEDIST_DEBUG=1 also names each "
+            "rank's file:line." + (" No tensor was changed, and the group is still usable." if usable else "")
+        )
+        return CollectiveMismatchError("\n".join(lines))
+
+    def _aborted(self, what: str) -> ShmError:
+        seg = self._seg
+        assert seg is not None
+        j = seg.abort.value - 1
+        if seg.abort_exited.value:
+            cause = f"rank {j} (pid {seg.pids[j]}) exited"
+        else:
+            cause = f"rank {j} failed inside a collective, so the group cannot be used any more"
+        return ShmError(
+            f"onedist shm: {what} on rank {self._rank}: {cause} (Connection closed by peer)",
+            culprit=j,
+            exited=bool(seg.abort_exited.value),
+        )
+
+    def _block(self, j: int, g: int, what: str) -> None:
+        seg = self._seg
+        assert seg is not None
+        counters, idx = seg.counters, j * (_LINE // 4)
+        addr = ctypes.c_void_p(seg.base + j * _LINE)
+        syscall = _futex()
+        ts = _Timespec(0, int(_WAIT_SLICE_S * 1e9))
+        deadline = time.monotonic() + self._timeout
+        while True:
+            seen = counters[idx]
+            if (seen - g) & _MASK < _HALF:
+                return
+            syscall(_SYS_FUTEX, addr, _FUTEX_WAIT, seen, ctypes.byref(ts), None, 0)
+            if (counters[idx] - g) & _MASK < _HALF:
+                return
+            if seg.abort.value:
+                raise self._aborted(what)
+            pid = seg.pids[j]
+            if pid and not _alive(pid):
+                raise ShmError(
+                    f"onedist shm: {what} on rank {self._rank}: rank {j} (pid {pid}) exited "
+                    "(Connection closed by peer)",
+                    culprit=j,
+                    exited=True,
+                )
+            if time.monotonic() > deadline:
+                raise ShmError(  # torch's words (gloo's), which callers match: " Timed out waiting <N>ms"
+                    f"onedist shm: {what} on rank {self._rank}: Timed out waiting "
+                    f"{round(self._timeout * 1000)}ms for rank {j}"
+                )
+
+    def _mark(self, exited: Optional[int]) -> None:
+        seg = self._seg
+        if seg is not None and not seg.abort.value:
+            if exited is not None:
+                seg.abort_exited.value = 1
+            seg.abort.value = (self._rank if exited is None else exited) + 1
