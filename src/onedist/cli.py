@@ -37,8 +37,7 @@ def _info() -> dict[str, Any]:
 
     import onedist
 
-    from ._diagnose import network_report
-    from ._diagnose import warnings as launch_warnings
+    from ._diagnose import network_report, warnings as launch_warnings
     from .environments import detect
 
     env = detect(os.environ)

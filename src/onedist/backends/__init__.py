@@ -1,17 +1,19 @@
-"""The registry of backends: backend name → the class that implements it, imported lazily.
+"""Backends: how processes communicate (one class per library, see ``registry.py``), and detection.
 
-A backend module may import its library (horovod, torch_xla) only inside its methods, so
-``import onedist`` never imports them. Order matters for detection of a context created
-outside onedist: the first class whose :meth:`~onedist.backends.base.Backend.context_active`
-is true wins, torch.distributed's last.
+Order matters for detection of a context created outside onedist: the first class whose
+:meth:`~onedist.backends.base.Backend.context_active` is true wins, torch.distributed's last.
 """
 
 from __future__ import annotations
 
-import importlib
-from functools import cache
-
 from .base import Backend, Layout, Work
+from .registry import (
+    available_backends,
+    backend_classes,
+    class_for_backend,
+    detection_order,
+    external_context_active,
+)
 from .serial import SerialBackend
 
 __all__ = [
@@ -26,56 +28,10 @@ __all__ = [
     "external_context_active",
 ]
 
-# name -> (module, class), in the order available_backends() lists their names
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "native": ("onedist.backends.native", "NativeBackend"),
-    "horovod": ("onedist.backends.horovod", "HorovodBackend"),
-    "xla-tpu": ("onedist.backends.xla", "XlaBackend"),
-}
-# detection asks torch.distributed last: Horovod and XLA programs may create a torch process
-# group of their own beside the context that defines them
-_DETECT_LAST = "native"
-
-
-@cache
-def backend_classes() -> tuple[type[Backend], ...]:
-    """The registered backend classes (not the serial one), imported on first use."""
-    classes = []
-    for module_name, class_name in _REGISTRY.values():
-        module = importlib.import_module(module_name)
-        classes.append(getattr(module, class_name))
-    return tuple(classes)
-
-
-def available_backends() -> tuple[str, ...]:
-    """Every backend name that can be initialised on this machine."""
-    names: list[str] = []
-    for cls in backend_classes():
-        names.extend(cls.available_backends())
-    return tuple(names)
-
-
-def class_for_backend(name: str) -> type[Backend] | None:
-    """The class that initialises backend ``name``, or None when no installed class can."""
-    for cls in backend_classes():
-        if name in cls.available_backends():
-            return cls
-    return None
-
-
-def external_context_active() -> bool:
-    """True when some backend reports a context created outside onedist (cheap, no collective)."""
-    return any(cls.context_active() for cls in _detection_order())
-
-
-def _detection_order() -> list[type[Backend]]:
-    last = importlib.import_module(_REGISTRY[_DETECT_LAST][0])
-    return sorted(backend_classes(), key=lambda cls: cls.__module__ == last.__name__)
-
 
 def detect() -> Backend:
     """Wrap the context created outside onedist, or return the serial backend."""
-    for cls in _detection_order():
+    for cls in detection_order():
         if cls.context_active():
             backend = cls.create_from_context()
             if backend is not None:

@@ -26,20 +26,22 @@ _HVD_OPTIMIZER_MODULE = "horovod.torch.optimizer"
 
 
 class HorovodTraining(Backend):
-    """``wrap_model`` and ``wrap_optimizer`` of :class:`~onedist.backends.horovod.HorovodBackend`,
+    """``prepare_model`` and ``wrap_optimizer`` of :class:`~onedist.backends.horovod.HorovodBackend`,
     on its broadcast."""
 
     _hvd: Any
 
     # ------------------------------------------------------------------ training objects
-    def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
+    model_parallelism = "own"
+
+    def prepare_model(
+        self, model: torch.nn.Module, sync_bn: bool, hooks: dict[str, Any], ddp_kwargs: dict[str, Any]
+    ) -> torch.nn.Module:
         """Broadcast rank 0's parameters and buffers; no wrapper (gradients are averaged by the
         optimizer, see :meth:`wrap_optimizer`). With ``sync_bn`` the BatchNorm layers are
         :class:`onedist.SyncBatchNorm` already (``sync_bn_by_onedist``: auto_model converted them).
         DDP keyword arguments are checked and have no effect."""
-        from .ddp import check_options
-
-        ours, _ = check_options(options)
+        ours = hooks
         if ours:
             name = sorted(ours)[0]
             raise bad_value(

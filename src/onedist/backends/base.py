@@ -147,24 +147,22 @@ class Backend(ABC):
         """The group of the ranks on this node."""
 
     # ------------------------------------------------------------------ training objects
+    #: how auto_model makes the ranks' models one: "ddp", DistributedDataParallel over this
+    #: backend's default process group (built by the training layer, onedist.training.ddp);
+    #: "own", this backend's :meth:`prepare_model` (e.g. rank 0's weights broadcast, and the
+    #: optimizer of :meth:`wrap_optimizer` averaging the gradients)
+    model_parallelism = "ddp"
     #: True when ``auto_model(sync_bn=True)`` should convert BatchNorm layers to onedist's
-    #: SyncBatchNorm before :meth:`wrap_model` (a backend without a SyncBatchNorm of its own)
+    #: SyncBatchNorm before :meth:`prepare_model` (a backend without a SyncBatchNorm of its own)
     sync_bn_by_onedist = False
 
-    def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
-        """Adapt a model already on :meth:`device` to this backend (auto_model's backend part).
-
-        The default, for one process: ``DataParallel`` when this process drives several GPUs.
-        ``options`` are auto_model's DDP keyword arguments: checked, then unused with one process
-        (so the script that passes them runs unchanged serially).
-        """
-        from .ddp import check_options
-
-        check_options(options)
-        device = self.device()
-        if device.type == "cuda" and torch.cuda.device_count() > 1:
-            return torch.nn.DataParallel(model)
-        return model
+    def prepare_model(
+        self, model: torch.nn.Module, sync_bn: bool, hooks: dict[str, Any], ddp_kwargs: dict[str, Any]
+    ) -> torch.nn.Module:
+        """auto_model's backend part when :attr:`model_parallelism` is "own", for a model already on
+        :meth:`device`. ``hooks`` (onedist's DDP hook options) and ``ddp_kwargs`` (DDP's keyword
+        arguments) are auto_model's, checked: the backend refuses or ignores them."""
+        raise NotImplementedError(f"{type(self).__name__} makes models one with DDP (model_parallelism)")
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
         """Adapt an optimizer to this backend (auto_optim's backend part). Default: unchanged."""

@@ -45,8 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import _pygroup
-from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, averages, for_each, op_name
-from ._pygroup import flat as _flat
+from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, averages, flat as _flat, for_each, op_name
 
 #: torch.distributed's name of this backend (``dist.get_backend()`` reports it)
 NAME = "mpi4py"

@@ -327,28 +327,6 @@ class NativeBackend(Backend):
     def side_store(self) -> Any:
         return _default_store()
 
-    def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
-        if self.world_size == 1:
-            if sync_bn:
-                logger.info(
-                    "onedist.auto_model: sync_bn ignored with world size 1 (BatchNorm already sees the batch)"
-                )
-            return super().wrap_model(model, False, options)
-        from .ddp import wrap_ddp
-
-        return wrap_ddp(model, self.device(), sync_bn, options, self.local_group)
-
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
-        optimizer = super().wrap_optimizer(optimizer, **kwargs)
-        from .ddp import averager_for
-
-        averager = averager_for(optimizer)
-        if averager is None:
-            return optimizer
-        from torch.distributed.optim import PostLocalSGDOptimizer
-
-        return PostLocalSGDOptimizer(optimizer, averager)
-
     def new_group(self, ranks: tuple[int, ...], **kwargs: Any) -> Any:
         key = (ranks, tuple(sorted(kwargs.items())))
         if key in self._groups:

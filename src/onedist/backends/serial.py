@@ -54,7 +54,7 @@ class SerialBackend(Backend):
 
     def is_stale(self) -> bool:
         # Stale as soon as any other backend reports a context made outside onedist.
-        from . import external_context_active
+        from .registry import external_context_active
 
         return external_context_active()
 

@@ -282,10 +282,12 @@ class XlaBackend(Backend):
         return torch.device(torch_xla.device())
 
     # ------------------------------------------------------------------ training objects
-    def wrap_model(self, model: torch.nn.Module, sync_bn: bool, options: dict[str, Any]) -> torch.nn.Module:
-        from .ddp import check_options
+    model_parallelism = "own"
 
-        check_options(options)
+    def prepare_model(
+        self, model: torch.nn.Module, sync_bn: bool, hooks: dict[str, Any], ddp_kwargs: dict[str, Any]
+    ) -> torch.nn.Module:
+        options = {**hooks, **ddp_kwargs}
         world = self.world_size
         if options:
             logger.info(

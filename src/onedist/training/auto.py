@@ -6,8 +6,10 @@ Three calls, one training loop for serial, gloo, nccl, shm, mpi, Horovod and XLA
     optimizer = od.auto_optim(optimizer)    # backend's distributed optimizer where it needs one
     loader = od.auto_dataloader(dataset, batch_size=256, shuffle=True)  # global batch size
 
-What each backend does lives in the backend (``Backend.wrap_model`` / ``wrap_optimizer`` /
-``wrap_dataloader``); this module only checks arguments and splits the data.
+This module checks the arguments, wraps models in DDP for the torch.distributed backends
+(:mod:`onedist.training.ddp`) and splits the data; what a backend does its own way lives in the
+backend (``Backend.prepare_model`` where ``model_parallelism`` is "own", ``wrap_optimizer``,
+``wrap_dataloader``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.utils.data import (
 )
 
 from ..errors import bad_type, bad_value
+from .ddp import averager_for, check_options, wrap_ddp
 from .samplers import DistributedEvalSampler, DistributedProxySampler, DistributedSampler
 
 __all__ = ["auto_dataloader", "auto_model", "auto_optim", "unwrap"]
@@ -92,13 +95,24 @@ def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> 
         )
     if not isinstance(sync_bn, bool):
         raise bad_type("auto_model", "sync_bn", sync_bn, "a bool")
+    hooks, ddp_kwargs = check_options(kwargs)
     model.to(device())
     b = current()
     if sync_bn and b.sync_bn_by_onedist:
         from .syncbn import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model)
-    return b.wrap_model(model, sync_bn, kwargs)
+    if b.model_parallelism == "own":
+        return b.prepare_model(model, sync_bn, hooks, ddp_kwargs)
+    if b.world_size == 1:  # the options were checked, and do nothing: the script runs unchanged
+        if sync_bn:
+            logger.info(
+                "onedist.auto_model: sync_bn ignored with world size 1 (BatchNorm already sees the batch)"
+            )
+        if b.device().type == "cuda" and torch.cuda.device_count() > 1:
+            return torch.nn.DataParallel(model)
+        return model
+    return wrap_ddp(model, b.device(), sync_bn, hooks, ddp_kwargs, b.local_group)
 
 
 def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.Optimizer:
@@ -123,7 +137,14 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise bad_type("auto_optim", "optimizer", optimizer, "a torch.optim.Optimizer")
-    return current().wrap_optimizer(optimizer, **kwargs)
+    b = current()
+    optimizer = b.wrap_optimizer(optimizer, **kwargs)
+    averager = averager_for(optimizer) if b.model_parallelism == "ddp" else None
+    if averager is None:
+        return optimizer
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    return PostLocalSGDOptimizer(optimizer, averager)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,8 +12,7 @@ import torch
 import torch._C._distributed_c10d as _c10d
 
 from ...errors import CollectiveMismatchError
-from .._pygroup import ArgCheck, all_cpu, for_each
-from .._pygroup import flat as _flat
+from .._pygroup import ArgCheck, all_cpu, flat as _flat, for_each
 from .phases import ChunkMover, _bytes_of
 from .protocol import (
     _KIND_ALL_GATHER_COALESCED,

@@ -20,8 +20,7 @@ import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
 from .. import _pygroup
-from .._pygroup import ArgCheck, PyWork, all_cpu, for_each, opts_or
-from .._pygroup import flat as _flat
+from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
 from .exchange import Exchanges
 from .hosts import TwoLevels, _host_map
 from .phases import _bytes_of, _helper_pool

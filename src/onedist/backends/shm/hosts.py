@@ -17,8 +17,7 @@ import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
-from .._pygroup import OrderedGroup, averages
-from .._pygroup import flat as _flat
+from .._pygroup import OrderedGroup, averages, flat as _flat
 from .protocol import ShmError
 
 logger = logging.getLogger("onedist")

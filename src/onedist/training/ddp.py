@@ -1,7 +1,8 @@
-"""DistributedDataParallel wrapping for the torch.distributed backend: DDP options, communication
-hooks by name (fp16/bf16 compression, PowerSGD, post-localSGD) and post-localSGD model averaging.
+"""DistributedDataParallel for auto_model: its options checked, communication hooks by name
+(fp16/bf16 compression, PowerSGD, post-localSGD) and post-localSGD model averaging.
 
-Only :mod:`onedist.backends.native` calls this; :func:`onedist.auto_model` stays backend-agnostic.
+:func:`onedist.auto_model` checks every backend's options here, and wraps the model here for the
+backends whose ``model_parallelism`` is "ddp" (torch.distributed's: gloo, nccl, shm, mpi).
 """
 
 from __future__ import annotations
@@ -143,15 +144,17 @@ def wrap_ddp(
     model: torch.nn.Module,
     device: torch.device,
     sync_bn: bool,
-    options: dict[str, Any],
+    ours: dict[str, Any],
+    ddp_kwargs: dict[str, Any],
     local_group: Callable[[], Any],
 ) -> torch.nn.Module:
     """``DistributedDataParallel(model, ...)`` with auto_model's options applied.
 
-    ``options``: DDP's own keyword arguments (passed through) and onedist's ``comm_hook``,
-    ``comm_hook_kwargs``, ``comm_hook_state``, ``comm_wrapper``, ``model_averaging_period``.
+    ``ddp_kwargs``: DDP's own keyword arguments (passed through); ``ours``: onedist's
+    ``comm_hook``, ``comm_hook_kwargs``, ``comm_hook_state``, ``comm_wrapper``,
+    ``model_averaging_period`` (both as :func:`check_options` split them).
     """
-    ours, ddp_kwargs = check_options(options)
+    ddp_kwargs = dict(ddp_kwargs)
     if sync_bn:
         if device.type != "cuda":
             # ignite's (torch's) answer, now instead of at DDP's first look; onedist's own
