@@ -357,6 +357,34 @@ def _resolve_all(host: str, resolver: Resolver) -> tuple[list[str], Optional[str
         return [], _error_text(e)
 
 
+def _master(environ: Mapping[str, str]) -> tuple[str, str, Optional[int]]:
+    """The master's address, where it came from, and its port (None when unknown)."""
+    env = _detect(environ)
+    if environ.get("MASTER_ADDR"):
+        master, master_source = environ["MASTER_ADDR"], "MASTER_ADDR"
+    elif env is not None and env.master_addr:
+        master, master_source = env.master_addr, f"detected environment ({env.name})"
+    elif _slurm_first_node(environ) is not None:
+        # an sbatch script / salloc shell: the tasks srun starts will rendezvous on the first node
+        master, master_source = str(_slurm_first_node(environ)), "first node of SLURM_JOB_NODELIST"
+    else:
+        master, master_source = _DEFAULT_MASTER, "default"
+    port = _int(environ, "MASTER_PORT")
+    if port is None and env is not None:
+        port = env.master_port
+    return master, master_source, port
+
+
+def _route(target: Optional[str], router: Router) -> tuple[Optional[str], Optional[str]]:
+    """The local source IP toward ``target`` and the error that prevented finding it."""
+    if target is None:
+        return None, None
+    try:
+        return router(target), None
+    except OSError as e:
+        return None, _error_text(e)
+
+
 def network_report(
     environ: Mapping[str, str],
     *,
@@ -393,30 +421,11 @@ def network_report(
         >>> report["interface"], report["gloo"]["interface"], report["gloo"]["missing"]
         ('eth0', 'eth9', ['eth9'])
     """
-    env = _detect(environ)
-    if environ.get("MASTER_ADDR"):
-        master, master_source = environ["MASTER_ADDR"], "MASTER_ADDR"
-    elif env is not None and env.master_addr:
-        master, master_source = env.master_addr, f"detected environment ({env.name})"
-    elif _slurm_first_node(environ) is not None:
-        # an sbatch script / salloc shell: the tasks srun starts will rendezvous on the first node
-        master, master_source = str(_slurm_first_node(environ)), "first node of SLURM_JOB_NODELIST"
-    else:
-        master, master_source = _DEFAULT_MASTER, "default"
-    port = _int(environ, "MASTER_PORT")
-    if port is None and env is not None:
-        port = env.master_port
-
+    master, master_source, port = _master(environ)
     resolved, resolve_error = _resolve_all(master, resolver)
     ipv4 = [a for a in resolved if ":" not in a]
     target: Optional[str] = (ipv4 or resolved)[0] if resolved else None
-    source_ip: Optional[str] = None
-    route_error: Optional[str] = None
-    if target is not None:
-        try:
-            source_ip = router(target)
-        except OSError as e:
-            route_error = _error_text(e)
+    source_ip, route_error = _route(target, router)
     ifaces = interfaces()
     probe: Optional[dict[str, Any]] = None
     if target is not None and port is not None and route_error is None:

@@ -9,7 +9,6 @@ pickled). Its argument checks, in ignite's order and words, are in ``_parallel_a
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 from collections.abc import Callable
 from types import TracebackType
@@ -18,7 +17,7 @@ from typing import Any, Optional
 from ._net import LOOPBACK
 from .environments import detect, launched_externally
 from .errors import bad_value
-from .launchers.spawn import _START_METHODS, spawn
+from .launchers.spec import START_METHODS, LaunchSpec, available_start_methods
 from .log import setup_logger
 
 __all__ = ["Parallel"]
@@ -113,26 +112,7 @@ class Parallel:
         init_method: Optional[str] = None,
         **spawn_kwargs: Any,
     ) -> None:
-        unknown = sorted(set(spawn_kwargs) - set(self._SPAWN_KWARGS))
-        if unknown:
-            raise bad_value(
-                "Parallel",
-                unknown[0],
-                spawn_kwargs[unknown[0]],
-                "keyword arguments " + ", ".join(self._SPAWN_KWARGS),
-            )
-        method = spawn_kwargs.get("start_method", "spawn")
-        if method not in (*_START_METHODS, "subprocess"):
-            allowed = [m for m in _START_METHODS if m in multiprocessing.get_all_start_methods()]
-            raise bad_value("Parallel", "start_method", method, [*allowed, "subprocess"])
-        if method == "subprocess" and spawn_kwargs.get("hosts") is not None:
-            raise bad_value(
-                "Parallel",
-                "hosts",
-                spawn_kwargs["hosts"],
-                "None with start_method='subprocess' (hosts is for backend 'horovod', whose "
-                "workers horovod.run starts)",
-            )
+        self._check_spawn_kwargs(spawn_kwargs)
         from ._parallel_args import check_parallel_args, port_number
 
         master_port = port_number("Parallel", master_port)
@@ -156,36 +136,63 @@ class Parallel:
         self.spawn_kwargs = spawn_kwargs
         self._initialized_here = False
         self._log = setup_logger("onedist.Parallel")
-        given = {k: v for k, v in spawn_args.items() if v is not None}
-        if backend is None:
-            if init_method is not None:
+        self.mode = self._choose_mode({k: v for k, v in spawn_args.items() if v is not None})
+
+    @classmethod
+    def _check_spawn_kwargs(cls, spawn_kwargs: dict[str, Any]) -> None:
+        """Only the keyword arguments ``timeout``, ``start_method`` and ``hosts``, the start method
+        one of spawn's or "subprocess", and no ``hosts`` with "subprocess"."""
+        unknown = sorted(set(spawn_kwargs) - set(cls._SPAWN_KWARGS))
+        if unknown:
+            raise bad_value(
+                "Parallel",
+                unknown[0],
+                spawn_kwargs[unknown[0]],
+                "keyword arguments " + ", ".join(cls._SPAWN_KWARGS),
+            )
+        method = spawn_kwargs.get("start_method", "spawn")
+        if method not in (*START_METHODS, "subprocess"):
+            raise bad_value("Parallel", "start_method", method, [*available_start_methods(), "subprocess"])
+        if method == "subprocess" and spawn_kwargs.get("hosts") is not None:
+            raise bad_value(
+                "Parallel",
+                "hosts",
+                spawn_kwargs["hosts"],
+                "None with start_method='subprocess' (hosts is for backend 'horovod', whose "
+                "workers horovod.run starts)",
+            )
+
+    def _choose_mode(self, given: dict[str, Any]) -> str:
+        """The mode: "serial", "external" (only initialise), "subprocess" or "spawn"; ``given``:
+        the spawn arguments that are not None."""
+        if self.backend is None:
+            if self.init_method is not None:
                 raise bad_value(
                     "Parallel",
                     "init_method",
-                    init_method,
+                    self.init_method,
                     "None when backend is None (serial run)",
                     hint="pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
                 )
-            self.mode = "serial"
             _warn_if_srun_was_skipped()
-        elif launched_externally(os.environ) or _context_active():
+            return "serial"
+        if launched_externally(os.environ) or _context_active():
             self._check_against_launcher(given)
-            self.mode = "external"
-        elif nproc_per_node is not None and spawn_kwargs.get("start_method") == "subprocess":
+            return "external"
+        if self.nproc_per_node is not None and self.spawn_kwargs.get("start_method") == "subprocess":
             from .launchers.reexec import command_line
 
             command_line()  # fails now when there is no command to re-run (python -c, notebook)
-            self.mode = "subprocess"
-        elif nproc_per_node is not None:
-            self.mode = "spawn"
-        else:
-            if given:
-                first = next(iter(given))
-                raise bad_value(
-                    "Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)"
-                )
-            self.mode = "external"
-            _warn_if_srun_was_skipped()
+            return "subprocess"
+        if self.nproc_per_node is not None:
+            return "spawn"
+        if given:
+            first = next(iter(given))
+            raise bad_value(
+                "Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)"
+            )
+        _warn_if_srun_was_skipped()
+        return "external"
 
     @staticmethod
     def _check_against_launcher(given: dict[str, Any]) -> None:
@@ -291,36 +298,27 @@ class Parallel:
             except BaseException as e:
                 record_error(e)  # a child of start_method="subprocess": tell the parent
                 raise
-        if self.mode == "subprocess":
-            from .launchers.reexec import run_subprocess
-
-            return run_subprocess(
-                self.backend,
-                func,
-                args,
-                kwargs,
-                nproc_per_node=self.nproc_per_node,
-                nnodes=self.nnodes or 1,
-                node_rank=self.node_rank or 0,
-                master_addr=self.master_addr or LOOPBACK,
-                master_port=self.master_port,
-                init_method=self.init_method,
-                timeout=self.spawn_kwargs.get("timeout"),
-            )
-        results = spawn(
-            self.backend,  # type: ignore[arg-type]
+        spec = LaunchSpec.build(
+            self.backend,
             func,
-            args=args,
-            kwargs_dict=kwargs,
-            nproc_per_node=self.nproc_per_node,  # type: ignore[arg-type]
+            args,
+            kwargs,
+            nproc_per_node=self.nproc_per_node,
             nnodes=self.nnodes or 1,
             node_rank=self.node_rank or 0,
             master_addr=self.master_addr or LOOPBACK,
             master_port=self.master_port,
             init_method=self.init_method,
+            caller="Parallel" if self.mode == "subprocess" else "spawn",
             **self.spawn_kwargs,
         )
-        return results[0]
+        if self.mode == "subprocess":
+            from .launchers.reexec import run_subprocess
+
+            return run_subprocess(spec)
+        from .launchers.spawn import launch
+
+        return launch(spec)[0]
 
     def __exit__(
         self,

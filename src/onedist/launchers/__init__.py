@@ -3,7 +3,9 @@
 * :mod:`.spawn`: :func:`onedist.spawn`, workers started by multiprocessing, and their supervisor.
 * :mod:`.reexec`: ``Parallel(start_method="subprocess")``, the script re-run for the other ranks.
 * :mod:`.run` and :mod:`.bootstrap`: ``onedist run`` (torchrun's flags) and its workers' entry.
-* :mod:`.spec`: :class:`~.spec.LaunchSpec`, the arguments of one launch.
+* :mod:`.spec`: :class:`~.spec.LaunchSpec`, the arguments of one launch, checked once.
+* :mod:`.supervisor`: one supervisor for the launchers that start their workers themselves
+  (spawn, re-exec, ``onedist run``): watch, stop them all when one fails, collect the failures.
 * :mod:`.checks`: arguments a way of starting cannot honour, refused before anything starts.
 * :mod:`.worker`: what a worker is given (torchrun's variables, its thread count) and does at its
   end (its result or its failure written where the parent reads it).
@@ -12,8 +14,9 @@
   :mod:`.mpirun` (``mpirun``), :mod:`.horovodrun` (``horovod.run``), :mod:`.xmp`
   (``xmp.spawn``), found by :func:`own_launcher`.
 
-Backends never import this package, and the building blocks (spec, checks, worker, report) never
-import the launchers that use them (CI checks both: ``lint-imports``).
+Backends never import this package, the building blocks (spec, checks, worker, report,
+supervisor) never import the launchers that use them, and the launchers never import one another
+(CI checks these: ``lint-imports``).
 """
 
 from __future__ import annotations

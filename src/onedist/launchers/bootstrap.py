@@ -9,15 +9,13 @@ show the failing rank's error first (the role of torchelastic's ``@record``, wit
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import signal
 import sys
-import time
-import traceback
 
 from ..errors import user_traceback
+from .worker import write_error_file
 
 __all__ = ["main", "run_target"]
 
@@ -37,19 +35,6 @@ def run_target(argv: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def _write_error(path: str, exc: BaseException) -> None:
-    report = {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "time": time.time(),
-    }
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f)
-    os.replace(tmp, path)
-
-
 def main() -> None:
     """Entry point (see the module docstring)."""
     error_file = os.environ.get("ONEDIST_ERROR_FILE")
@@ -57,12 +42,12 @@ def main() -> None:
         run_target(sys.argv[1:])
     except SystemExit as e:
         if error_file and e.code not in (0, None):
-            _write_error(error_file, e.with_traceback(user_traceback(e.__traceback__)))
+            write_error_file(error_file, e.with_traceback(user_traceback(e.__traceback__)))
         raise
     except BaseException as e:
         e = e.with_traceback(user_traceback(e.__traceback__))
         if error_file:
-            _write_error(error_file, e)
+            write_error_file(error_file, e)
         # printed here, as Python would (through torch's "[rank<N>]:" hook once a group exists),
         # so that the launcher's frames stay out of it
         sys.excepthook(type(e), e, e.__traceback__)

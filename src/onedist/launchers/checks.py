@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 from ..errors import bad_type, bad_value
+from .spec import LaunchSpec
 
 __all__ = ["check_one_host_launch", "check_picklable"]
 
@@ -25,28 +26,18 @@ def check_picklable(fn: Callable[..., Any], how: str) -> None:
         ) from e
 
 
-def check_one_host_launch(
-    backend: str,
-    hint: str,
-    *,
-    nnodes: int,
-    node_rank: int,
-    master_addr: str,
-    master_port: Optional[int],
-    init_method: Optional[str],
-    start_method: str,
-) -> None:
+def check_one_host_launch(spec: LaunchSpec, hint: str) -> None:
     """The spawn arguments a backend that starts its workers with its own launcher on this host
     (``horovod.run``, ``mpirun``) cannot honour: each raises, naming the value and ``hint``."""
     from .._net import is_loopback
 
     for arg, value, allowed, ok in (
-        ("nnodes", nnodes, "1", nnodes == 1),
-        ("node_rank", node_rank, "0", node_rank == 0),
-        ("master_addr", master_addr, "a loopback address ('127.0.0.1')", is_loopback(master_addr)),
-        ("master_port", master_port, "None", master_port is None),
-        ("init_method", init_method, "None or 'env://'", init_method in (None, "env://")),
-        ("start_method", start_method, "'spawn'", start_method == "spawn"),
+        ("nnodes", spec.nnodes, "1", spec.nnodes == 1),
+        ("node_rank", spec.node_rank, "0", spec.node_rank == 0),
+        ("master_addr", spec.master_addr, "a loopback address ('127.0.0.1')", is_loopback(spec.master_addr)),
+        ("master_port", spec.master_port, "None", spec.master_port is None),
+        ("init_method", spec.init_method, "None or 'env://'", spec.init_method in (None, "env://")),
+        ("start_method", spec.start_method, "'spawn'", spec.start_method == "spawn"),
     ):
         if not ok:
-            raise bad_value("spawn", arg, value, f"{allowed} with backend {backend!r}", hint=hint)
+            raise bad_value("spawn", arg, value, f"{allowed} with backend {spec.backend!r}", hint=hint)

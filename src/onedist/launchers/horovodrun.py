@@ -57,16 +57,7 @@ def launch(spec: LaunchSpec) -> Optional[list[Any]]:
             error=LaunchArgumentError,
         )
     host_list = _check_hosts(hosts, nproc_per_node) if hosts is not None else f"localhost:{nproc_per_node}"
-    check_one_host_launch(
-        "horovod",
-        hint,
-        nnodes=nnodes,
-        node_rank=spec.node_rank,
-        master_addr=spec.master_addr,
-        master_port=spec.master_port,
-        init_method=spec.init_method,
-        start_method=spec.start_method,
-    )
+    check_one_host_launch(spec, hint)
     try:
         import horovod
     except ImportError as e:  # reported as unavailable before this; kept for a broken install

@@ -130,16 +130,10 @@ def launch(spec: LaunchSpec) -> Optional[list[Any]]:
     # MPI's processes come from its launcher (processes spawned here would each be an MPI
     # world of one): mpirun starts them, on this host
     check_one_host_launch(
-        "mpi",
+        spec,
         "spawn('mpi', ...) starts the ranks on this host through mpirun, which connects them "
         "itself; for several hosts run `mpirun -np N -H host1:n1,host2:n2 python script.py` "
         "(Parallel(backend='mpi') then only initialises)",
-        nnodes=spec.nnodes,
-        node_rank=spec.node_rank,
-        master_addr=spec.master_addr,
-        master_port=spec.master_port,
-        init_method=spec.init_method,
-        start_method=spec.start_method,
     )
     threads = worker_threads_env(spec.nproc_per_node)
     return _run(spec.fn, spec.args, spec.kwargs, spec.nproc_per_node, spec.timeout, threads)

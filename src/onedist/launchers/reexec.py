@@ -22,8 +22,8 @@ Failure handling (nothing may hang; every process is gone within a few seconds o
 * Children die with this process (Linux ``PR_SET_PDEATHSIG``) and run in their own session, so a
   terminal's Ctrl-C reaches this process only, which stops them.
 * A watcher thread polls the children while this process is inside ``fn``. When one exits non-zero,
-  it waits :data:`~onedist.launchers.spawn.GRACE_S` for near-simultaneous failures, stops the
-  other children (SIGTERM, SIGKILL after :data:`~onedist.launchers.spawn.TERM_S`) and raises
+  it waits :data:`~onedist.launchers.supervisor.GRACE_S` for near-simultaneous failures, stops the
+  other children (SIGTERM, SIGKILL after :data:`~onedist.launchers.supervisor.TERM_S`) and raises
   :class:`WorkerFailedError` in the main thread through a SIGINT sent to it. The main thread may
   be blocked in a collective with the GIL released, where no exception can be delivered: if it
   has not left ``fn`` within :data:`MAIN_GRACE_S`, the watcher prints the failure report (failing
@@ -41,7 +41,6 @@ Failure handling (nothing may hang; every process is gone within a few seconds o
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import select
 import shutil
@@ -51,8 +50,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from subprocess import _args_from_interpreter_flags  # type: ignore[attr-defined]
 from types import FrameType
 from typing import Any, Optional, cast
@@ -60,17 +57,16 @@ from typing import Any, Optional, cast
 from .._net import STORE_FD_ENV, discard_store_fd, rendezvous_port
 from ..environments import TORCHRUN_VARS
 from ..errors import OnedistRuntimeError, WorkerFailedError, bad_value, format_user_traceback
-from .bootstrap import _write_error
-from .report import Failure, failure_report
-from .spawn import GRACE_S, TERM_S, _check_rendezvous_port, _check_spawn_args
-from .worker import torchrun_env, worker_threads_env
+from .report import Failure, failure_error, failure_report
+from .spec import LaunchSpec
+from .supervisor import GRACE_S, POLL_S, TERM_S, PopenWorker, Supervisor
+from .worker import call_worker_fn, torchrun_env, worker_threads_env, write_error_file
 
 __all__ = ["ERROR_FILE_ENV", "MAIN_GRACE_S", "MARKER_ENV", "child_init_args", "command_line", "record_error"]
 
 MARKER_ENV = "ONEDIST_REEXEC"  # set in the children: "a Parallel(start_method='subprocess') started me"
 ERROR_FILE_ENV = "ONEDIST_ERROR_FILE"  # where a child writes its exception (as `onedist run` workers do)
 MAIN_GRACE_S = 2.0  # after a failure, the main thread has this long to leave fn before os._exit
-_POLL_S = 0.02
 _started = False  # a run was started in this process (there can be one)
 _HOW_STARTED = {
     "": "interactively (REPL or notebook)",
@@ -132,7 +128,7 @@ def record_error(exc: BaseException) -> None:
     if not path or os.path.exists(path):
         return
     try:
-        _write_error(path, exc)
+        write_error_file(path, exc)
     except OSError:
         pass
 
@@ -145,47 +141,11 @@ def child_init_args(init_method: Optional[str]) -> dict[str, int]:
 
 
 # ============================================================================ parent side
-@dataclass
-class _Child:
-    rank: int
-    local_rank: int
-    popen: subprocess.Popen[bytes]
-    error_file: str
-    failure: Optional[Failure] = None
-
-
-def _load_report(path: str) -> Optional[dict[str, Any]]:
-    try:
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return report if isinstance(report, dict) else None
-
-
-def _child_failure(c: _Child) -> Optional[Failure]:
-    """The child's failure: it exited non-zero, or wrote an error report and is still ending."""
-    code = c.popen.poll()
-    report = _load_report(c.error_file)
-    if report is None and code in (None, 0):
-        return None
-    failure = Failure(c.rank, c.local_rank, c.popen.pid, time.time(), exitcode=code)
-    if report is not None:
-        failure.exc_type = str(report.get("type"))
-        failure.message = str(report.get("message", ""))
-        failure.traceback = report.get("traceback")
-        failure.when = float(report.get("time", failure.when))
-    elif code == 1:
-        failure.extra.append(
-            "It raised outside fn (e.g. while importing the script or before reaching Parallel); its "
-            "own traceback is in the output above."
-        )
-    return failure
-
-
-def _failure_error(failures: list[Failure]) -> WorkerFailedError:
-    primary, report = failure_report(failures)
-    return WorkerFailedError(report, primary.rank, primary.local_rank, primary.exitcode, primary.traceback)
+# added to the report of a child that exited with status 1 before it wrote its error
+_EXIT_HINT = (
+    "It raised outside fn (e.g. while importing the script or before reaching Parallel); its "
+    "own traceback is in the output above."
+)
 
 
 def _write_stderr(text: str) -> None:
@@ -210,7 +170,7 @@ class _Launch:
         self.cmd = cmd
         self.rank0 = rank0
         self.child_env = child_env
-        self.children: list[_Child] = []
+        self.supervisor = Supervisor[PopenWorker]()  # the children
         self.lock = threading.RLock()  # RLock: the SIGINT handler may run while the main thread holds it
         # "running": the main thread is in initialize / fn / finalize; "left": it came out;
         # "failed" / "signalled": the watcher took over (a child failed / a signal arrived)
@@ -232,6 +192,7 @@ class _Launch:
         self.prev_term: Any = None
         self.stop_signals: set[int] = set()
         self.forward_signals: set[int] = set()
+        self.initialized = False  # the main thread's group exists: finalise it at the end
 
     # ------------------------------------------------------------------ signals (main thread)
     def install_signals(self) -> None:
@@ -323,53 +284,24 @@ class _Launch:
                 start_new_session=True,  # Ctrl-C reaches this process only; it stops the children
                 preexec_fn=die_with_parent,
             )
-            self.children.append(_Child(rank, local_rank, popen, error_file))
+            self.supervisor.workers.append(PopenWorker(rank, local_rank, popen, error_file, _EXIT_HINT))
 
-    def running(self) -> list[_Child]:
-        return [c for c in self.children if c.popen.poll() is None]
+    def running(self) -> list[PopenWorker]:
+        return self.supervisor.running()
 
     def signal_children(self, sig: int) -> None:
-        for c in self.running():
-            try:
-                c.popen.send_signal(sig)
-            except (ProcessLookupError, OSError):
-                pass
+        self.supervisor.signal_all(sig)
 
     def stop(self) -> None:
         """SIGTERM the children, SIGKILL whoever is left after TERM_S."""
-        if not self.running():
-            return
-        self.signal_children(signal.SIGTERM)
-        deadline = time.monotonic() + TERM_S
-        while self.running() and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        self.signal_children(signal.SIGKILL)
-        for c in self.children:
-            try:
-                c.popen.wait(5.0)
-            except subprocess.TimeoutExpired:
-                pass
+        self.supervisor.stop(kill_wait=5.0)
 
     def poll_failures(self) -> Optional[float]:
-        """Record the children's failures; the monotonic time of the first one seen, if any."""
-        first: Optional[float] = None
-        for c in self.children:
-            if c.failure is None:
-                c.failure = _child_failure(c)
-            if c.failure is not None and first is None:
-                first = time.monotonic()
-        return first
+        """Record the children's failures; the monotonic time now if one failed, else None."""
+        return self.supervisor.poll_failures()
 
     def failures(self, mark_stopped: bool) -> list[Failure]:
-        out: list[Failure] = []
-        for c in self.children:
-            if c.failure is None:
-                c.failure = _child_failure(c)
-            if c.failure is None and mark_stopped and c.popen.poll() is None:
-                c.failure = Failure(c.rank, c.local_rank, c.popen.pid, time.time(), stopped=True)
-            if c.failure is not None:
-                out.append(c.failure)
-        return out
+        return self.supervisor.failures(mark_stopped)
 
     # ------------------------------------------------------------------ watcher thread
     def read_signals(self, timeout: float) -> list[int]:
@@ -396,7 +328,7 @@ class _Launch:
     def watch(self) -> None:
         first: Optional[float] = None
         while not self.done.is_set():
-            for signum in self.read_signals(_POLL_S):
+            for signum in self.read_signals(POLL_S):
                 if signum in self.stop_signals:
                     self.on_stop_signal(signum)
                     return
@@ -417,7 +349,7 @@ class _Launch:
             if self.state != "running":
                 return
             self.state = "failed"
-            self.error = _failure_error(self.failures(mark_stopped=True))
+            self.error = failure_error(self.failures(mark_stopped=True))
             interrupt = self.interruptible
             if interrupt:
                 self.interrupts_sent += 1
@@ -450,15 +382,12 @@ class _Launch:
                 self.signal_children(signal.SIGKILL)
             if not alive and self.left_fn.is_set():
                 return
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def die(self, message: str, code: int) -> None:
         self.signal_children(signal.SIGKILL)
-        for c in self.children:
-            try:
-                c.popen.wait(1.0)
-            except subprocess.TimeoutExpired:
-                pass
+        for w in self.supervisor.workers:
+            w.join(1.0)
         _write_stderr(
             message
             + f"onedist: the main process (rank {self.rank0}) did not leave fn within {MAIN_GRACE_S:g} s "
@@ -509,176 +438,160 @@ class _Launch:
             seen = self.poll_failures()
             if seen is not None:
                 deadline = min(deadline, seen + GRACE_S)
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
         failures = self.failures(mark_stopped=True)
         self.stop()
         primary, _ = failure_report([mine, *failures])
         if primary is mine:
             return exc
-        return _failure_error([mine, *failures])
+        return failure_error([mine, *failures])
 
     def wait_children(self) -> None:
         """After fn returned here: wait for the children; raise if one fails."""
-        first: Optional[float] = None
-        while True:
-            seen = self.poll_failures()
-            if first is None:
-                first = seen
-            alive = self.running()
-            if first is not None and (not alive or time.monotonic() >= first + GRACE_S):
-                failures = self.failures(mark_stopped=True)
-                self.stop()
-                raise _failure_error(failures)
-            if not alive:
-                return
-            time.sleep(_POLL_S)
+        failures = self.supervisor.watch()
+        if failures:
+            raise failure_error(failures)
 
 
-def run_subprocess(
-    backend: Any,
-    fn: Callable[..., Any],
-    args: Sequence[Any],
-    kwargs: Mapping[str, Any],
-    *,
-    nproc_per_node: Any,
-    nnodes: Any,
-    node_rank: Any,
-    master_addr: Any,
-    master_port: Any,
-    init_method: Any,
-    timeout: Any,
-) -> Any:
-    """Run ``fn(local_rank, *args, **kwargs)`` here as local rank 0 and in re-executed children.
+def run_subprocess(spec: LaunchSpec) -> Any:
+    """Run ``fn(local_rank, *args, **kwargs)`` of ``spec`` here as local rank 0 and in re-executed
+    children. See the module docstring. Returns ``fn``'s return value here."""
+    _check_can_start()
+    cmd = command_line()
+    spec.check_rendezvous_port()
+    threads = worker_threads_env(spec.nproc_per_node)
+    port, store_fd = _bind_store(spec)
 
-    See the module docstring. Returns ``fn``'s return value here.
-    """
+    def env_for(local_rank: int) -> dict[str, str]:
+        return torchrun_env(
+            local_rank, spec.nproc_per_node, spec.node_rank, spec.nnodes, spec.master_addr, port
+        )
+
+    children = {lr: {**env_for(lr), **threads} for lr in range(1, spec.nproc_per_node)}
+    launch = _Launch(cmd, spec.rank(0), children)
+    global _started
+    _started = True
+    saved = {k: os.environ.get(k) for k in TORCHRUN_VARS}
+    previous_threads: Optional[int] = None
+    try:
+        os.environ.update(env_for(0))
+        previous_threads = _set_torch_threads(threads)
+        launch.tmpdir = tempfile.mkdtemp(prefix="onedist-reexec-")
+        launch.install_signals()
+        launch.start_children()
+        launch.watcher = threading.Thread(target=launch.watch, name="onedist-reexec-watcher", daemon=True)
+        launch.watcher.start()
+        if store_fd is not None:
+            os.environ[STORE_FD_ENV] = str(store_fd)  # initialize takes it over (and closes it)
+            store_fd = None
+        return _run_rank0(launch, spec)
+    finally:
+        if store_fd is not None:  # never handed to initialize
+            os.environ[STORE_FD_ENV] = str(store_fd)
+        discard_store_fd(os.environ)
+        _end(launch, saved, previous_threads)
+
+
+def _check_can_start() -> None:
+    """Refuse a run in a child (it would start processes again) and a second run in a process."""
     if is_child():
         raise OnedistRuntimeError(
             "onedist.Parallel: this process was started by Parallel(start_method='subprocess') but does "
             "not see the variables it was given (RANK, WORLD_SIZE, ...), so it would start processes "
             "again\nHINT: do not remove RANK / WORLD_SIZE / LOCAL_RANK from os.environ before Parallel"
         )
-    global _started
     if _started:
         raise OnedistRuntimeError(
             "onedist.Parallel: start_method='subprocess' can run only once per process: its children "
             "re-run the whole script, so they would meet the first run again, not this one\n"
             "HINT: put everything in one run(fn), or use start_method='spawn' / 'fork' for the others"
         )
-    cmd = command_line()
-    _check_spawn_args(
-        backend,
-        fn,
-        args,
-        kwargs,
-        nproc_per_node,
-        nnodes,
-        node_rank,
-        master_addr,
-        master_port,
-        init_method,
-        "spawn",  # the start method was checked by Parallel; the other arguments as spawn does
-        None,  # hosts: Parallel refuses it with start_method='subprocess'
-    )
-    _check_rendezvous_port(nnodes, master_port, init_method)
-    from ..backends import class_for_backend
-    from ..context import _resolve_backend_name, _timeout, finalize, initialize
 
-    name = _resolve_backend_name(backend, nnodes, nproc_per_node)
-    if class_for_backend(name) is None:
-        initialize(name)  # raises the standard "not available" error, listing what is
-    td = _timeout("Parallel", timeout)
-    world_size = nnodes * nproc_per_node
-    threads = worker_threads_env(nproc_per_node)
-    rank0 = node_rank * nproc_per_node
-    env_rank = init_method is None or init_method.startswith("env://")
-    # this process is rank 0: it binds the store's socket now and serves on it (no port race;
-    # loopback only on one node), as spawn and `onedist run` do
+
+def _bind_store(spec: LaunchSpec) -> tuple[int, Optional[int]]:
+    """The rendezvous port, and the store's socket (a file descriptor) when this process hosts it.
+
+    This process is rank 0: it binds the store's socket now and serves on it (no port race;
+    loopback only on one node), as spawn and `onedist run` do."""
     try:
         port, sock = rendezvous_port(
-            master_addr, master_port, host_store=rank0 == 0 and env_rank, what="master_port"
+            spec.master_addr,
+            spec.master_port,
+            host_store=spec.rank(0) == 0 and spec.env_rendezvous,
+            what="master_port",
         )
     except OSError as e:
         raise OnedistRuntimeError(f"onedist.Parallel: {e.strerror or e}") from e
-    store_fd: Optional[int] = sock.detach() if sock is not None else None
+    return port, (sock.detach() if sock is not None else None)
 
-    def env_for(local_rank: int) -> dict[str, str]:
-        return torchrun_env(local_rank, nproc_per_node, node_rank, nnodes, master_addr, port)
 
-    launch = _Launch(cmd, rank0, {lr: {**env_for(lr), **threads} for lr in range(1, nproc_per_node)})
-    _started = True
-    saved = {k: os.environ.get(k) for k in TORCHRUN_VARS}
-    previous_threads: Optional[int] = None
-    initialized = False
+def _set_torch_threads(threads: dict[str, str]) -> Optional[int]:
+    """Apply OMP_NUM_THREADS of ``threads`` to torch here (as in the children); the previous count."""
+    if not threads:
+        return None
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(int(threads["OMP_NUM_THREADS"]))
+    return previous
+
+
+def _run_rank0(launch: _Launch, spec: LaunchSpec) -> Any:
+    """Initialise as rank 0, run ``fn(0, ...)``, finalise, then wait for the children."""
+    from ..context import finalize, initialize
+
     try:
-        os.environ.update(env_for(0))
-        if threads:
-            import torch
-
-            previous_threads = torch.get_num_threads()
-            torch.set_num_threads(int(threads["OMP_NUM_THREADS"]))
-        launch.tmpdir = tempfile.mkdtemp(prefix="onedist-reexec-")
-        launch.install_signals()
-        launch.start_children()
-        launch.watcher = threading.Thread(target=launch.watch, name="onedist-reexec-watcher", daemon=True)
-        launch.watcher.start()
-        try:
-            if store_fd is not None:
-                os.environ[STORE_FD_ENV] = str(store_fd)  # initialize takes it over (and closes it)
-                store_fd = None
-            initialize(
-                name,
-                timeout=td,
-                init_method=init_method,
-                rank=None if env_rank else rank0,
-                world_size=None if env_rank else world_size,
-            )
-            initialized = True
-            try:
-                result = fn(0, *args, **kwargs)
-            except SystemExit as e:
-                if e.code not in (0, None):
-                    raise
-                result = None
-            initialized = False
-            finalize()
-        except BaseException as e:
-            err = launch.main_failed(e)
-            if err is e:
-                raise
-            raise err from None
-        found = launch.leave_fn()
-        if found == "failed" and launch.error is not None:
-            launch.join_watcher()
-            raise launch.error
-        if found == "signalled" and launch.signalled is not None:  # fn returned as the signal came
-            launch.join_watcher()
-            if launch.signalled == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(128 + launch.signalled)
-        launch.wait_children()
-        return result
-    finally:
-        if store_fd is not None:  # never handed to initialize
-            os.environ[STORE_FD_ENV] = str(store_fd)
-        discard_store_fd(os.environ)
-        launch.done.set()
+        initialize(
+            spec.backend,
+            timeout=spec.timeout,
+            init_method=spec.init_method,
+            rank=None if spec.env_rendezvous else spec.rank(0),
+            world_size=None if spec.env_rendezvous else spec.world_size,
+        )
+        launch.initialized = True
+        result = call_worker_fn(spec.fn, 0, spec.args, spec.kwargs)
+        launch.initialized = False
+        finalize()
+    except BaseException as e:
+        err = launch.main_failed(e)
+        if err is e:
+            raise
+        raise err from None
+    found = launch.leave_fn()
+    if found == "failed" and launch.error is not None:
         launch.join_watcher()
-        launch.stop()
-        if initialized:
-            try:
-                finalize()
-            except Exception:
-                pass
-        launch.restore_signals()
-        if previous_threads is not None:
-            import torch
+        raise launch.error
+    if found == "signalled" and launch.signalled is not None:  # fn returned as the signal came
+        launch.join_watcher()
+        if launch.signalled == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + launch.signalled)
+    launch.wait_children()
+    return result
 
-            torch.set_num_threads(previous_threads)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        if launch.tmpdir:
-            shutil.rmtree(launch.tmpdir, ignore_errors=True)
+
+def _end(launch: _Launch, saved: dict[str, Optional[str]], previous_threads: Optional[int]) -> None:
+    """Whatever happened: the watcher and the children gone, the group finalised, this process's
+    signal handlers, thread count and variables as they were."""
+    launch.done.set()
+    launch.join_watcher()
+    launch.stop()
+    if launch.initialized:
+        from ..context import finalize
+
+        try:
+            finalize()
+        except Exception:
+            pass
+    launch.restore_signals()
+    if previous_threads is not None:
+        import torch
+
+        torch.set_num_threads(previous_threads)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if launch.tmpdir:
+        shutil.rmtree(launch.tmpdir, ignore_errors=True)

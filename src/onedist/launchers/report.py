@@ -5,8 +5,9 @@ A :class:`Failure` is what the parent knows of one worker that failed: its rank,
 stopped, or failed only as a consequence of another rank's failure. :func:`failure_report` picks
 the failure to show first (the earliest that is not a consequence) and writes the report that
 ``spawn``, ``Parallel``, ``onedist run`` and the backends' own launchers all raise or print.
-Workers that a launcher of a backend started (``mpirun``, ``horovod.run``, ``xmp.spawn``) write
-their failure as JSON (:func:`onedist.launchers.worker.write_failure_report`), read here.
+Every worker that is not a multiprocessing child writes its failure as one JSON record (type,
+message, traceback, time; with rank, local_rank and pid when a backend's launcher started it:
+:func:`onedist.launchers.worker.write_error_file`), read here by :func:`read_failure`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import WorkerFailedError
 
@@ -25,6 +26,7 @@ __all__ = [
     "Failure",
     "failure_error",
     "failure_report",
+    "read_failure",
     "reported_failure_error",
     "reported_failures",
 ]
@@ -78,28 +80,50 @@ class Failure:
         return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) {self.what()}"
 
 
+def _record(path: str) -> Optional[dict[str, Any]]:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _failure_of(
+    record: dict[str, Any], rank: int, local_rank: int, pid: Optional[int], exitcode: Optional[int]
+) -> Failure:
+    return Failure(
+        rank,
+        local_rank,
+        pid,
+        float(record.get("time", time.time())),
+        exitcode=exitcode,
+        exc_type=str(record.get("type")),
+        message=str(record.get("message", "")),
+        traceback=record.get("traceback"),
+    )
+
+
+def read_failure(
+    path: str, rank: int, local_rank: int, pid: Optional[int], exitcode: Optional[int]
+) -> Optional[Failure]:
+    """The failure a worker wrote to ``path`` (type, message, traceback, time), or None when it
+    wrote none (yet). The one reader of the error files of every launcher."""
+    record = _record(path)
+    return None if record is None else _failure_of(record, rank, local_rank, pid, exitcode)
+
+
 def reported_failures(paths: list[str]) -> list[Failure]:
     """The failures that workers started by a backend's own launcher (``horovod.run``,
-    ``xmp.spawn``) wrote as JSON (rank, local_rank, pid, time, type, message, traceback)."""
+    ``xmp.spawn``) wrote, with their rank, local_rank and pid in the record."""
     failures = []
     for path in paths:
+        record = _record(path)
         try:
-            with open(path) as f:
-                r = json.load(f)
-        except (OSError, ValueError):
+            if record is not None:
+                failures.append(_failure_of(record, record["rank"], record["local_rank"], record["pid"], 1))
+        except KeyError:
             continue
-        failures.append(
-            Failure(
-                r["rank"],
-                r["local_rank"],
-                r["pid"],
-                r["time"],
-                exitcode=1,
-                exc_type=r["type"],
-                message=r["message"],
-                traceback=r["traceback"],
-            )
-        )
     return failures
 
 

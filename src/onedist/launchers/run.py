@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
-import json
 import os
 import shutil
 import signal
@@ -33,18 +32,15 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import IO, Any, Optional
 
 from .._net import LOOPBACK, rendezvous_port
 from ..environments import detect
-from .report import Failure, failure_report
-from .spawn import GRACE_S, TERM_S
+from .report import failure_report
+from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
 __all__ = ["build_parser", "main"]
-
-_POLL_S = 0.02
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -147,16 +143,6 @@ def _output_ranks(value: Optional[str]) -> Optional[set[int]]:
 
 
 # ============================================================================ workers
-@dataclass
-class _Proc:
-    rank: int
-    local_rank: int
-    popen: subprocess.Popen[bytes]
-    error_file: str
-    threads: list[threading.Thread] = field(default_factory=list)
-    failure: Optional[Failure] = None
-
-
 def _die_with_launcher() -> None:  # runs in the child between fork and exec
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die when the launcher dies
@@ -174,43 +160,6 @@ def _pump(stream: IO[bytes], out: IO[bytes], prefix: bytes, show: bool, lock: th
                 out.write(line if own and line.startswith(own) else prefix + line)
                 out.flush()
     stream.close()
-
-
-def _read_failure(p: _Proc) -> Failure:
-    code = p.popen.returncode
-    failure = Failure(p.rank, p.local_rank, p.popen.pid, time.time(), exitcode=code)
-    try:
-        with open(p.error_file) as f:
-            report = json.load(f)
-    except (OSError, ValueError):
-        return failure
-    failure.exc_type = report.get("type")
-    failure.message = report.get("message", "")
-    failure.traceback = report.get("traceback")
-    failure.when = float(report.get("time", failure.when))
-    return failure
-
-
-def _signal_all(procs: list[_Proc], sig: int) -> None:
-    for p in procs:
-        if p.popen.poll() is None:
-            try:
-                p.popen.send_signal(sig)
-            except ProcessLookupError:
-                pass
-
-
-def _stop(procs: list[_Proc]) -> None:
-    _signal_all(procs, signal.SIGTERM)
-    deadline = time.monotonic() + TERM_S
-    for p in procs:
-        try:
-            p.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_all(procs, signal.SIGKILL)
-    for p in procs:
-        p.popen.wait()
 
 
 def _rendezvous_args(args: argparse.Namespace) -> None:
@@ -245,7 +194,8 @@ def _rendezvous_args(args: argparse.Namespace) -> None:
         args.master_addr, args.master_port = host, int(port)
 
 
-def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> int:
+def _check_nodes(args: argparse.Namespace) -> None:
+    """The node flags, in onedist run's terms (see :func:`_rendezvous_args`), or the usage error."""
     _rendezvous_args(args)
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise _UsageError(
@@ -257,6 +207,75 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
             "--master-port is needed with --nnodes > 1 (every node must use the same one); "
             "pass --master-addr=<node 0's address> --master-port=<free port on node 0> on every node"
         )
+
+
+def _base_env(args: argparse.Namespace, nproc: int) -> dict[str, str]:
+    """What every worker of this node gets on top of this environment (before its ranks)."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "TORCHELASTIC_RUN_ID": args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}",
+            "PYTHONUNBUFFERED": "1",
+            **worker_threads_env(nproc),
+        }
+    )
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun
+    if args.backend:
+        env["ONEDIST_BACKEND"] = args.backend
+    return env
+
+
+def _start_workers(
+    args: argparse.Namespace, nproc: int, port: int, tmpdir: str, supervisor: Supervisor[PopenWorker]
+) -> None:
+    """Start the ``nproc`` workers of this node, each added to ``supervisor`` as it starts."""
+    base_env = _base_env(args, nproc)
+    target = ["-m", args.target] if args.module else [args.target]
+    cmd = [sys.executable, "-m", "onedist.launchers.bootstrap", *target, *args.args]
+    for local_rank in range(nproc):
+        rank = args.node_rank * nproc + local_rank
+        error_file = os.path.join(tmpdir, f"error-{rank}.json")
+        env = {
+            **base_env,
+            **torchrun_env(local_rank, nproc, args.node_rank, args.nnodes, args.master_addr, port),
+            **_AGENT_ENV,
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(nproc * args.nnodes),
+            "ONEDIST_ERROR_FILE": error_file,
+            # where torch's @record writes (onedist's bootstrap reports the error itself)
+            "TORCHELASTIC_ERROR_FILE": os.path.join(tmpdir, f"torchelastic-error-{rank}.json"),
+        }
+        popen = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only: it forwards once
+            preexec_fn=_die_with_launcher,
+        )
+        # its report counts once it ended: until then it may still be printing its traceback
+        supervisor.workers.append(PopenWorker(rank, local_rank, popen, error_file, early=False))
+
+
+def _start_pumps(
+    supervisor: Supervisor[PopenWorker], no_prefix: bool, show: Optional[set[int]]
+) -> list[threading.Thread]:
+    """One thread per output stream of each worker, copying its lines here with the rank prefix."""
+    lock = threading.Lock()
+    pumps = []
+    for w in supervisor.workers:
+        visible = show is None or w.rank in show
+        prefix = b"" if no_prefix else f"[rank{w.rank}]: ".encode()
+        for stream, out in ((w.popen.stdout, sys.stdout.buffer), (w.popen.stderr, sys.stderr.buffer)):
+            assert stream is not None
+            t = threading.Thread(target=_pump, args=(stream, out, prefix, visible, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+    return pumps
+
+
+def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> int:
+    _check_nodes(args)
     # node 0 binds it here and hands it to rank 0's store: no window for another program to take
     # the port, a port in use fails before any worker starts, and one node listens on loopback only
     try:
@@ -265,77 +284,33 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
         )
     except OSError as e:
         raise _UsageError(e.strerror or str(e)) from e
-    run_id = uuid.uuid4().hex[:12]
     tmpdir = tempfile.mkdtemp(prefix="onedist-run-")
-    base_env = dict(os.environ)
-    base_env.update(
-        {
-            "TORCHELASTIC_RUN_ID": args.rdzv_id or f"onedist-{run_id}",
-            "PYTHONUNBUFFERED": "1",
-            **worker_threads_env(nproc),
-        }
-    )
-    base_env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun
-    if args.backend:
-        base_env["ONEDIST_BACKEND"] = args.backend
-    target = ["-m", args.target] if args.module else [args.target]
-    cmd = [sys.executable, "-m", "onedist.launchers.bootstrap", *target, *args.args]
-    lock = threading.Lock()
-    procs: list[_Proc] = []
+    supervisor = Supervisor[PopenWorker]()
+    pumps: list[threading.Thread] = []
     received: list[int] = []
     stores: list[Any] = []  # the agent store, kept until every worker ended
 
     def forward(signum: int, frame: Any) -> None:
         received.append(signum)
-        _signal_all(procs, signum)
+        supervisor.signal_all(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for local_rank in range(nproc):
-            rank = args.node_rank * nproc + local_rank
-            error_file = os.path.join(tmpdir, f"error-{rank}.json")
-            env = {
-                **base_env,
-                **torchrun_env(local_rank, nproc, args.node_rank, args.nnodes, args.master_addr, port),
-                **_AGENT_ENV,
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(nproc * args.nnodes),
-                "ONEDIST_ERROR_FILE": error_file,
-                # where torch's @record writes (onedist's bootstrap reports the error itself)
-                "TORCHELASTIC_ERROR_FILE": os.path.join(tmpdir, f"torchelastic-error-{rank}.json"),
-            }
-            popen = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only: it forwards once
-                preexec_fn=_die_with_launcher,
-            )
-            procs.append(_Proc(rank, local_rank, popen, error_file))
-        for p in procs:
-            visible = show is None or p.rank in show
-            prefix = b"" if args.no_prefix else f"[rank{p.rank}]: ".encode()
-            for stream, out in ((p.popen.stdout, sys.stdout.buffer), (p.popen.stderr, sys.stderr.buffer)):
-                assert stream is not None
-                t = threading.Thread(target=_pump, args=(stream, out, prefix, visible, lock), daemon=True)
-                t.start()
-                p.threads.append(t)
+        _start_workers(args, nproc, port, tmpdir, supervisor)
+        pumps = _start_pumps(supervisor, args.no_prefix, show)
         if store_sock is not None:  # after the last fork: the store runs threads of its own
             stores.append(_agent_store(store_sock, args.master_addr, nproc * args.nnodes))
             store_sock = None
-        return _wait(procs, received)
+        return _wait(supervisor, pumps, received)
     finally:
         if store_sock is not None:
             store_sock.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if any(p.popen.poll() is None for p in procs):
-            _stop(procs)
+        supervisor.stop()
         stores.clear()  # its server stops here, after the workers
-        for p in procs:
-            for t in p.threads:
-                t.join(timeout=1.0)
+        for t in pumps:
+            t.join(timeout=1.0)
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
@@ -365,34 +340,18 @@ def _agent_store(sock: Any, master_addr: str, world_size: int) -> Any:
     )
 
 
-def _wait(procs: list[_Proc], received: list[int]) -> int:
-    first_failure: Optional[float] = None
-    signalled_at: Optional[float] = None
-    while True:
-        running = [p for p in procs if p.popen.poll() is None]
-        for p in procs:
-            if p.failure is None and p.popen.returncode not in (None, 0):
-                p.failure = _read_failure(p)
-                if first_failure is None:
-                    first_failure = time.monotonic()
-        if received and signalled_at is None:
-            signalled_at = time.monotonic()
-        if not running:
-            break
-        now = time.monotonic()
-        if first_failure is not None and now >= first_failure + GRACE_S:
-            for p in running:
-                p.failure = Failure(p.rank, p.local_rank, p.popen.pid, time.time(), stopped=True)
-            _stop(running)
-            break
-        if signalled_at is not None and now >= signalled_at + 5.0:
-            _stop(running)
-            break
-        time.sleep(_POLL_S)
-    for p in procs:  # let the output of every worker drain before the summary
-        for t in p.threads:
-            t.join(timeout=1.0)
-    failures = [p.failure for p in procs if p.failure is not None]
+def _wait(supervisor: Supervisor[PopenWorker], pumps: list[threading.Thread], received: list[int]) -> int:
+    """Watch the workers (5 s after a forwarded signal, stop those left); the exit status."""
+    signalled_at: list[float] = []
+
+    def give_up() -> bool:
+        if received and not signalled_at:
+            signalled_at.append(time.monotonic())
+        return bool(signalled_at) and time.monotonic() >= signalled_at[0] + 5.0
+
+    failures = supervisor.watch(give_up)
+    for t in pumps:  # let the output of every worker drain before the summary
+        t.join(timeout=1.0)
     if received:
         sys.stderr.write(f"onedist run: stopped by signal {signal.Signals(received[0]).name}\n")
         return 128 + received[0]

@@ -13,8 +13,9 @@ import os
 import pickle
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Optional
 
 from ..errors import format_user_traceback
 
@@ -23,6 +24,7 @@ __all__ = [
     "exit_failed",
     "torchrun_env",
     "worker_threads_env",
+    "write_error_file",
     "write_failure_report",
     "write_result",
 ]
@@ -85,6 +87,24 @@ def write_result(path: str, result: Any, rank: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def write_error_file(path: str, exc: BaseException, text: Optional[str] = None, **fields: Any) -> None:
+    """Write ``exc`` to ``path`` as the JSON record that
+    :func:`~onedist.launchers.report.read_failure` reads (type, message, traceback, time, and
+    ``fields``), atomically. ``text``: the traceback, by default Python's. Raises OSError."""
+    record = {
+        **fields,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if text is None
+        else text,
+        "time": time.time(),
+    }
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
 def write_failure_report(
     exc: BaseException, report_dir: str, rank: int, local_rank: int, name: str = "", announce: bool = True
 ) -> None:
@@ -97,20 +117,9 @@ def write_failure_report(
 
         publish_failure(exc)
     text = format_user_traceback(exc)
-    report = {
-        "rank": rank,
-        "local_rank": local_rank,
-        "pid": os.getpid(),
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": text,
-    }
     try:
         path = os.path.join(report_dir, name or f"rank-{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(report, f)
-        os.replace(path + ".tmp", path)
+        write_error_file(path, exc, text, rank=rank, local_rank=local_rank, pid=os.getpid())
     except OSError:
         pass
     if not announce:
