@@ -27,7 +27,7 @@ _FINALIZE_WAIT_S = 30.0  # rank 0 keeps the side store this long for ranks still
 _P2P_KEY = "onedist/p2p/{}/{}>{}/{}/{}"  # group, src, dst, tag, sequence number
 _CHUNK = 4 << 20  # bytes per store value (TCPStore refuses values over 8 MiB)
 _DONE_KEY = "onedist/hvd-finalized"
-_FAILED_COUNT = "onedist/failed-count"  # _guard's key: stop waiting for ranks that failed
+_FAILED_COUNT = "onedist/failed-count"  # failures/channel.py's key: stop waiting for ranks that failed
 
 
 class _StoreWork:

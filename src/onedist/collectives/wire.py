@@ -1,4 +1,4 @@
-"""How non-reduction collectives put Python values on the wire (used only by collectives.py).
+"""How non-reduction collectives put Python values on the wire (used only by the collectives package).
 
 Every rank turns its value into a *packed* form: a kind, a small ``meta`` byte string (a tensor's
 dtype and shape, a number's 8 bytes, a string's UTF-8, or a pickle in which tensors are replaced

@@ -159,7 +159,7 @@ def _main(job_dir: str) -> None:
         finalize()
     except BaseException as e:
         write_failure_report(e, job_dir, rank, local_rank)
-        exit_failed()  # not MPI_Finalize, which would wait for the others (see _guard)
+        exit_failed()  # not MPI_Finalize, which would wait for the others (see failures/hooks.py)
     write_result(os.path.join(job_dir, f"result-{rank}.pkl"), result, rank)
 
 
