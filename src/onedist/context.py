@@ -17,7 +17,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import failures
-from .backends import Backend, SerialBackend, available_backends, class_for_backend
+from .backends import Backend, SerialBackend, announce_init_failure, available_backends, class_for_backend
 from .errors import BackendUnavailableError, OnedistRuntimeError, bad_type, bad_value
 from .state import current, world
 
@@ -184,6 +184,27 @@ def initialize(
         (1, 'gloo')
         >>> od.finalize()
     """
+    fresh = isinstance(current(), SerialBackend)
+    try:
+        world.backend = _create(backend, timeout, init_method, rank, world_size, kwargs)
+    except Exception as e:
+        if fresh and init_method in (None, "env://"):
+            announce_init_failure(e)  # the peers waiting for this rank to join raise it too
+        raise
+    if world.backend.world_size > 1:
+        failures.install()  # an uncaught exception here is reported to the other ranks
+        failures.start_watch()  # and a failure of another rank ends this one, even outside collectives
+
+
+def _create(
+    backend: str,
+    timeout: TimeoutLike,
+    init_method: Optional[str],
+    rank: Optional[int],
+    world_size: Optional[int],
+    kwargs: dict[str, Any],
+) -> Backend:
+    """initialize's checks, then the backend's constructor."""
     name = _resolve_backend_name(backend)
     td = _timeout("initialize", timeout)
     _check_rank_world("initialize", rank, world_size)
@@ -209,12 +230,9 @@ def initialize(
             f"{active.world_size}) is already initialized by {origin}\n"
             "HINT: call onedist.finalize() before initializing again"
         )
-    world.backend = cls.create_from_backend(
+    return cls.create_from_backend(
         name, timeout=td, init_method=init_method, rank=rank, world_size=world_size, **kwargs
     )
-    if world.backend.world_size > 1:
-        failures.install()  # an uncaught exception here is reported to the other ranks
-        failures.start_watch()  # and a failure of another rank ends this one, even outside collectives
 
 
 def finalize() -> None:

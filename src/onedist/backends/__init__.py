@@ -6,6 +6,7 @@ Order matters for detection of a context created outside onedist: the first clas
 
 from __future__ import annotations
 
+from ._rendezvous import announce_init_failure
 from .base import Backend, Layout, Work
 from .registry import (
     available_backends,
@@ -21,6 +22,7 @@ __all__ = [
     "Layout",
     "SerialBackend",
     "Work",
+    "announce_init_failure",
     "available_backends",
     "backend_classes",
     "class_for_backend",

@@ -8,9 +8,11 @@ to join it, naming the ones missing.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -29,7 +31,12 @@ from .._net import (
     tcp_init_would_hang,
 )
 from ..environments import ClusterEnv, detect
-from ..errors import OnedistRuntimeError, OnedistTimeoutError, OnedistValueError
+from ..errors import (
+    OnedistRuntimeError,
+    OnedistTimeoutError,
+    OnedistValueError,
+    RemoteRankError,
+)
 from ._environ import set_env
 
 logger = logging.getLogger("onedist")
@@ -215,47 +222,157 @@ def env_store(
 
 _JOIN_KEY = "onedist/joined/{}"
 _JOIN_LOG_S = 30.0
+_JOIN_POLL_S = 0.5  # how often a joining rank asks whether a peer failed in initialize
+_FAILED_KEY = "onedist/init-failed/{}"
+_FAILED_COUNT = "onedist/init-failed-count"
+_READ_KEY = "onedist/init-failed-read/{}"
+_HOLD_S = 10.0  # how long a failed rank 0 hosts the store for its peers to read why
+_ANNOUNCE_CONNECT_S = 3.0  # how long a failed rank tries to reach rank 0's store
 
 
 def _join(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
     """Wait until every rank reached the store; say which ranks are missing while waiting, and at the end.
 
     torch's own wait says "1/4 clients joined" after the full timeout; this names the ranks, logs
-    them every 30 s, and raises :class:`OnedistTimeoutError` with them.
+    them every 30 s, and raises :class:`OnedistTimeoutError` with them. A rank that failed in
+    ``initialize`` before it joined says so in the store (:func:`announce_init_failure`): the
+    others raise its error as a :class:`~onedist.RemoteRankError` within a second.
     """
     store.set(_JOIN_KEY.format(rank), "1")
     keys = [_JOIN_KEY.format(r) for r in range(world_size)]
-    start = time.monotonic()
-    limit = timeout.total_seconds()
-    while True:
-        left = limit - (time.monotonic() - start)
-        try:
-            store.wait(keys, timedelta(seconds=max(0.001, min(_JOIN_LOG_S, left))))
-            return
-        except Exception as e:
-            try:
-                missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            except Exception:
-                raise OnedistRuntimeError(
-                    f"onedist.initialize (rank {rank} of {world_size}): the rendezvous host (rank 0) went "
-                    f"away while this rank waited for the others to join ({e}).\nHINT: look at rank 0's "
-                    "output: it failed or timed out first"
-                ) from e
-            if not missing:
-                return
-            waited = time.monotonic() - start
-            if waited >= limit:
-                raise OnedistTimeoutError(
-                    f"onedist.initialize (rank {rank} of {world_size}): ranks {missing} did not join the "
-                    f"rendezvous within {limit:.0f} s.\nHINT: check that they were started (a launcher that "
-                    "failed on some node), and that WORLD_SIZE is the number of processes actually started"
-                ) from None
+    start = last_log = time.monotonic()
+    pause = 0.005
+    # polled with check(), not wait(): each wait that times out makes torch print two warnings
+    while not _joined(store, keys, rank, world_size):
+        waited = time.monotonic() - start
+        if waited >= timeout.total_seconds():
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise OnedistTimeoutError(
+                f"onedist.initialize (rank {rank} of {world_size}): ranks {missing} did not join the "
+                f"rendezvous within {waited:.0f} s.\nHINT: check that they were started (a launcher that "
+                "failed on some node), and that WORLD_SIZE is the number of processes actually started"
+            )
+        if time.monotonic() - last_log >= _JOIN_LOG_S:
+            last_log = time.monotonic()
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
             logger.warning(
                 "onedist.initialize: rank %d has waited %.0f s for ranks %s to join the rendezvous",
                 rank,
                 waited,
                 missing,
             )
+        time.sleep(pause)
+        pause = min(pause * 2, _JOIN_POLL_S)
+
+
+def _joined(store: Any, keys: list[str], rank: int, world_size: int) -> bool:
+    """Whether every rank joined; raises the error of a rank that failed in initialize instead."""
+    try:
+        if store.check(keys):
+            return True
+        failed = int(store.add(_FAILED_COUNT, 0))
+    except Exception as e:
+        raise OnedistRuntimeError(
+            f"onedist.initialize (rank {rank} of {world_size}): the rendezvous host (rank 0) went "
+            f"away while this rank waited for the others to join ({e}).\nHINT: look at rank 0's "
+            "output: it failed or timed out first"
+        ) from e
+    if failed:
+        raise _peer_failure(store, rank, world_size)
+    return False
+
+
+def _peer_failure(store: Any, rank: int, world_size: int) -> RemoteRankError:
+    """The error of the first rank that announced its failure in initialize (its receipt given)."""
+    for r in range(world_size):
+        key = _FAILED_KEY.format(r)
+        if r != rank and store.check([key]):
+            report = json.loads(store.get(key))
+            store.set(_READ_KEY.format(rank), "1")
+            return RemoteRankError(
+                f"onedist.initialize (rank {rank} of {world_size}): rank {r} failed in initialize, so the "
+                f"group cannot form. Its error, at {report['site']}:\n{report['type']}: {report['message']}",
+                r,
+            )
+    return RemoteRankError(
+        f"onedist.initialize (rank {rank} of {world_size}): a rank failed in initialize", -1
+    )
+
+
+def announce_init_failure(exc: BaseException) -> None:
+    """Tell the ranks waiting for this one in the ``env://`` rendezvous that it failed in initialize.
+
+    Without this, a peer waits for the rank to join until the store's timeout (30 minutes by
+    default). Best effort and bounded: another rank connects to rank 0's store for at most 3 s
+    and writes its error; rank 0, whose store did not exist yet, hosts it on MASTER_PORT and keeps
+    it up until every peer has read the error, at most 10 s. Nothing without the variables of
+    ``env://`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or in a group of one.
+    """
+    env = os.environ
+    try:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return
+    if world_size <= 1 or not 0 <= rank < world_size:
+        return
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
+    hosting = rank == 0 and not agent_store
+    try:
+        store = _failure_store(addr, port, world_size, hosting)
+        report = {"type": type(exc).__name__, "message": str(exc), "site": _caller_outside_onedist()}
+        store.set(_FAILED_KEY.format(rank), json.dumps(report))
+        store.add(_FAILED_COUNT, 1)
+        if hosting:
+            _hold_for_peers(store, world_size)
+    except Exception:
+        pass  # the peers then wait for their own timeout, as before
+
+
+def _caller_outside_onedist() -> str:
+    """``file:line`` of the first frame outside onedist (where the user called initialize)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame = sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _hold_for_peers(store: Any, world_size: int) -> None:
+    """On a failed rank 0, which hosts the store: stay until every peer has read the error or
+    announced its own failure (every rank failing alike, e.g. a backend missing everywhere),
+    at most 10 s."""
+    deadline = time.monotonic() + _HOLD_S
+    waiting = set(range(1, world_size))
+    while waiting and time.monotonic() < deadline:
+        waiting = {
+            r
+            for r in waiting
+            if not store.check([_READ_KEY.format(r)]) and not store.check([_FAILED_KEY.format(r)])
+        }
+        if waiting:
+            time.sleep(0.05)
+
+
+def _failure_store(addr: str, port: int, world_size: int, hosting: bool) -> Any:
+    timeout = timedelta(seconds=_HOLD_S if hosting else _ANNOUNCE_CONNECT_S)
+    if not hosting:
+        return _TCPStore(addr, port, world_size, False, timeout=timeout)
+    fd_text = os.environ.pop(STORE_FD_ENV, None)  # the socket a onedist launcher bound for rank 0
+    if fd_text is None:
+        _, sock = rendezvous_port(addr, port, host_store=True, what="MASTER_PORT")
+        assert sock is not None
+        fd_text = str(sock.detach())
+    return _TCPStore(
+        addr,
+        port,
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=int(fd_text),
+        use_libuv=True,
+    )
 
 
 _MPI_ENVIRONMENTS = ("openmpi", "mvapich", "mpich")
