@@ -20,10 +20,22 @@ MISUSE = str(Path(__file__).parent / "scripts" / "misuse.py")
 pytestmark = pytest.mark.launcher
 
 
-def _run(tmp_path: Path, scenario: str, debug: bool, timeout_s: float = 30.0) -> list[dict]:
-    env = _env(ONEDIST_DEBUG="1" if debug else "0")
+def _run(
+    tmp_path: Path,
+    scenario: str,
+    debug: bool,
+    timeout_s: float = 30.0,
+    stall_s: str = "0",
+    launcher: str = "spawn",
+) -> list[dict]:
+    env = _env(ONEDIST_DEBUG="1" if debug else "0", ONEDIST_STALL_S=stall_s)
+    if launcher == "run":  # the script's scenario under `onedist run`, which starts its workers
+        env["MISUSE_UNDER_RUN"] = "1"
+        command = [sys.executable, "-m", "onedist", "run", "-n", "2", MISUSE]
+    else:
+        command = [sys.executable, MISUSE]
     proc = subprocess.run(
-        [sys.executable, MISUSE, str(tmp_path), scenario, str(timeout_s)],
+        [*command, str(tmp_path), scenario, str(timeout_s)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -67,6 +79,35 @@ def test_debug_mode_flags_a_collective_inside_one_rank_only(tmp_path):
 
 def test_debug_mode_lets_correct_programs_through(tmp_path):
     assert [r["error"] for r in _run(tmp_path, "ok", debug=True)] == [None, None]
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "run"])
+@pytest.mark.parametrize(
+    "scenario, calls",
+    [
+        (
+            "reduce_vs_barrier",
+            ["rank 0: all_reduce(op=SUM", "misuse.py:21", "rank 1: barrier() at", "misuse.py:23"],
+        ),
+        ("reduce_vs_gather", ["rank 0: all_reduce(op=SUM", "rank 1: all_gather(value", "misuse.py:51"]),
+        ("only_rank0", ["rank 0: all_reduce(op=SUM", "misuse.py:30", "rank 1: barrier() at", "misuse.py:31"]),
+    ],
+)
+def test_ranks_blocked_in_different_collectives_raise_without_debug_or_timeout(
+    scenario, calls, launcher, tmp_path
+):
+    """The stall check (onedist.failures.stall): no debug mode, torch's 30-minute default timeout."""
+    results = _run(tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", launcher=launcher)
+    for r in results:
+        assert r.get("error") == "CollectiveMismatchError", results
+        assert r["elapsed"] < 10.0, r
+        assert all(c in r["message"] for c in calls), (calls, r["message"])
+        assert "without debug mode" in r["message"]
+
+
+def test_a_rank_that_is_only_slow_is_left_alone(tmp_path):
+    """Rank 1 arrives 8 s late (past the 3 s stall check): the same call, so no error."""
+    assert [r["error"] for r in _run(tmp_path, "slow", debug=False, timeout_s=0, stall_s="3")] == [None, None]
 
 
 @pytest.mark.parametrize("scenario", ["reduce_vs_barrier", "only_rank0"])

@@ -31,7 +31,9 @@ class World:
 
     __slots__ = (
         "backend",
+        "call",
         "debug",
+        "describe_call",
         "explaining",
         "hook_installed",
         "one_rank_depth",
@@ -39,6 +41,7 @@ class World:
         "published",
         "watch_stop",
         "watcher",
+        "world_calls",
     )
 
     def __init__(self) -> None:
@@ -56,6 +59,14 @@ class World:
         #: the failure excepthook is installed; the hook it replaced
         self.hook_installed = False
         self.previous_hook: Any = None
+        #: the public collective this process is in (name, args, kwargs, compared arguments, the
+        #: frame, its number among the default group's collectives or -1), None outside one: the
+        #: failure watcher reads it when the call blocks (onedist.failures.stall)
+        self.call: Any = None
+        #: how many collectives on the default group this process started (all ranks agree)
+        self.world_calls = 0
+        #: call record -> what the ranks compare ({"call", "site", "sig"}); set by the collectives
+        self.describe_call: Any = None
         #: the failure watcher thread and the event that stops it (None when not running)
         self.watcher: Any = None
         self.watch_stop: Any = None

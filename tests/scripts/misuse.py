@@ -40,6 +40,15 @@ def scenario(name: str) -> None:
         if rank == 1:
             raise ValueError("rank 1 failed on purpose")
         od.barrier()
+    elif name == "slow":
+        if rank == 1:
+            time.sleep(8)
+        assert od.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    elif name == "reduce_vs_gather":
+        if rank == 0:
+            od.all_reduce(torch.ones(4))
+        else:
+            od.all_gather(torch.ones(3))
     elif name == "ok":
         assert od.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
         assert od.all_gather(torch.ones(rank + 1)).shape == (3,)
@@ -67,5 +76,9 @@ def main(local_rank: int, out_dir: str, name: str) -> None:
 
 if __name__ == "__main__":
     out, name = sys.argv[1], sys.argv[2]
-    timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 30.0
-    od.spawn("gloo", main, args=(out, name), nproc_per_node=2, timeout=timeout)
+    timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 30.0  # 0: torch's default (30 minutes)
+    if os.environ.get("MISUSE_UNDER_RUN"):  # started by `onedist run`: initialise here
+        od.initialize("gloo", timeout=timeout or None)
+        main(od.get_local_rank(), out, name)
+    else:
+        od.spawn("gloo", main, args=(out, name), nproc_per_node=2, timeout=timeout or None)

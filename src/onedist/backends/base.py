@@ -138,6 +138,12 @@ class Backend(ABC):
     def group_rank(self, group: Any) -> int:
         """This process's rank in ``group``, or -1 when it is not a member."""
 
+    def break_pending(self) -> bool:
+        """Make the collective this process waits in fail at once, on this rank and its peers,
+        losing the group (onedist calls it only once the ranks are known to wait in different
+        collectives). False when the backend cannot: the caller then ends the process instead."""
+        return False
+
     @abstractmethod
     def object_group(self, group: Any) -> Any:
         """The group to send CPU byte tensors on (a gloo side group when the backend is GPU-only)."""

@@ -21,6 +21,7 @@ from .._net import discard_store_fd
 from ..environments import PartialLayout, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, bad_value
 from . import _gloo_threads
+from ._connections import break_connections, socket_fds
 from ._environ import restore_env
 from ._rendezvous import check_tcp_host, env_store, prepare_env_rendezvous, rank_world_from_env
 from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
@@ -85,6 +86,9 @@ class NativeBackend(Backend):
         self._env_set = env_set or {}
         #: the init_method onedist initialised with (None for a group made outside onedist)
         self.init_method: Optional[str] = None
+        #: the sockets made with the default group, which break_pending shuts down (none known
+        #: for a group made outside onedist)
+        self._group_fds: frozenset[int] = frozenset()
         self._groups: dict[Any, Any] = {}
         self._object_groups: dict[Any, Any] = {}
         self._group_ranks: dict[Any, tuple[int, ...]] = {}
@@ -166,6 +170,7 @@ class NativeBackend(Backend):
             backend = _MPI4PY
         try:
             store = None
+            fds_before = socket_fds()
             if init_method == "env://" and "store" not in kwargs and backend != "mpi":
                 store, rank, world_size = env_store(backend, timeout, rank, world_size, env_set)
             if store is not None:
@@ -188,10 +193,15 @@ class NativeBackend(Backend):
             raise
         made = cls(owned=True, env_set=env_set)
         made.init_method = init_method
+        made._group_fds = socket_fds() - fds_before  # the store's client and gloo's connections
         return made
 
     def is_stale(self) -> bool:
         return dist.distributed_c10d.GroupMember.WORLD is not self._world
+
+    def break_pending(self) -> bool:
+        port = int(os.environ.get("MASTER_PORT", "-1") or -1)
+        return break_connections(self._group_fds, keep_port=port) > 0
 
     def finalize(self) -> None:
         try:

@@ -189,11 +189,27 @@ def debug_check(
     if decoded is not None:
         lines = [f"onedist debug mode: the ranks of group {list(ranks)} called different collectives:"]
         for r, fp in zip(ranks, decoded):
-            extra = ", ".join(f"{k}={fp[k]}" for k in ("op", "src", "dst") if k in fp)
-            value = f", value {json.dumps(fp['value'])[:200]}" if "value" in fp else ""
-            lines.append(f"  rank {r}: {fp['call']}({extra}{value}) at {fp['site']}")
+            lines.append(f"  rank {r}: {_call_text(fp)} at {fp['site']}")
         lines.append(
             "HINT: every rank of a group must call the same collectives, in the same order, on values of "
             "the same type, dtype and shape (all_gather: any first dimension)"
         )
         raise CollectiveMismatchError("\n".join(lines))
+
+
+def describe_call(call: tuple[Any, ...]) -> dict[str, Any]:
+    """What the ranks compare of a collective that blocks (the failure watcher's stall check):
+    its call site, and its fingerprint as debug mode makes it, without the site."""
+    name, args, kwargs, spec, frame, _ = call
+    site = call_site(user_frame(frame))
+    fp = _fingerprint(name, args, kwargs, site, spec)
+    comparable = json.dumps({k: v for k, v in fp.items() if k != "site"}, sort_keys=True)
+    return {"call": _call_text(fp), "site": site, "sig": comparable}
+
+
+def _call_text(fp: dict[str, Any]) -> str:
+    """``all_reduce(op=SUM, value [...])``: a fingerprint as one rank's line of a mismatch report."""
+    parts = [f"{k}={fp[k]}" for k in ("op", "src", "dst") if k in fp]
+    if "value" in fp:
+        parts.append(f"value {json.dumps(fp['value'])[:200]}")
+    return f"{fp['call']}({', '.join(parts)})"

@@ -8,6 +8,7 @@ inspection); see :mod:`onedist.failures.explain` for what a failure becomes, and
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -16,9 +17,11 @@ from ..errors import CollectiveMismatchError, OnedistError
 from ..failures.explain import explain
 from ..failures.stderr import store_noise_held_back
 from ..state import world
-from .debug import debug_check
+from .debug import debug_check, describe_call
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+world.describe_call = describe_call  # what the failure watcher publishes when a call blocks
 
 
 # ---------------------------------------------------------------------------- the decorator
@@ -33,9 +36,16 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             started = time.monotonic()
+            w = world
+            outer = w.call
+            group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
+            seq = -1
+            if group is None:
+                seq = w.world_calls = w.world_calls + 1
+            # what this rank waits in, should the call block (a tuple: no work until it does)
+            w.call = (name, args, kwargs, spec, sys._getframe(), seq)
             try:
-                if world.debug:  # its exchange is a collective too: a dead peer shows here first
-                    group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
+                if w.debug:  # its exchange is a collective too: a dead peer shows here first
                     debug_check(name, args, kwargs, group, spec)
                 return fn(*args, **kwargs)
             except CollectiveMismatchError as e:  # the ranks' calls tell it all, not onedist's frames
@@ -43,18 +53,19 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
             except OnedistError:
                 raise
             except RuntimeError as e:
-                group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
-                world.explaining += 1
+                w.explaining += 1
                 try:
                     with store_noise_held_back():
-                        err = explain(name, e, group, started)
+                        err = explain(name, e, group, started, seq)
                 finally:
-                    world.explaining -= 1
+                    w.explaining -= 1
                 if err is e:
                     raise
                 if isinstance(err, OnedistError):
                     err.backend_error = e
                 raise err from None  # the explanation stands alone (see OnedistError.backend_error)
+            finally:
+                w.call = outer
 
         return wrapper  # type: ignore[return-value]
 

@@ -21,7 +21,7 @@ from datetime import timedelta
 from types import FrameType
 from typing import Any, Optional
 
-from ..errors import OnedistTimeoutError, RemoteRankError
+from ..errors import CollectiveMismatchError, OnedistTimeoutError, RemoteRankError
 from ..state import world
 from .channel import (
     ACK_KEY,
@@ -32,6 +32,7 @@ from .channel import (
     side_store,
     stuck_reports,
 )
+from .stall import read_verdict
 
 _PEER_GONE_WAIT_S = 0.5  # how long a rank whose peer vanished waits for that peer's report
 
@@ -74,13 +75,16 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
         return tuple(range(b.world_size))
 
 
-def explain(name: str, e: BaseException, group: Any, started: float) -> BaseException:
+def explain(name: str, e: BaseException, group: Any, started: float, seq: int = -1) -> BaseException:
     try:
         rank, world_size = rank_and_world()
     except Exception:
         return e
     if world_size <= 1:
         return e
+    verdict = read_verdict(side_store(), seq, rank, world_size)  # blocked in different calls
+    if verdict is not None:
+        return CollectiveMismatchError(verdict)
     ranks = _group_ranks(group)
     site = call_site(user_frame(sys._getframe(1)))
     failed = failed_reports(ranks, rank)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+import time
+from typing import Any, Optional
 
-from ..errors import RemoteRankError
+from ..errors import CollectiveMismatchError, RemoteRankError
 from ..state import world
 from .channel import FAILED_COUNT, ServerProbe, failed_reports, rank_and_world, side_store
+from .stall import StallCheck
 from .stderr import release_stderr
 
 _WATCH_S = 1.0  # how often each rank asks the store whether another rank failed
@@ -25,7 +27,8 @@ def _watch(stop: Any, store: Any, rank: int, world_size: int, main_ident: int) -
     under launchers that do not kill the job (plain ``srun``). Once a second, one ``add(key, 0)``
     round trip asks the store how many ranks failed; when one did, this rank gets that rank's
     error as a :class:`RemoteRankError` raised in its main thread, and if it is blocked outside
-    Python for longer than 3 s, the error is printed and the process ends (exit status 1).
+    Python for longer than 3 s, the error is printed and the process ends (exit status 1). The
+    same loop compares a blocked collective with the peers' (:mod:`onedist.failures.stall`).
     """
     probe = ServerProbe(store)
     try:
@@ -35,37 +38,77 @@ def _watch(stop: Any, store: Any, rank: int, world_size: int, main_ident: int) -
 
 
 def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int, main_ident: int) -> None:
-    import ctypes
-
     handled = 0
+    stall: Optional[StallCheck] = StallCheck(store, rank, world_size)
     while not stop.wait(_WATCH_S):
         if probe.gone():
             return  # the rank hosting the store exited: the job is ending
         try:
             count = int(store.add(FAILED_COUNT, 0))
-            if count <= handled or world.published or world.explaining:
-                continue
-            handled = count
-            failed = failed_reports(range(world_size), rank)
+            failed = {}
+            if count > handled and not world.published and not world.explaining:
+                handled = count
+                failed = failed_reports(range(world_size), rank)
+            verdict = stall.sample() if stall is not None and not failed and not world.explaining else None
         except Exception:
             return  # the store is gone: the job is ending anyway
-        if not failed:
-            continue
-        r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
-        message = (
-            f"onedist: rank {r} failed, so rank {rank} stops too:\n{report.get('traceback', '').rstrip()}"
-        )
-
-        remote = _remote_error_class(message, r)
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main_ident), ctypes.py_object(remote))
-        if stop.wait(_WATCH_GRACE_S):
+        if failed:
+            r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
+            message = (
+                f"onedist: rank {r} failed, so rank {rank} stops too:\n{report.get('traceback', '').rstrip()}"
+            )
+            _end_main_thread(stop, main_ident, _remote_error_class(message, r), message, rank)
             return
-        try:
-            release_stderr()
-            sys.stderr.write(message + f"\n(rank {rank} was blocked outside Python; ending it)\n")
-            sys.stderr.flush()
-        finally:
-            os._exit(1)
+        if verdict is not None:
+            stall = None  # one verdict per group: its connections are gone after it
+            if not _break_pending(stop):
+                _end_main_thread(stop, main_ident, _mismatch_error_class(verdict), verdict, rank)
+                return
+
+
+def _break_pending(stop: Any) -> bool:
+    """Break the group's connections so the blocked call raises (the guard explains it); True when
+    the main thread left that call within the grace period."""
+    blocked = world.call
+    try:
+        broke = world.backend.break_pending()
+    except Exception:
+        broke = False
+    if not broke:
+        return False
+    deadline = time.monotonic() + _WATCH_GRACE_S
+    while world.call is blocked and time.monotonic() < deadline:
+        if stop.wait(0.05):
+            return True
+    return world.call is not blocked
+
+
+def _end_main_thread(stop: Any, main_ident: int, error: type[BaseException], message: str, rank: int) -> None:
+    """Raise ``error`` in the main thread; end the process if it is still blocked outside Python
+    after the grace period."""
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main_ident), ctypes.py_object(error))
+    if stop.wait(_WATCH_GRACE_S):
+        return
+    try:
+        release_stderr()
+        sys.stderr.write(message + f"\n(rank {rank} was blocked outside Python; ending it)\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
+def _mismatch_error_class(message: str) -> type[CollectiveMismatchError]:
+    """A CollectiveMismatchError whose no-argument constructor gives ``message`` (see below)."""
+
+    class _Mismatch(CollectiveMismatchError):
+        def __init__(self) -> None:
+            super().__init__(message)
+
+    _Mismatch.__name__ = _Mismatch.__qualname__ = "CollectiveMismatchError"
+    _Mismatch.__module__ = CollectiveMismatchError.__module__
+    return _Mismatch
 
 
 def _remote_error_class(message: str, rank: int) -> type[RemoteRankError]:
