@@ -84,6 +84,43 @@ def evaluate(model: nn.Module, loader: Any) -> float:
     return (gathered["pred"] == gathered["target"]).double().mean().item()
 
 
+def train_epoch(model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, epoch: int, args: Any) -> Any:
+    """One pass over this rank's share of the data (the rest of it, in a resumed epoch)."""
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    seen = 0
+    steps = len(loader) if args.max_steps is None else min(len(loader), args.max_steps)
+    first = args.step - (epoch - 1) * steps  # > 0 when this epoch resumes from a checkpoint
+    for i, (x, y) in enumerate(_progress(loader, epoch), start=first):  # reshuffles every epoch
+        if i == args.max_steps:
+            break
+        x, y = x.to(od.device()), y.to(od.device())
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        loss_sum += loss.detach().double().cpu() * len(y)
+        seen += len(y)
+        args.step += 1
+        if args.checkpoint_every and args.step % args.checkpoint_every == 0 and i + 1 < steps:
+            save_state(model, optimizer, scheduler, loader, args)  # the epoch's end saves below
+    return od.all_reduce({"loss": loss_sum, "seen": seen})  # one collective for both
+
+
+def save_state(model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, args: Any) -> None:
+    if args.checkpoint_dir:
+        sampler = loader.sampler if isinstance(loader.sampler, od.DistributedSampler) else None
+        od.save_training_state(
+            args.checkpoint_dir,
+            args.step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            sampler=sampler,
+        )
+
+
 def training(local_rank: int, args: argparse.Namespace) -> float:
     torch.manual_seed(args.seed)
     train_set, test_set = datasets()
@@ -95,37 +132,36 @@ def training(local_rank: int, args: argparse.Namespace) -> float:
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.lr, epochs=args.epochs, steps_per_epoch=len(train_loader)
     )
+    args.step = 0  # optimizer steps done
+    if args.checkpoint_dir:  # 0 on a fresh start; after a restart, the newest checkpoint's step
+        sampler = train_loader.sampler if isinstance(train_loader.sampler, od.DistributedSampler) else None
+        args.step = od.resume(
+            args.checkpoint_dir, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler
+        )
     if od.is_main_process():
+        if args.step:
+            print(f"resumed from step {args.step} (restart {od.restart_count()})", flush=True)
         od.show_config()
         print(
             f"train {len(train_set)} / test {len(test_set)} samples, global batch {args.batch_size}",
             flush=True,
         )
-    accuracy = 0.0
-    for epoch in range(1, args.epochs + 1):
+    accuracy = None
+    for epoch in range(args.step // len(train_loader) + 1, args.epochs + 1):
         start = time.perf_counter()
-        model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        seen = 0
-        for step, (x, y) in enumerate(_progress(train_loader, epoch)):  # reshuffles every epoch
-            if step == args.max_steps:
-                break
-            x, y = x.to(od.device()), y.to(od.device())
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            loss_sum += loss.detach().double().cpu() * len(y)
-            seen += len(y)
-        totals = od.all_reduce({"loss": loss_sum, "seen": seen})  # one collective for both
+        totals = train_epoch(model, optimizer, scheduler, train_loader, epoch, args)
         accuracy = evaluate(model, test_loader)
+        save_state(model, optimizer, scheduler, train_loader, args)  # after evaluate: its RNG draw too
         if od.is_main_process():
             print(
-                f"epoch {epoch:2d}  train loss {float(totals['loss']) / totals['seen']:.4f}  "
+                f"epoch {epoch:2d}  train loss {float(totals['loss']) / max(1, totals['seen']):.4f}  "
                 f"test accuracy {accuracy:.4f}  ({time.perf_counter() - start:.1f} s)",
                 flush=True,
             )
+    if accuracy is None:  # resumed from the last epoch's checkpoint: nothing left to train
+        accuracy = evaluate(model, test_loader)
+    if args.save_final:
+        od.save_checkpoint({"model": model}, args.save_final)
     # every rank must hold the same model: compare a checksum of the parameters across ranks
     checksum = float(sum(p.detach().double().sum().cpu() for p in od.unwrap(model).parameters()))
     checksums = od.all_gather(checksum)
@@ -154,7 +190,19 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
     parser.add_argument("--target", type=float, default=0.95, help="exit 1 below this final test accuracy")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save the training state here at each epoch's end and resume from the newest one "
+        "(onedist run --max-restarts N restarts the workers after a failure)",
+    )
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="also save every K steps (0: no)")
+    parser.add_argument("--save-final", default=None, help="write the final model's state dict here")
     args = parser.parse_args()
+    if args.checkpoint_dir and args.max_steps is not None:
+        parser.error("--max-steps cannot be combined with --checkpoint-dir (a cut epoch cannot be resumed)")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every={args.checkpoint_every} is not allowed; allowed: an int >= 0")
     backend = None if args.backend in ("none", "serial") else args.backend
     with od.Parallel(backend=backend, nproc_per_node=args.nproc_per_node) as parallel:
         accuracy = parallel.run(training, args)

@@ -71,6 +71,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
         initialize as initialize,
         is_main_process as is_main_process,
         model_name as model_name,
+        restart_count as restart_count,
         set_local_rank as set_local_rank,
         show_config as show_config,
         sync as sync,
@@ -109,6 +110,11 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     )
     from .training.evaluation import (
         all_gather_eval as all_gather_eval,
+    )
+    from .training.resume import (
+        checkpoint_path as checkpoint_path,
+        resume as resume,
+        save_training_state as save_training_state,
     )
     from .training.samplers import (
         DistributedEvalSampler as DistributedEvalSampler,
@@ -162,6 +168,7 @@ _LAZY = {
     "initialize": "context",
     "is_main_process": "context",
     "model_name": "context",
+    "restart_count": "context",
     "set_local_rank": "context",
     "show_config": "context",
     "sync": "context",
@@ -185,6 +192,9 @@ _LAZY = {
     "CheckpointNotFoundError": "training.checkpoint",
     "load_checkpoint": "training.checkpoint",
     "save_checkpoint": "training.checkpoint",
+    "checkpoint_path": "training.resume",
+    "resume": "training.resume",
+    "save_training_state": "training.resume",
     "all_gather_eval": "training.evaluation",
     "DistributedEvalSampler": "training.samplers",
     "DistributedProxySampler": "training.samplers",

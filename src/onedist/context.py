@@ -11,6 +11,7 @@ import logging
 import numbers
 import os
 import socket
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -391,6 +392,33 @@ def is_main_process() -> bool:
         only once
     """
     return current().rank == 0
+
+
+def restart_count(environ: Optional[Mapping[str, str]] = None) -> int:
+    """How many times the launcher restarted this job's workers: 0 on the first run.
+
+    Read from ``TORCHELASTIC_RESTART_COUNT``, which ``onedist run --max-restarts N`` and torchrun
+    set (0 when unset: no launcher that restarts). Pair it with :func:`onedist.resume`.
+
+    Args:
+        environ: the variables to read (default ``os.environ``).
+
+    Example:
+        >>> import onedist as od
+        >>> od.restart_count({"TORCHELASTIC_RESTART_COUNT": "2"}), od.restart_count({})
+        (2, 0)
+    """
+    env = os.environ if environ is None else environ
+    text = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise bad_value(
+            "restart_count", "TORCHELASTIC_RESTART_COUNT", text, "an int >= 0 (set by the launcher)"
+        )
+    return count
 
 
 def set_local_rank(index: int) -> None:

@@ -16,6 +16,11 @@ after the workers started, so that their start is not delayed by it.
 Output lines are prefixed with ``[rank<N>]: `` (``--output-ranks`` keeps only some ranks). When a
 worker fails, the others are stopped (SIGTERM, SIGKILL 3 s later), the failing rank's error is
 printed first, and the exit status is non-zero. SIGINT/SIGTERM are forwarded to the workers.
+
+``--max-restarts N`` (one node): after a worker failed and the others were stopped, start them
+all again, up to N times, each attempt on a fresh port and store, with the attempt number in
+``TORCHELASTIC_RESTART_COUNT`` (one line on stderr per restart); the exit status is the last
+attempt's. A signal to the launcher is not a failure: it is never restarted.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import IO, Any, Optional
 
 from .._net import LOOPBACK, rendezvous_port
 from ..environments import detect
-from .report import failure_report
+from .report import Failure, failure_report
 from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
@@ -85,7 +90,12 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         "--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="run id (TORCHELASTIC_RUN_ID)"
     )
     p.add_argument(
-        "--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0, help="0 (no restarts)"
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=0,
+        help="restart the workers up to N times after a failure (one node)",
     )
     p.add_argument(
         "--backend",
@@ -168,14 +178,22 @@ def _rendezvous_args(args: argparse.Namespace) -> None:
     low, _, high = str(args.nnodes).partition(":")
     if not low.isdigit() or (high and high != low):
         raise _UsageError(
-            f"--nnodes={args.nnodes} is not allowed; allowed: N or N:N (elastic ranges need restarts, "
-            "which onedist run does not do)"
+            f"--nnodes={args.nnodes} is not allowed; allowed: N or N:N (elastic node counts need re-forming "
+            "the group, which onedist run does not do)"
         )
     args.nnodes = int(low)
     if args.rdzv_backend not in ("static", "c10d"):
         raise _UsageError(f"--rdzv-backend={args.rdzv_backend!r} is not allowed; allowed: 'static', 'c10d'")
-    if args.max_restarts != 0:
-        raise _UsageError(f"--max-restarts={args.max_restarts} is not allowed; allowed: 0")
+    if args.max_restarts < 0:
+        raise _UsageError(
+            f"--max-restarts={args.max_restarts} is not allowed; allowed: an int >= 0 "
+            "(how many times the workers are started again after a failure)"
+        )
+    if args.max_restarts != 0 and args.nnodes > 1:
+        raise _UsageError(
+            f"--max-restarts={args.max_restarts} is not allowed with --nnodes={args.nnodes}: "
+            "multi-node restarts are not built yet; allowed: 0, or one node (--nnodes 1)"
+        )
     if args.node_rank is None:
         if args.nnodes > 1 and args.rdzv_backend == "c10d":
             raise _UsageError(
@@ -226,7 +244,12 @@ def _base_env(args: argparse.Namespace, nproc: int) -> dict[str, str]:
 
 
 def _start_workers(
-    args: argparse.Namespace, nproc: int, port: int, tmpdir: str, supervisor: Supervisor[PopenWorker]
+    args: argparse.Namespace,
+    nproc: int,
+    port: int,
+    tmpdir: str,
+    supervisor: Supervisor[PopenWorker],
+    attempt: int = 0,
 ) -> None:
     """Start the ``nproc`` workers of this node, each added to ``supervisor`` as it starts."""
     base_env = _base_env(args, nproc)
@@ -238,7 +261,7 @@ def _start_workers(
         env = {
             **base_env,
             **torchrun_env(local_rank, nproc, args.node_rank, args.nnodes, args.master_addr, port),
-            **_AGENT_ENV,
+            **_agent_env(attempt, args.max_restarts),
             "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(nproc * args.nnodes),
             "ONEDIST_ERROR_FILE": error_file,
@@ -276,6 +299,42 @@ def _start_pumps(
 
 def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> int:
     _check_nodes(args)
+    args.rdzv_id = args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}"  # one run id for every attempt
+    received: list[int] = []
+    current: list[Supervisor[PopenWorker]] = [Supervisor()]
+
+    def forward(signum: int, frame: Any) -> None:
+        received.append(signum)
+        current[0].signal_all(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        attempt = 0
+        while True:
+            current[0] = Supervisor()
+            code, failures = _attempt(args, nproc, show, attempt, current[0], received)
+            # a signal to the launcher ends the job: only a worker's own failure is restarted
+            if code == 0 or received or attempt >= args.max_restarts:
+                return code
+            attempt += 1
+            sys.stderr.write(_restart_line(failures, attempt, args.max_restarts))
+            sys.stderr.flush()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _attempt(
+    args: argparse.Namespace,
+    nproc: int,
+    show: Optional[set[int]],
+    attempt: int,
+    supervisor: Supervisor[PopenWorker],
+    received: list[int],
+) -> tuple[int, list[Failure]]:
+    """Start this node's workers once (attempt ``attempt``) and watch them: the exit status, and
+    the failures. Each attempt gets a fresh store, so no key of a failed attempt (a failure
+    report, a counter) is read by the next one."""
     # node 0 binds it here and hands it to rank 0's store: no window for another program to take
     # the port, a port in use fails before any worker starts, and one node listens on loopback only
     try:
@@ -285,28 +344,21 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
     except OSError as e:
         raise _UsageError(e.strerror or str(e)) from e
     tmpdir = tempfile.mkdtemp(prefix="onedist-run-")
-    supervisor = Supervisor[PopenWorker]()
     pumps: list[threading.Thread] = []
-    received: list[int] = []
     stores: list[Any] = []  # the agent store, kept until every worker ended
-
-    def forward(signum: int, frame: Any) -> None:
-        received.append(signum)
-        supervisor.signal_all(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    failures: list[Failure] = []
     try:
-        _start_workers(args, nproc, port, tmpdir, supervisor)
-        pumps = _start_pumps(supervisor, args.no_prefix, show)
+        if not received:
+            _start_workers(args, nproc, port, tmpdir, supervisor, attempt)
+            pumps = _start_pumps(supervisor, args.no_prefix, show)
         if store_sock is not None:  # after the last fork: the store runs threads of its own
             stores.append(_agent_store(store_sock, args.master_addr, nproc * args.nnodes))
             store_sock = None
-        return _wait(supervisor, pumps, received)
+        last = attempt >= args.max_restarts
+        return _wait(supervisor, pumps, received, failures, report=last), failures
     finally:
         if store_sock is not None:
             store_sock.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         supervisor.stop()
         stores.clear()  # its server stops here, after the workers
         for t in pumps:
@@ -314,13 +366,34 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-# what torchrun's agent adds to the rendezvous variables (one role, no restarts, the agent's store)
-_AGENT_ENV = {
-    "ROLE_NAME": "default",
-    "TORCHELASTIC_USE_AGENT_STORE": "True",
-    "TORCHELASTIC_RESTART_COUNT": "0",
-    "TORCHELASTIC_MAX_RESTARTS": "0",
-}
+def _restart_line(failures: list[Failure], attempt: int, max_restarts: int) -> str:
+    """``onedist run: rank 1 failed (killed by signal SIGKILL); restarting the workers (attempt 1
+    of 3)``: the ranks that failed on their own (not those stopped, nor their consequences)."""
+    causes = [f for f in failures if not f.secondary] or [f for f in failures if not f.stopped]
+    ranks = ", ".join(str(f.rank) for f in causes) or "?"
+    why = "; ".join(_cause(f) for f in causes)
+    return (
+        f"onedist run: rank{'s' if len(causes) > 1 else ''} {ranks} failed ({why}); "
+        f"restarting the workers (attempt {attempt} of {max_restarts})\n"
+    )
+
+
+def _cause(f: Failure) -> str:
+    if f.exc_type is not None:
+        return f"{f.exc_type}: {f.message.splitlines()[0] if f.message else ''}"
+    if f.exitcode is not None and f.exitcode < 0:
+        return f"exit code {f.exitcode}, {f.what().removeprefix('was ')}"
+    return f"exit code {f.exitcode}"
+
+
+def _agent_env(attempt: int, max_restarts: int) -> dict[str, str]:
+    """What torchrun's agent adds to the rendezvous variables (one role, the agent's store)."""
+    return {
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+    }
 
 
 def _agent_store(sock: Any, master_addr: str, world_size: int) -> Any:
@@ -340,8 +413,15 @@ def _agent_store(sock: Any, master_addr: str, world_size: int) -> Any:
     )
 
 
-def _wait(supervisor: Supervisor[PopenWorker], pumps: list[threading.Thread], received: list[int]) -> int:
-    """Watch the workers (5 s after a forwarded signal, stop those left); the exit status."""
+def _wait(
+    supervisor: Supervisor[PopenWorker],
+    pumps: list[threading.Thread],
+    received: list[int],
+    failures_out: list[Failure],
+    report: bool = True,
+) -> int:
+    """Watch the workers (5 s after a forwarded signal, stop those left); the exit status. The
+    failures go to ``failures_out``; their report is printed only with ``report``."""
     signalled_at: list[float] = []
 
     def give_up() -> bool:
@@ -350,6 +430,7 @@ def _wait(supervisor: Supervisor[PopenWorker], pumps: list[threading.Thread], re
         return bool(signalled_at) and time.monotonic() >= signalled_at[0] + 5.0
 
     failures = supervisor.watch(give_up)
+    failures_out.extend(failures)
     for t in pumps:  # let the output of every worker drain before the summary
         t.join(timeout=1.0)
     if received:
@@ -357,8 +438,9 @@ def _wait(supervisor: Supervisor[PopenWorker], pumps: list[threading.Thread], re
         return 128 + received[0]
     if not failures:
         return 0
-    primary, report = failure_report(failures)
-    sys.stderr.write(report.replace("onedist: worker", "onedist run: worker", 1) + "\n")
+    primary, text = failure_report(failures)
+    if report:  # a failure that is restarted gets one line instead (:func:`_restart_line`)
+        sys.stderr.write(text.replace("onedist: worker", "onedist run: worker", 1) + "\n")
     code = primary.exitcode
     return code if code is not None and 0 < code < 128 else 1
 

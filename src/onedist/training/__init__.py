@@ -5,7 +5,8 @@
 * ``samplers.py``: the distributed samplers;
 * ``syncbn.py``: onedist's SyncBatchNorm (CPU and any backend), and the conversion;
 * ``evaluation.py``: :func:`~onedist.all_gather_eval`, exact distributed evaluation;
-* ``checkpoint.py``: :func:`~onedist.save_checkpoint`, :func:`~onedist.load_checkpoint`.
+* ``checkpoint.py``: :func:`~onedist.save_checkpoint`, :func:`~onedist.load_checkpoint`;
+* ``resume.py``: :func:`~onedist.save_training_state`, :func:`~onedist.resume` (step checkpoints).
 
 Nothing below this layer imports it. The modules import nothing at package import time, so
 ``import onedist`` stays free of torch.

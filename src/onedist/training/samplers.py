@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any, Optional
 
 import torch
@@ -84,10 +84,74 @@ class DistributedSampler(_AutoEpoch, _TorchDistributedSampler):  # type: ignore[
         super().__init__(dataset, num_replicas=n, rank=r, shuffle=shuffle, seed=seed, drop_last=drop_last)  # type: ignore[arg-type]
         self._passes = 0
         self._epoch_set = False
+        self._position = 0  # indices handed out in the current pass
+        self._start = 0  # the next pass skips this many (a resumed pass)
+        self._at_start: Optional[Callable[[], None]] = None  # run when the resumed pass starts
 
     def __iter__(self) -> Iterator[int]:
         self._next_pass()
-        return super().__iter__()
+        start, self._start = self._start, 0
+        at_start, self._at_start = self._at_start, None
+        indices = list(super().__iter__())[start:]
+        if at_start is not None:
+            # a DataLoader draws its base seed from the global RNG between creating its iterator
+            # and this call: restoring the RNG here, not earlier, keeps a resumed run bit-identical
+            at_start()
+        return self._counted(indices, start)
+
+    def _counted(self, indices: list[int], start: int) -> Iterator[int]:
+        self._position = start
+        for i in indices:
+            self._position += 1
+            yield i
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this rank is: the epoch and the indices handed out in its pass (for a checkpoint).
+
+        The position counts what the sampler handed to the ``DataLoader``; with ``num_workers > 0``
+        the loader fetches batches ahead, so save mid-epoch states with ``num_workers=0`` only.
+
+        Example:
+            >>> import onedist as od
+            >>> s = od.DistributedSampler(range(8), num_replicas=2, rank=0)
+            >>> it = iter(s); _ = next(it), next(it)
+            >>> s.state_dict()
+            {'epoch': 0, 'position': 2}
+        """
+        return {"epoch": int(self.epoch), "position": int(self._position)}
+
+    def load_state_dict(
+        self, state: Mapping[str, int], at_start: Optional[Callable[[], None]] = None
+    ) -> None:
+        """Continue from ``state`` (:meth:`state_dict`): the next pass is its epoch from its position,
+        or the next epoch from the start when its pass was complete. ``at_start`` runs when that
+        pass starts (after the ``DataLoader`` drew its seed), or now when the next pass starts afresh.
+
+        Example:
+            >>> import onedist as od
+            >>> s = od.DistributedSampler(range(8), num_replicas=2, rank=0)
+            >>> full = list(s)
+            >>> s2 = od.DistributedSampler(range(8), num_replicas=2, rank=0)
+            >>> s2.load_state_dict({"epoch": 0, "position": 1})
+            >>> list(s2) == full[1:]
+            True
+        """
+        if not isinstance(state, Mapping) or not all(
+            isinstance(state.get(k), int) and state[k] >= 0 for k in ("epoch", "position")
+        ):
+            raise bad_value(
+                "DistributedSampler.load_state_dict",
+                "state",
+                state,
+                "{'epoch': int >= 0, 'position': int >= 0}",
+            )
+        done = state["position"] >= self.num_samples
+        self.set_epoch(state["epoch"] + 1 if done else state["epoch"])
+        self._start = 0 if done else state["position"]
+        self._position = 0
+        self._at_start = None if done else at_start
+        if done and at_start is not None:  # the next pass starts afresh, as it did in the saved run
+            at_start()
 
 
 class DistributedProxySampler(_AutoEpoch, Sampler[int]):

@@ -1,0 +1,138 @@
+"""od.save_training_state / od.resume / od.restart_count in one process: the newest complete
+checkpoint, the RNG and the sampler's position restored bit for bit, and the argument errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import onedist as od
+from onedist.training.resume import newest_step
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
+
+
+def test_no_checkpoint_is_step_0(tmp_path):
+    assert od.resume(tmp_path / "missing", model=_model()) == 0
+    assert od.resume(tmp_path, model=_model()) == 0
+
+
+def test_the_newest_complete_checkpoint_is_loaded_and_temp_files_are_ignored(tmp_path):
+    model = _model()
+    for step in (2, 10, 9):
+        with torch.no_grad():
+            model[0].weight.fill_(step)
+        od.save_training_state(tmp_path, step, model=model)
+    # what a writer killed mid-write leaves: a temporary name, never the final one
+    (tmp_path / ".step_00000099.pt.123.abc.tmp").write_bytes(b"torn")
+    (tmp_path / "step_99.pt").write_bytes(b"not ours")  # not the 8-digit name
+    assert newest_step(tmp_path) == 10
+    fresh = _model()
+    assert od.resume(tmp_path, model=fresh) == 10
+    assert torch.equal(fresh[0].weight, torch.full_like(fresh[0].weight, 10))
+    assert od.checkpoint_path(tmp_path, 10).name == "step_00000010.pt"
+
+
+def test_rng_states_come_back(tmp_path):
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    od.save_training_state(tmp_path, 1)
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(4)
+    random.seed(4)
+    np.random.seed(4)
+    assert od.resume(tmp_path) == 1
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def _train(model, optimizer, loader, steps, start=0, save=None):
+    """A loop with dropout and a shuffling sampler: steps start..steps-1, saving after ``save``."""
+    step = start
+    while step < steps:
+        for x, y in loader:
+            step += 1
+            _one_step(model, optimizer, x, y)
+            if save is not None and step == save[1]:
+                od.save_training_state(
+                    save[0], step, model=model, optimizer=optimizer, sampler=loader.sampler
+                )
+            if step == steps:
+                return
+        assert step % len(loader) == 0  # a resumed epoch ended where a whole one does
+
+
+def _one_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("saved_at", [3, 4, 6])  # mid-epoch, an epoch's end, mid-epoch of the 2nd
+def test_resuming_mid_epoch_is_bit_identical(saved_at, tmp_path):
+    data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+
+    def setup():
+        model = _model()
+        sampler = od.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
+        loader = DataLoader(data, batch_size=4, sampler=sampler)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1), loader
+
+    model, opt, loader = setup()
+    _train(model, opt, loader, 10, save=(tmp_path, saved_at))
+    model2, opt2, loader2 = setup()
+    torch.rand(5)  # the restarted process's RNG is elsewhere
+    start = od.resume(tmp_path, model=model2, optimizer=opt2, sampler=loader2.sampler)
+    assert start == saved_at
+    _train(model2, opt2, loader2, 10, start=start)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_sampler_state_round_trip():
+    s = od.DistributedSampler(range(10), num_replicas=2, rank=1, seed=5)
+    first = list(s)
+    s2 = od.DistributedSampler(range(10), num_replicas=2, rank=1, seed=5)
+    s2.load_state_dict({"epoch": 0, "position": 2})
+    assert list(s2) == first[2:]
+    second = list(s)
+    s3 = od.DistributedSampler(range(10), num_replicas=2, rank=1, seed=5)
+    s3.load_state_dict({"epoch": 0, "position": 5})  # the pass was complete: the next epoch
+    assert list(s3) == second and s3.epoch == 1
+    with pytest.raises(od.OnedistValueError, match="state"):
+        s3.load_state_dict({"epoch": -1, "position": 0})
+
+
+@pytest.mark.parametrize(
+    "call, argument",
+    [
+        (lambda d: od.resume(3), "directory"),
+        (lambda d: od.resume(d, model="net"), "model"),
+        (lambda d: od.resume(d, optimizer=object()), "optimizer"),
+        (lambda d: od.resume(d, sampler=torch.utils.data.SequentialSampler(range(3))), "sampler"),
+        (lambda d: od.save_training_state(d, -1), "step"),
+        (lambda d: od.save_training_state(d, True), "step"),
+        (lambda d: od.save_training_state(d, 1.5), "step"),
+        (lambda d: od.save_training_state(d, 1, scheduler=3), "scheduler"),
+        (lambda d: od.checkpoint_path("", 1), "directory"),
+    ],
+)
+def test_bad_arguments_name_the_argument(call, argument, tmp_path):
+    with pytest.raises((od.OnedistTypeError, od.OnedistValueError), match=rf"\b{argument}\b.*allowed"):
+        call(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_restart_count():
+    assert od.restart_count({}) == 0
+    assert od.restart_count({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
+    with pytest.raises(od.OnedistValueError, match="TORCHELASTIC_RESTART_COUNT.*allowed: an int >= 0"):
+        od.restart_count({"TORCHELASTIC_RESTART_COUNT": "x"})
