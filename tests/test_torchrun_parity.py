@@ -36,6 +36,13 @@ def _launch(launcher: str, nproc: int, *target: str) -> subprocess.CompletedProc
     )
 
 
+def _torch_exit_abort(done: subprocess.CompletedProcess[str]) -> bool:
+    """torchrun's worker of a plain DDP script aborted at exit, after the script succeeded: a gloo
+    thread of the group DDP keeps alive took the GIL while Python finalized (torch 2.13; 1 in ~10
+    runs here). `onedist run` lets those threads go idle first, so it is held to exit status 0."""
+    return done.returncode != 0 and "terminate called without an active exception" in done.stderr
+
+
 def _rank_lines(stdout: str) -> list[str]:
     return sorted(line for line in stdout.splitlines() if line.startswith("rank "))
 
@@ -55,6 +62,8 @@ def _rank_lines(stdout: str) -> list[str]:
 def test_same_output_as_torchrun(nproc, target):
     runs = {name: _launch(name, nproc, *target) for name in LAUNCHERS}
     for name, done in runs.items():
+        if name == "torchrun" and _torch_exit_abort(done):
+            continue  # torch's own bug, not the subject: its output is still the reference
         assert done.returncode == 0, f"{name}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     lines = {name: _rank_lines(done.stdout) for name, done in runs.items()}
     assert lines["torchrun"], runs["torchrun"].stdout
