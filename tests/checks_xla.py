@@ -302,7 +302,17 @@ def check_digits_example_trains() -> dict[str, Any]:
             sys.modules["digits_example"] = digits
         _spy_auto_model()
     args = argparse.Namespace(
-        seed=0, batch_size=64, lr=0.01, epochs=1, max_steps=8, sync_bn=False, target=0.0, nproc_per_node=2
+        seed=0,
+        batch_size=64,
+        lr=0.01,
+        epochs=1,
+        max_steps=8,
+        sync_bn=False,
+        target=0.0,
+        nproc_per_node=2,
+        checkpoint_dir=None,
+        checkpoint_every=0,
+        save_final=None,
     )
     accuracy = digits.training(od.get_local_rank(), args)
     _materialize()
