@@ -70,3 +70,61 @@ def test_every_module_is_on_the_architecture_page() -> None:
         and str(p.relative_to(PACKAGE.parent)) not in named
     ]
     assert missing == []
+
+
+def _imports(path: Path) -> set[str]:
+    """The onedist modules ``path`` imports, anywhere in it (function-level imports too)."""
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    if path.name == "__init__.py":
+        module = package
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("onedist")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base.startswith("onedist"):
+                found |= {f"{base}.{a.name}" for a in node.names} | {base}
+    return found - {module}
+
+
+def test_no_import_circle() -> None:
+    """No module reaches itself through the imports of the modules it imports (Tarjan's SCCs)."""
+    modules = {}
+    for p in _sources():
+        name = ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = p
+    graph = {m: {i for i in _imports(p) if i in modules} for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    assert len(graph) > 60 and sum(map(len, graph.values())) > 150  # the graph is really read
+    assert circles == []
