@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Iterable
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Optional
 
 __all__ = [
@@ -176,6 +176,21 @@ def user_traceback(tb: Optional[TracebackType]) -> Optional[TracebackType]:
 def _launcher_frame(filename: str) -> bool:
     runpy = filename == "<frozen runpy>" or filename.endswith(f"{os.sep}runpy.py")
     return runpy or filename.startswith(_PACKAGE)
+
+
+def user_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
+    """The first frame from ``frame`` outward that is not in onedist's files (any subpackage):
+    where the user called onedist; None when there is none."""
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame = frame.f_back
+    return frame
+
+
+def call_site(frame: Optional[FrameType]) -> str:
+    """``file:line`` of ``frame`` (``<unknown>`` for None)."""
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def format_user_traceback(exc: BaseException, tb: Optional[TracebackType] = None) -> str:

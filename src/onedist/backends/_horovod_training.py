@@ -41,13 +41,12 @@ class HorovodTraining(Backend):
         optimizer, see :meth:`wrap_optimizer`). With ``sync_bn`` the BatchNorm layers are
         :class:`onedist.SyncBatchNorm` already (``sync_bn_by_onedist``: auto_model converted them).
         DDP keyword arguments are checked and have no effect."""
-        ours = hooks
-        if ours:
-            name = sorted(ours)[0]
+        if hooks:
+            name = sorted(hooks)[0]
             raise bad_value(
                 "auto_model",
                 name,
-                ours[name],
+                hooks[name],
                 "not given with backend 'horovod' (DDP communication hooks)",
                 hint="with Horovod, compress gradients with od.auto_optim(optimizer, compression='fp16')",
             )

@@ -36,6 +36,8 @@ from ..errors import (
     OnedistTimeoutError,
     OnedistValueError,
     RemoteRankError,
+    call_site,
+    user_frame,
 )
 from ._environ import set_env
 
@@ -320,22 +322,17 @@ def announce_init_failure(exc: BaseException) -> None:
     hosting = rank == 0 and not agent_store
     try:
         store = _failure_store(addr, port, world_size, hosting)
-        report = {"type": type(exc).__name__, "message": str(exc), "site": _caller_outside_onedist()}
+        report = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "site": call_site(user_frame(sys._getframe(1))),
+        }
         store.set(_FAILED_KEY.format(rank), json.dumps(report))
         store.add(_FAILED_COUNT, 1)
         if hosting:
             _hold_for_peers(store, world_size)
     except Exception:
         pass  # the peers then wait for their own timeout, as before
-
-
-def _caller_outside_onedist() -> str:
-    """``file:line`` of the first frame outside onedist (where the user called initialize)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame = sys._getframe(1)
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame = frame.f_back
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _hold_for_peers(store: Any, world_size: int) -> None:

@@ -20,8 +20,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from ..context import current
-from ..errors import CollectiveMismatchError, OnedistRuntimeError
-from ..failures.explain import call_site, user_frame
+from ..errors import CollectiveMismatchError, OnedistRuntimeError, call_site, user_frame
 from ..state import world
 from .base import resolve_group
 from .exchange import gather_values

@@ -14,14 +14,12 @@ When the communication library raises in a collective:
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from datetime import timedelta
-from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
-from ..errors import CollectiveMismatchError, OnedistTimeoutError, RemoteRankError
+from ..errors import CollectiveMismatchError, OnedistTimeoutError, RemoteRankError, call_site, user_frame
 from ..state import world
 from .channel import (
     ACK_KEY,
@@ -38,23 +36,6 @@ _PEER_GONE_WAIT_S = 0.5  # how long a rank whose peer vanished waits for that pe
 
 
 _REPORT_WAIT_S = 3.0  # how long a timed-out rank waits for the others' reports (and rank 0 for receipts)
-
-
-#: onedist's own files (every subpackage): a call site is the first frame outside them
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-# ---------------------------------------------------------------------------- call sites
-def user_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
-        frame = frame.f_back
-    return frame
-
-
-def call_site(frame: Optional[FrameType]) -> str:
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 # ---------------------------------------------------------------------------- failure translation
