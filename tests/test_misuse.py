@@ -3,6 +3,7 @@ a crashed rank's error on its peers (tests/scripts/misuse.py, 2 real gloo proces
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -27,11 +28,14 @@ def _run(
     timeout_s: float = 30.0,
     stall_s: str = "0",
     launcher: str = "spawn",
+    backend: str = "gloo",
+    nproc: int = 2,
 ) -> list[dict]:
     env = _env(ONEDIST_DEBUG="1" if debug else "0", ONEDIST_STALL_S=stall_s)
+    env.update(MISUSE_BACKEND=backend, MISUSE_NPROC=str(nproc))
     if launcher == "run":  # the script's scenario under `onedist run`, which starts its workers
         env["MISUSE_UNDER_RUN"] = "1"
-        command = [sys.executable, "-m", "onedist", "run", "-n", "2", MISUSE]
+        command = [sys.executable, "-m", "onedist", "run", "-n", str(nproc), MISUSE]
     else:
         command = [sys.executable, MISUSE]
     proc = subprocess.run(
@@ -42,7 +46,7 @@ def _run(
         env=env,
     )
     results = []
-    for r in range(2):
+    for r in range(nproc):
         f = tmp_path / f"{r}.json"
         results.append(json.loads(f.read_text()) if f.exists() else {"missing": proc.stdout + proc.stderr})
     return results
@@ -91,18 +95,89 @@ def test_debug_mode_lets_correct_programs_through(tmp_path):
         ),
         ("reduce_vs_gather", ["rank 0: all_reduce(op=SUM", "rank 1: all_gather(value", "misuse.py:51"]),
         ("only_rank0", ["rank 0: all_reduce(op=SUM", "misuse.py:30", "rank 1: barrier() at", "misuse.py:31"]),
+        (  # gloo returns rank 0's 2-element call (a wrong sum); rank 1 waits for its 3rd element
+            "shapes_then_barrier",
+            [
+                "rank 0: barrier() at",
+                "misuse.py:54 (call 3)",
+                "rank 1: all_reduce(",
+                "[3]",
+                "misuse.py:53 (call 2)",
+            ],
+        ),
+        (
+            "plain_reduce_vs_barrier",
+            [
+                "rank 0: torch.distributed.all_reduce(op=SUM, tensor=float32[3]) at misuse.py:",
+                "rank 1: torch.distributed.barrier() at misuse.py:",
+            ],
+        ),
+        ("plain_shapes", ["rank 1: torch.distributed.all_reduce(op=SUM, tensor=float32[3])", "barrier() at"]),
     ],
 )
 def test_ranks_blocked_in_different_collectives_raise_without_debug_or_timeout(
     scenario, calls, launcher, tmp_path
 ):
-    """The stall check (onedist.failures.stall): no debug mode, torch's 30-minute default timeout."""
+    """The stall check (onedist.failures.stall): no debug mode, torch's 30-minute default timeout;
+    onedist's calls and plain torch.distributed calls on the group onedist made."""
     results = _run(tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", launcher=launcher)
+    _all_name_the_mismatch(results, calls)
+
+
+def _all_name_the_mismatch(results: list[dict], calls: list[str]) -> None:
     for r in results:
         assert r.get("error") == "CollectiveMismatchError", results
         assert r["elapsed"] < 10.0, r
         assert all(c in r["message"] for c in calls), (calls, r["message"])
         assert "without debug mode" in r["message"]
+    assert len({r["message"] for r in results}) == 1  # one verdict, every rank's call in it
+
+
+def test_a_sub_group_s_ranks_blocked_in_different_collectives_raise(tmp_path):
+    """Group [0, 1] of 3 ranks: its calls are numbered per group; rank 2 is not involved."""
+    results = _run(tmp_path, "subgroup_reduce_vs_barrier", debug=False, timeout_s=0, stall_s="3", nproc=3)
+    assert results[2]["error"] is None
+    calls = ["call 1 on group [0, 1]", "rank 0: all_reduce(", "rank 1: barrier() at"]
+    _all_name_the_mismatch(results[:2], calls)
+
+
+@pytest.mark.parametrize(
+    "scenario, launcher",
+    [
+        ("reduce_vs_barrier", "spawn"),
+        ("reduce_vs_gather", "spawn"),
+        ("shapes_then_barrier", "spawn"),
+        ("only_rank0", "spawn"),
+        ("reduce_vs_barrier", "run"),
+    ],
+)
+def test_shm_names_a_mismatch_on_every_rank_at_once(scenario, launcher, tmp_path):
+    """shm compares every call's kind and size in its segment: no stall time to wait."""
+    results = _run(tmp_path, scenario, debug=False, timeout_s=0, launcher=launcher, backend="shm")
+    for r in results:
+        assert r.get("error") == "CollectiveMismatchError", results
+        assert r["elapsed"] < 3.0, r
+        assert "rank 0: all_reduce(SUM)" in r["message"] and "rank 1: " in r["message"], r["message"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py")
+@pytest.mark.parametrize(
+    "scenario, raised",
+    [
+        ("reduce_vs_barrier", "rank 0: all_reduce(op=SUM"),  # rank 1 polls its barrier: it raises
+        ("shapes_then_barrier", "(MPI_ERR_TRUNCATE)"),  # rank 0 receives rank 1's 3 elements
+    ],
+)
+def test_mpi_names_a_mismatch_and_the_job_ends(scenario, raised, tmp_path):
+    """mpi4py: a rank that waits in Python (a barrier) or gets MPI's truncation error raises
+    CollectiveMismatchError; a rank inside a blocking MPI call cannot be interrupted: it is ended
+    (by its watcher, with the report printed, or by mpirun when its peer exits)."""
+    started = time.monotonic()
+    results = _run(tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", backend="mpi")
+    raised_on = [r for r in results if r.get("error") == "CollectiveMismatchError"]
+    assert raised_on and all(r["elapsed"] < 10.0 for r in raised_on), results
+    assert raised in raised_on[0]["message"], raised_on
+    assert time.monotonic() - started < 30.0  # mpirun's start included; nothing hangs
 
 
 def test_a_rank_that_is_only_slow_is_left_alone(tmp_path):

@@ -35,6 +35,7 @@ class World:
         "debug",
         "describe_call",
         "explaining",
+        "group_calls",
         "hook_installed",
         "one_rank_depth",
         "previous_hook",
@@ -60,11 +61,13 @@ class World:
         self.hook_installed = False
         self.previous_hook: Any = None
         #: the public collective this process is in (name, args, kwargs, compared arguments, the
-        #: frame, its number among the default group's collectives or -1), None outside one: the
-        #: failure watcher reads it when the call blocks (onedist.failures.stall)
+        #: frame, its number among its group's collectives or -1, the group argument), None outside
+        #: one: the failure watcher reads it when the call blocks (onedist.failures.stall)
         self.call: Any = None
         #: how many collectives on the default group this process started (all ranks agree)
         self.world_calls = 0
+        #: the same per sub-group (a sorted rank tuple or a group handle -> count)
+        self.group_calls: dict[Any, int] = {}
         #: call record -> what the ranks compare ({"call", "site", "sig"}); set by the collectives
         self.describe_call: Any = None
         #: the failure watcher thread and the event that stops it (None when not running)

@@ -49,6 +49,35 @@ def scenario(name: str) -> None:
             od.all_reduce(torch.ones(4))
         else:
             od.all_gather(torch.ones(3))
+    elif name == "shapes_then_barrier":  # gloo returns the 2-element call early on rank 0
+        od.all_reduce(torch.ones(2 + rank))
+        od.barrier()
+    elif name == "subgroup_reduce_vs_barrier":  # 3 ranks; rank 2 is not in the group
+        group = od.new_group([0, 1]) if rank < 2 else None
+        if rank == 0:
+            od.all_reduce(torch.ones(3), group=group)
+        elif rank == 1:
+            od.barrier(group=group)
+        else:  # stays until the members wrote theirs: spawn stops the job when a worker returns early
+            while not all(os.path.exists(os.path.join(sys.argv[1], f"{r}.json")) for r in (0, 1)):
+                time.sleep(0.1)
+    else:
+        plain_scenario(name)
+
+
+def plain_scenario(name: str) -> None:
+    """Scenarios of plain torch.distributed calls, on the group onedist initialised."""
+    import torch.distributed as dist
+
+    rank = od.get_rank()
+    if name == "plain_reduce_vs_barrier":
+        if rank == 0:
+            dist.all_reduce(torch.ones(3))
+        else:
+            dist.barrier()
+    elif name == "plain_shapes":
+        dist.all_reduce(torch.ones(2 + rank))
+        dist.barrier()
     elif name == "ok":
         assert od.all_reduce(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
         assert od.all_gather(torch.ones(rank + 1)).shape == (3,)
@@ -78,7 +107,9 @@ if __name__ == "__main__":
     out, name = sys.argv[1], sys.argv[2]
     timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 30.0  # 0: torch's default (30 minutes)
     if os.environ.get("MISUSE_UNDER_RUN"):  # started by `onedist run`: initialise here
-        od.initialize("gloo", timeout=timeout or None)
+        od.initialize(os.environ.get("MISUSE_BACKEND", "gloo"), timeout=timeout or None)
         main(od.get_local_rank(), out, name)
     else:
-        od.spawn("gloo", main, args=(out, name), nproc_per_node=2, timeout=timeout or None)
+        nproc = int(os.environ.get("MISUSE_NPROC", "2"))
+        backend = os.environ.get("MISUSE_BACKEND", "gloo")
+        od.spawn(backend, main, args=(out, name), nproc_per_node=nproc, timeout=timeout or None)

@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveMismatchError
 from . import _pygroup
 from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, averages, flat as _flat, for_each, op_name
 
@@ -268,8 +269,20 @@ class MpiProcessGroup(OrderedGroup):
         key = _watchdog.enter(self._timeout, f"{what} on rank {self._rank} of {self._label}")
         try:
             return fn(*args)
+        except _mpi().Exception as e:
+            raise self._explained(what, e) from None
         finally:
             _watchdog.leave(key)
+
+    def _explained(self, what: str, e: Any) -> BaseException:
+        """MPI's error, or what it means when a peer sent more than this call takes."""
+        if e.Get_error_class() != _mpi().ERR_TRUNCATE:
+            return e  # type: ignore[no-any-return]
+        return CollectiveMismatchError(
+            f"onedist mpi: {what} on rank {self._rank} of {self._label} received more data than it takes "
+            "(MPI_ERR_TRUNCATE): the ranks called it with different sizes, or called different "
+            "collectives.\nHINT: ONEDIST_DEBUG=1 names every rank's call"
+        )
 
     @staticmethod
     def _check_cpu(what: str, tensors: list[torch.Tensor]) -> None:
@@ -579,13 +592,19 @@ class MpiProcessGroup(OrderedGroup):
     def barrier(self, opts: Any = None) -> Any:
         return self._run(self._barrier_until_timeout, [], None)
 
+    def _tested(self, request: Any) -> bool:
+        try:
+            return bool(request.Test())
+        except _mpi().Exception as e:
+            raise self._explained("barrier", e) from None
+
     def _barrier_until_timeout(self) -> None:
         """``MPI_Ibarrier``, tested until it completes or the group's timeout passes (see the module
         doc): short sleeps after the first 50 us, so that a waiting rank leaves the core to its peers."""
         request = self._call("barrier", self._comm.Ibarrier)
         start = time.monotonic()
         pause = 0.0
-        while not request.Test():
+        while not self._tested(request):
             waited = time.monotonic() - start
             if waited > self._timeout:
                 self._timed_out = f"a barrier on rank {self._rank}"

@@ -353,10 +353,12 @@ class NativeBackend(Backend):
                 # only members take part in creating it, so a group used by its members only
                 # (e.g. a collective inside `if rank in ranks`) does not deadlock
                 kwargs = {**kwargs, "use_local_synchronization": True}
+            fds_before = socket_fds()
             if kwargs.get("use_local_synchronization"):
                 group = _new_local_group(ranks, kwargs)
             else:
                 group = dist.new_group(list(ranks), **kwargs)
+            self._group_fds |= socket_fds() - fds_before  # its connections, for break_pending
         self._groups[key] = group
         return group
 

@@ -198,12 +198,21 @@ def debug_check(
 
 def describe_call(call: tuple[Any, ...]) -> dict[str, Any]:
     """What the ranks compare of a collective that blocks (the failure watcher's stall check):
-    its call site, and its fingerprint as debug mode makes it, without the site."""
-    name, args, kwargs, spec, frame, _ = call
+    its call site, its group's ranks, and its fingerprint as debug mode makes it, without the site.
+    ``group`` is None when this rank is not a member (it does not wait there)."""
+    name, args, kwargs, spec, frame, _, group = call
     site = call_site(user_frame(frame))
+    b = current()
+    if group is None:
+        ranks: Any = range(b.world_size)
+    elif isinstance(group, (list, tuple, range)):  # not resolve_group: it may create the group
+        ranks = sorted(group)
+    else:
+        ranks = b.group_ranks(group)
     fp = _fingerprint(name, args, kwargs, site, spec)
     comparable = json.dumps({k: v for k, v in fp.items() if k != "site"}, sort_keys=True)
-    return {"call": _call_text(fp), "site": site, "sig": comparable}
+    members = list(ranks) if b.rank in ranks else None
+    return {"call": _call_text(fp), "site": site, "sig": comparable, "group": members}
 
 
 def _call_text(fp: dict[str, Any]) -> str:

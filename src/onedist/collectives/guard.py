@@ -39,11 +39,12 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
             w = world
             outer = w.call
             group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
-            seq = -1
             if group is None:
                 seq = w.world_calls = w.world_calls + 1
+            else:
+                seq = group_call_number(w, group)
             # what this rank waits in, should the call block (a tuple: no work until it does)
-            w.call = (name, args, kwargs, spec, sys._getframe(), seq)
+            w.call = (name, args, kwargs, spec, sys._getframe(), seq, group)
             try:
                 if w.debug:  # its exchange is a collective too: a dead peer shows here first
                     debug_check(name, args, kwargs, group, spec)
@@ -70,3 +71,15 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
         return wrapper  # type: ignore[return-value]
 
     return decorator
+
+
+def group_call_number(w: Any, group: Any) -> int:
+    """This call's number among the collectives this process started on ``group`` (a list of
+    ranks, in any order, or a handle), for the stall check; -1 for a group it cannot key."""
+    try:
+        key = tuple(sorted(group)) if isinstance(group, (list, tuple, range)) else group
+        seq: int = w.group_calls.get(key, 0) + 1
+        w.group_calls[key] = seq
+    except TypeError:  # unhashable, or ranks that do not sort: debug mode or the call names it
+        return -1
+    return seq

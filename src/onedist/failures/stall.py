@@ -1,19 +1,30 @@
 """Stall detection: ranks blocked in different collectives raise, without debug mode or a timeout.
 
 Every public collective records what it is in :data:`onedist.state.world` (a tuple; nothing is
-computed). Once the same call has blocked for ``ONEDIST_STALL_S`` seconds (3 by default; 0 turns
-the check off), the failure watcher publishes it to the store, with its number among the default
-group's collectives, and reads its peers'. Two ranks blocked at the **same number** in different
-calls (all_reduce against barrier, different shapes, a rank that skipped one) can never meet: the
-rank that sees it writes the verdict to the store and breaks the group's connections
-(``Backend.break_pending``), so the call in flight raises on every rank, and the guard turns that
-into :class:`~onedist.CollectiveMismatchError` listing each rank's call and ``file:line``. A rank
-that is merely slow is left alone: it is not blocked, or blocked at an earlier number.
+computed), with its number among its group's collectives; plain ``torch.distributed`` calls are
+found on the main thread's stack by :mod:`onedist.failures.torch_calls`, numbered by the process
+group. Once the same call has blocked for ``ONEDIST_STALL_S`` seconds (3 by default; 0 turns the
+check off), the failure watcher publishes it to the store, and reads its group's peers' reports
+once a second (a rank that leaves the call clears its report). Two cases can never complete:
 
-Limits: only collectives on the default group are compared (a sub-group's numbering differs per
-rank); plain ``torch.distributed`` calls are not seen; a backend that cannot break its pending
-call (mpi4py's blocking MPI calls, Horovod, XLA) gets the error raised in its main thread when it
-returns to Python, and is ended with the message printed when it does not within 3 s.
+- two ranks blocked at the **same number** in different calls (all_reduce against barrier, a rank
+  that skipped one): reported at once;
+- every member blocked, at **different numbers**: a rank returned from a call its peers are still
+  blocked in (gloo returns an all_reduce of fewer elements early, with a wrong result) and waits
+  for them in the next one; reported when two samples a second apart agree.
+
+The rank that sees it writes the verdict to the store and breaks the group's connections
+(``Backend.break_pending``), so the call in flight raises on every rank, and the guard turns that
+into :class:`~onedist.CollectiveMismatchError` listing each rank's call and ``file:line`` (a plain
+call gets it raised in the main thread). A rank that is merely slow is left alone: it is not
+blocked, or blocked where a peer still computes.
+
+Limits: onedist's calls and plain ``torch.distributed`` calls are numbered apart, so a rank in one
+against a rank in the other is not compared; a rank that spends longer than the stall time inside
+a call its peers already finished (unpickling a huge object) could read as the second case (raise
+``ONEDIST_STALL_S``); a backend that cannot break its pending call (mpi4py's blocking MPI calls,
+Horovod, XLA) gets the error raised in its main thread when it returns to Python, and is ended with
+the message printed when it does not within 3 s.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import time
 from typing import Any, Optional
 
 from ..state import world
+from .torch_calls import TorchCall, torch_call
 
 __all__ = ["StallCheck", "read_verdict"]
 
@@ -44,62 +56,167 @@ def stall_seconds() -> float:
 class StallCheck:
     """One rank's side of the comparison, sampled by the failure watcher about once a second."""
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
-        self.store, self.rank, self.world_size = store, rank, world_size
+    def __init__(self, store: Any, rank: int, world_size: int, main_ident: int = 0) -> None:
+        self.store, self.rank, self.world_size, self.main_ident = store, rank, world_size, main_ident
         self.after = stall_seconds()
-        self.call: Any = None
+        self.call: Any = None  # what the main thread is blocked in: onedist's tuple, or a TorchCall
         self.since = 0.0
         self.mine: Optional[dict[str, Any]] = None
+        self.published = 0  # how many reports this rank published (each report's id)
+        self.apart: Optional[tuple[Any, ...]] = None  # the different numbers seen at the last sample
+        self.decided = False  # this rank wrote the verdict
 
     def sample(self) -> Optional[str]:
-        """The mismatch report when this rank's blocked call differs from a peer's, else None."""
-        call = world.call
-        if self.after <= 0 or call is None or call[5] < 0 or world.describe_call is None:
-            self.call = None  # outside a default-group collective: nothing to compare
+        """The mismatch report when this rank's blocked call cannot complete, else None."""
+        if self.after <= 0:
             return None
+        call = self._blocked()
         now = time.monotonic()
-        if call is not self.call:
-            self.call, self.since, self.mine = call, now, None
+        if not _same(call, self.call):
+            if self.mine is not None:  # left the call it reported: peers must not count it blocked
+                self.store.set(_BLOCKED_KEY.format(self.rank), "{}")
+            self.call, self.since, self.mine, self.apart = call, now, None, None
             return None
-        if now - self.since < self.after:
+        if call is None or now - self.since < self.after:
             return None
         if self.mine is None:  # published once per blocked call: its number makes it unambiguous
-            self.mine = dict(world.describe_call(call), seq=call[5], rank=self.rank)
+            self.mine = self._report(call)
+            if self.mine is None:
+                self.call = None
+                return None
             self.store.set(_BLOCKED_KEY.format(self.rank), json.dumps(self.mine))
-        return self._compare()
+        return self._verdict_of_peer() or self._compare()
 
-    def _compare(self) -> Optional[str]:
+    def _blocked(self) -> Any:
+        call = world.call
+        if call is not None:
+            return call if call[5] >= 0 and world.describe_call is not None else None
+        return torch_call(self.main_ident) if self.main_ident else None
+
+    def _report(self, call: Any) -> Optional[dict[str, Any]]:
+        if isinstance(call, TorchCall):
+            described, seq, domain = call.describe(), call.seq, "torch"
+        else:
+            # the default group's calls and a sub-group's are counted apart, even when it has every rank
+            described, seq = world.describe_call(call), call[5]
+            domain = "onedist" if call[6] is None else "onedist-group"
+        if described.get("group") is None:  # not a member: it does not wait there
+            return None
+        self.published += 1
+        return dict(described, seq=seq, domain=domain, rank=self.rank, id=self.published)
+
+    def _peers(self) -> dict[int, dict[str, Any]]:
+        """The current reports of this rank's group that count the same way (itself included)."""
         assert self.mine is not None
         reports = {self.rank: self.mine}
-        for r in range(self.world_size):
+        for r in self.mine["group"]:
             key = _BLOCKED_KEY.format(r)
             if r != self.rank and self.store.check([key]):
                 report = json.loads(self.store.get(key))
-                if report["seq"] == self.mine["seq"]:
+                if report.get("domain") == self.mine["domain"] and report.get("group") == self.mine["group"]:
                     reports[r] = report
-        if all(rep["sig"] == self.mine["sig"] for rep in reports.values()):
+        return reports
+
+    def _compare(self) -> Optional[str]:
+        assert self.mine is not None
+        reports = self._peers()
+        same = {r: rep for r, rep in reports.items() if rep["seq"] == self.mine["seq"]}
+        if any(rep["sig"] != self.mine["sig"] for rep in same.values()):
+            return self._decide(same, _report(same, self.after))
+        apart = tuple(sorted((r, rep["seq"], rep["id"]) for r, rep in reports.items()))
+        if len(reports) < len(self.mine["group"]) or len({rep["seq"] for rep in reports.values()}) == 1:
+            self.apart = None
             return None
-        message = _report(reports, self.world_size, self.after)
-        self.store.set(_VERDICT_KEY, json.dumps({"seq": self.mine["seq"], "message": message}))
+        if apart != self.apart:  # every member blocked, at different numbers: confirm a second later
+            self.apart = apart
+            return None
+        return self._decide(reports, _report_apart(reports, self.after))
+
+    def _decide(self, reports: dict[int, dict[str, Any]], message: str) -> str:
+        seq = min(rep["seq"] for rep in reports.values())
+        verdict = {"seq": seq, "group": self.mine["group"] if self.mine else None, "message": message}
+        self.store.set(_VERDICT_KEY, json.dumps(verdict))
+        self.decided = True
         return message
 
+    def let_peers_read(self) -> None:
+        """After this rank's verdict, wait (up to 2 s) until the group's other ranks have read it:
+        a plain torch.distributed call learns why its group broke from nowhere else."""
+        if not self.decided or self.mine is None:
+            return
+        receipts = [_READ_KEY.format(r) for r in self.mine["group"] if r != self.rank]
+        deadline = time.monotonic() + 2.0
+        try:
+            while receipts and not self.store.check(receipts) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:
+            pass
 
-def _report(reports: dict[int, dict[str, Any]], world_size: int, after: float) -> str:
-    seq = next(iter(reports.values()))["seq"]
+    def _verdict_of_peer(self) -> Optional[str]:
+        """A verdict a peer wrote about this rank's blocked call (it broke the group: a plain call
+        here learns why from it)."""
+        assert self.mine is not None
+        if not self.store.check([_VERDICT_KEY]):
+            return None
+        verdict = json.loads(self.store.get(_VERDICT_KEY))
+        if verdict.get("group") != self.mine["group"] or verdict["seq"] > self.mine["seq"]:
+            return None
+        self.store.set(_READ_KEY.format(self.rank), "1")
+        return str(verdict["message"])
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, TorchCall):
+        return a.same(b)
+    return a is b
+
+
+def _report(reports: dict[int, dict[str, Any]], after: float) -> str:
+    rep0 = next(iter(reports.values()))
     lines = [
-        f"onedist: the ranks are blocked in different collectives (call {seq} on the default group, "
-        f"found after {after:.0f} s without debug mode), so none of them can complete:"
+        f"onedist: the ranks are blocked in different collectives (call {rep0['seq']} on "
+        f"{_group_text(rep0)}, found after {after:.0f} s without debug mode), so none of them can complete:"
     ]
     for r in sorted(reports):
         lines.append(f"  rank {r}: {reports[r]['call']} at {reports[r]['site']}")
-    others = sorted(set(range(world_size)) - set(reports))
+    others = sorted(set(rep0["group"]) - set(reports))
     if others:
         lines.append(f"  ranks {others}: not blocked in a collective there (busy, or still on the way)")
-    lines.append(
-        "HINT: every rank must call the same collectives, in the same order, on values of the same type, "
-        "dtype and shape; ONEDIST_DEBUG=1 checks each call before it is made"
-    )
+    lines.append(_HINT)
     return "\n".join(lines)
+
+
+def _report_apart(reports: dict[int, dict[str, Any]], after: float) -> str:
+    first = min(rep["seq"] for rep in reports.values())
+    rep0 = next(iter(reports.values()))
+    behind = sorted(r for r, rep in reports.items() if rep["seq"] == first)
+    lines = [
+        f"onedist: ranks {behind} are blocked in call {first} on {_group_text(rep0)}, which the other ranks "
+        f"returned from; they wait in later calls (found after {after:.0f} s without debug mode), so none of "
+        "them can complete:"
+    ]
+    for r in sorted(reports):
+        lines.append(f"  rank {r}: {reports[r]['call']} at {reports[r]['site']} (call {reports[r]['seq']})")
+    lines.append(
+        "A call that returns on some ranks only is one the ranks disagree on, most often in shape: gloo "
+        "returns an all_reduce early, with a wrong result, on the rank that has fewer elements."
+    )
+    lines.append(_HINT)
+    return "\n".join(lines)
+
+
+def _group_text(rep: dict[str, Any]) -> str:
+    group = rep["group"]
+    where = "the default group" if rep["domain"] == "onedist" or rep.get("default") else f"group {group}"
+    if rep["domain"] == "torch":
+        where += " (torch.distributed calls, numbered by the process group)"
+    return where
+
+
+_HINT = (
+    "HINT: every rank must call the same collectives, in the same order, on values of the same type, "
+    "dtype and shape; ONEDIST_DEBUG=1 checks each call before it is made"
+)
 
 
 def read_verdict(store: Any, seq: int, rank: int, world_size: int) -> Optional[str]:
@@ -117,7 +234,8 @@ def read_verdict(store: Any, seq: int, rank: int, world_size: int) -> Optional[s
             return None
         store.set(_READ_KEY.format(rank), "1")
         if rank == 0:
-            receipts = [_READ_KEY.format(r) for r in range(1, world_size)]
+            members = verdict.get("group") or range(world_size)
+            receipts = [_READ_KEY.format(r) for r in members if r != 0]
             deadline = time.monotonic() + _RECEIPT_WAIT_S
             while not store.check(receipts) and time.monotonic() < deadline:
                 time.sleep(0.02)

@@ -39,7 +39,7 @@ def _watch(stop: Any, store: Any, rank: int, world_size: int, main_ident: int) -
 
 def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int, main_ident: int) -> None:
     handled = 0
-    stall: Optional[StallCheck] = StallCheck(store, rank, world_size)
+    stall: Optional[StallCheck] = StallCheck(store, rank, world_size, main_ident)
     while not stop.wait(_WATCH_S):
         if probe.gone():
             return  # the rank hosting the store exited: the job is ending
@@ -59,22 +59,34 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
             )
             _end_main_thread(stop, main_ident, _remote_error_class(message, r), message, rank)
             return
-        if verdict is not None:
-            stall = None  # one verdict per group: its connections are gone after it
+        if verdict is not None and stall is not None:
+            check, stall = stall, None  # one verdict per group: its connections are gone after it
+            if world.call is None:  # a plain torch.distributed call: no guard there to explain it
+
+                def break_after_peers_read(check: StallCheck = check) -> None:
+                    check.let_peers_read()
+                    _break()
+
+                error = _mismatch_error_class(verdict)
+                _end_main_thread(stop, main_ident, error, verdict, rank, break_after_peers_read)
+                return
             if not _break_pending(stop):
                 _end_main_thread(stop, main_ident, _mismatch_error_class(verdict), verdict, rank)
                 return
+
+
+def _break() -> bool:
+    try:
+        return bool(world.backend.break_pending())
+    except Exception:
+        return False
 
 
 def _break_pending(stop: Any) -> bool:
     """Break the group's connections so the blocked call raises (the guard explains it); True when
     the main thread left that call within the grace period."""
     blocked = world.call
-    try:
-        broke = world.backend.break_pending()
-    except Exception:
-        broke = False
-    if not broke:
+    if not _break():
         return False
     deadline = time.monotonic() + _WATCH_GRACE_S
     while world.call is blocked and time.monotonic() < deadline:
@@ -83,12 +95,16 @@ def _break_pending(stop: Any) -> bool:
     return world.call is not blocked
 
 
-def _end_main_thread(stop: Any, main_ident: int, error: type[BaseException], message: str, rank: int) -> None:
-    """Raise ``error`` in the main thread; end the process if it is still blocked outside Python
-    after the grace period."""
+def _end_main_thread(
+    stop: Any, main_ident: int, error: type[BaseException], message: str, rank: int, then: Any = None
+) -> None:
+    """Raise ``error`` in the main thread (after which ``then()`` may break the call it waits in);
+    end the process if it is still blocked outside Python after the grace period."""
     import ctypes
 
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main_ident), ctypes.py_object(error))
+    if then is not None:
+        then()
     if stop.wait(_WATCH_GRACE_S):
         return
     try:

@@ -1,0 +1,134 @@
+"""Plain ``torch.distributed`` collectives seen from the failure watcher, for the stall check.
+
+A script may call ``dist.all_reduce`` itself on the group onedist initialised; onedist's guard
+never sees such a call. The watcher looks instead: once a second it takes the main thread's Python
+stack (``sys._current_frames``, no cost to the main thread) and finds the outermost frame of a
+public collective in ``torch/distributed/distributed_c10d.py``. The process group numbers its own
+collectives (``_get_sequence_number_for_group``, counted by gloo and NCCL alike), and that number
+orders the ranks' calls as onedist's count orders its own. Point-to-point calls are left out
+(a send and its receive carry different numbers on their two ranks), as are asynchronous calls
+waited on later (``work.wait()`` has no Python frame to find).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import FrameType
+from typing import Any, Optional
+
+__all__ = ["TorchCall", "torch_call"]
+
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+_ONEDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "gather",
+        "gather_object",
+        "broadcast",
+        "broadcast_object_list",
+        "scatter",
+        "scatter_object_list",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "monitored_barrier",
+    }
+)
+# the arguments that make two ranks' calls the same call (the values: by type, dtype and shape)
+_SCALARS = ("op", "src", "dst", "group_src", "group_dst")
+_VALUES = (
+    "tensor",
+    "tensor_list",
+    "output_tensor_list",
+    "input_tensor_list",
+    "output_tensor",
+    "input_tensor",
+    "output",
+    "input",
+    "scatter_list",
+    "gather_list",
+    "object_list",
+)
+
+
+class TorchCall:
+    """The plain collective the main thread is in: its frame (kept while it blocks) and number."""
+
+    __slots__ = ("frame", "group", "seq")
+
+    def __init__(self, frame: FrameType, group: Any, seq: int) -> None:
+        self.frame, self.group, self.seq = frame, group, seq
+
+    def same(self, other: Any) -> bool:
+        return isinstance(other, TorchCall) and other.frame is self.frame and other.seq == self.seq
+
+    def describe(self) -> dict[str, Any]:
+        """What the ranks compare, as :func:`onedist.collectives.debug.describe_call` gives it."""
+        import torch.distributed as dist
+
+        name, local = self.frame.f_code.co_name, self.frame.f_locals
+        args = {k: _text(local[k]) for k in _SCALARS if local.get(k) is not None}
+        args.update({k: _text(local[k]) for k in _VALUES if k in local})
+        shown = ", ".join(f"{k}={v}" for k, v in args.items())[:300]
+        sig = json.dumps({"call": name, **args}, sort_keys=True)
+        ranks = dist.get_process_group_ranks(self.group)
+        default = self.group is dist.distributed_c10d._get_default_group()
+        where = {"group": ranks, "default": default}
+        return {"call": f"torch.distributed.{name}({shown})", "site": _site(self.frame), "sig": sig, **where}
+
+
+def torch_call(main_ident: int) -> Optional[TorchCall]:
+    """The plain ``torch.distributed`` collective the main thread waits in, or None."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return None
+    frame = sys._current_frames().get(main_ident)
+    outer = None
+    while frame is not None:  # the outermost: all_gather_object runs all_gather inside
+        code = frame.f_code
+        if code.co_name in _COLLECTIVES and code.co_filename.endswith(_C10D):
+            outer = frame
+        frame = frame.f_back
+    if outer is None:
+        return None
+    try:
+        group = outer.f_locals.get("group") or dist.distributed_c10d._get_default_group()
+        seq = int(group._get_sequence_number_for_group())
+    except Exception:  # a backend that does not number its calls (a Python process group)
+        return None
+    return TorchCall(outer, group, seq)
+
+
+def _text(value: Any) -> str:
+    """A value as the ranks compare it: a tensor by dtype and shape, a list item by item."""
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        items = [_text(v) for v in value[:8]]
+        return "[" + ", ".join(items) + (", ..." if len(value) > 8 else "") + "]"
+    if hasattr(value, "name") and not isinstance(value, str):  # ReduceOp's RedOpType
+        return str(value.name)
+    if isinstance(value, (int, float, str, bool)):
+        return repr(value)
+    return type(value).__name__
+
+
+def _site(frame: Optional[FrameType]) -> str:
+    """``file:line`` of the first frame outside torch and onedist that led to the call."""
+    torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__ or "")) + os.sep
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(torch_dir) and not path.startswith(_ONEDIST):
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
