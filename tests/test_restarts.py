@@ -275,3 +275,78 @@ def test_sigterm_to_the_launcher_does_not_restart(tmp_path):
     for r in (0, 1):
         with pytest.raises(ProcessLookupError):
             os.kill(int((tmp_path / f"{r}.pid").read_text()), 0)
+
+
+# ---------------------------------------------------------------- Parallel(max_restarts=N)
+KILLS_ITSELF = """
+import os, signal, sys, onedist as od
+
+def train(local_rank, out):
+    attempt = od.restart_count()
+    with open(os.path.join(out, f"{attempt}-{od.get_rank()}"), "w") as f:
+        f.write(f"{os.getpid()} {os.environ['MASTER_PORT']}")
+    if attempt == 0 and od.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    return od.all_reduce(attempt)
+
+if __name__ == "__main__":
+    with od.Parallel(backend="gloo", nproc_per_node=2, max_restarts=int(sys.argv[2])) as parallel:
+        print("result", parallel.run(train, sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("max_restarts", [1, 0])
+def test_parallel_restarts_a_killed_worker(max_restarts, tmp_path):
+    script, out = tmp_path / "kills.py", tmp_path / "out"
+    script.write_text(KILLS_ITSELF)
+    out.mkdir()
+    shm_before = _shm()
+    proc = subprocess.run(
+        [sys.executable, str(script), str(out), str(max_restarts)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(),
+    )
+    line = "onedist.spawn: rank 1 failed (exit code -9, killed by signal SIGKILL); restarting the workers"
+    if max_restarts:
+        assert proc.returncode == 0, proc.stderr
+        assert "result 2" in proc.stdout  # attempt 1 on both ranks: od.restart_count() == 1
+        assert f"{line} (attempt 1 of 1)" in proc.stderr, proc.stderr
+        assert sorted(os.listdir(out)) == ["0-0", "0-1", "1-0", "1-1"]
+    else:  # reported as before, not restarted
+        assert proc.returncode == 1 and "restarting" not in proc.stderr, proc.stderr
+        assert "WorkerFailedError" in proc.stderr and "was killed by signal SIGKILL" in proc.stderr
+    workers = [tuple(map(int, (out / name).read_text().split())) for name in os.listdir(out)]
+    for pid, _ in workers:  # every worker of every attempt has ended
+        assert not _alive(pid)
+    assert _shm() == shm_before
+    free = subprocess.run([sys.executable, "-c", bind_check({p for _, p in workers})], capture_output=True)
+    assert free.stdout == b"free\n", free.stderr
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_restarts": -1}, "max_restarts=-1 is not allowed; allowed: an int >= 0"),
+        ({"max_restarts": "2"}, "max_restarts has type str ('2'); allowed: an int >= 0"),
+        ({"max_restarts": True}, "max_restarts has type bool (True); allowed: an int >= 0"),
+        ({"max_restarts": 1.0}, "max_restarts has type float (1.0); allowed: an int >= 0"),
+        (
+            {"max_restarts": 1, "nnodes": 2, "node_rank": 0, "master_port": 29999},
+            "max_restarts=1 is not allowed; allowed: 0 with nnodes=2",
+        ),
+        (
+            {"max_restarts": 1, "start_method": "subprocess"},
+            "max_restarts=1 is not allowed; allowed: 0 with start_method='subprocess'",
+        ),
+    ],
+)
+def test_bad_max_restarts_are_refused_before_anything_starts(kwargs, message):
+    import onedist as od
+
+    with pytest.raises(ValueError if "not allowed" in message else TypeError, match=re.escape(message)):
+        od.Parallel(backend="gloo", nproc_per_node=2, **kwargs)
+    if "start_method" not in kwargs:  # the same check in spawn
+        with pytest.raises(Exception, match=re.escape(message.replace("Parallel", "spawn"))):
+            od.spawn("gloo", print, nproc_per_node=2, **kwargs)

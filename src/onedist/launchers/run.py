@@ -46,7 +46,7 @@ from typing import IO, Any, Optional
 from .._net import LOOPBACK, rendezvous_port
 from ..environments import detect
 from .nodes import Agents, AgentsError
-from .report import Failure, failure_report
+from .report import Failure, failure_report, restart_line
 from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
@@ -335,7 +335,7 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
             elif code == 0 or received or attempt >= args.max_restarts:
                 return code
             attempt += 1
-            sys.stderr.write(_restart_line(failures, attempt, args.max_restarts))
+            sys.stderr.write(restart_line("onedist run", failures, attempt, args.max_restarts))
             sys.stderr.flush()
     except AgentsError as e:
         if agents is not None:
@@ -418,26 +418,6 @@ def _attempt_port(
         raise
 
 
-def _restart_line(failures: list[Failure], attempt: int, max_restarts: int) -> str:
-    """``onedist run: rank 1 failed (killed by signal SIGKILL); restarting the workers (attempt 1
-    of 3)``: the ranks that failed on their own (not those stopped, nor their consequences)."""
-    causes = [f for f in failures if not f.secondary] or [f for f in failures if not f.stopped]
-    ranks = ", ".join(str(f.rank) for f in causes) or "?"
-    why = "; ".join(_cause(f) for f in causes)
-    return (
-        f"onedist run: rank{'s' if len(causes) > 1 else ''} {ranks} failed ({why}); "
-        f"restarting the workers (attempt {attempt} of {max_restarts})\n"
-    )
-
-
-def _cause(f: Failure) -> str:
-    if f.exc_type is not None:
-        return f"{f.exc_type}: {f.message.splitlines()[0] if f.message else ''}"
-    if f.exitcode is not None and f.exitcode < 0:
-        return f"exit code {f.exitcode}, {f.what().removeprefix('was ')}"
-    return f"exit code {f.exitcode}"
-
-
 def _agent_env(attempt: int, max_restarts: int) -> dict[str, str]:
     """What torchrun's agent adds to the rendezvous variables (one role, the agent's store)."""
     return {
@@ -497,7 +477,7 @@ def _wait(
     if all(f.stopped for f in failures):  # stopped because another node's worker failed
         return 1
     primary, text = failure_report(failures)
-    if report:  # a failure that is restarted gets one line instead (:func:`_restart_line`)
+    if report:  # a failure that is restarted gets one line instead (:func:`~.report.restart_line`)
         sys.stderr.write(text.replace("onedist: worker", "onedist run: worker", 1) + "\n")
     code = primary.exitcode
     return code if code is not None and 0 < code < 128 else 1
