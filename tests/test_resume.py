@@ -3,7 +3,10 @@ checkpoint, the RNG and the sampler's position restored bit for bit, and the arg
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -37,6 +40,23 @@ def test_the_newest_complete_checkpoint_is_loaded_and_temp_files_are_ignored(tmp
     assert od.resume(tmp_path, model=fresh) == 10
     assert torch.equal(fresh[0].weight, torch.full_like(fresh[0].weight, 10))
     assert od.checkpoint_path(tmp_path, 10).name == "step_00000010.pt"
+
+
+def test_temp_files_of_gone_writers_are_deleted_and_only_those(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid whose process has ended (a killed writer's)
+    stale = tmp_path / f".step_00000005.pt.{dead.pid}.0123456789ab.tmp"
+    running = tmp_path / f".step_00000006.pt.{os.getpid()}.0123456789ab.tmp"  # a writer still at work
+    others = [tmp_path / "notes.tmp", tmp_path / f".last.pt.{dead.pid}.0123456789ab.tmp"]  # not ours
+    for path in (stale, running, *others):
+        path.write_bytes(b"torn")
+    assert od.resume(tmp_path, model=_model()) == 0  # never loaded
+    assert not stale.exists() and running.exists() and all(p.exists() for p in others)
+    stale.write_bytes(b"torn")
+    od.save_training_state(tmp_path, 7, model=_model())  # the writer cleans before it writes
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["step_00000007.pt", running.name, *(p.name for p in others)]
+    )
 
 
 def test_rng_states_come_back(tmp_path):

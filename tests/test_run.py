@@ -239,10 +239,6 @@ def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
         (["--nnodes", "1:4"], "--nnodes=1:4 is not allowed; allowed: N or N:N"),
         (["--rdzv-backend", "etcd"], "--rdzv-backend='etcd' is not allowed; allowed: 'static', 'c10d'"),
         (["--max-restarts", "-1"], "--max-restarts=-1 is not allowed; allowed: an int >= 0"),
-        (
-            ["--nnodes", "2", "--master-port", "1", "--max-restarts", "1"],
-            "--max-restarts=1 is not allowed with --nnodes=2: multi-node restarts are not built yet",
-        ),
         (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"], "--node-rank is needed"),
         (["--rdzv-endpoint", "h:1", "--master-port", "2"], "name the same thing: pass one"),
         (["--rdzv-endpoint", "h:port"], "--rdzv-endpoint='h:port' is not allowed; allowed: HOST[:PORT]"),

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from ._net import LOOPBACK
 from .environments import detect, launched_externally
 from .errors import bad_value
-from .launchers.spec import START_METHODS, LaunchSpec, available_start_methods
+from .launchers.spec import START_METHODS, LaunchSpec, available_start_methods, check_max_restarts
 from .log import setup_logger
 
 __all__ = ["Parallel"]
@@ -74,7 +74,11 @@ class Parallel:
         init_method: "env://", "tcp://..." or "file://...".
         **spawn_kwargs: ``timeout`` (see :func:`spawn`), ``start_method``: "spawn" (default; fn
             must be importable), "fork", "forkserver" (see :func:`spawn`) or "subprocess" (re-run
-            the script; any fn), and ``hosts`` for backend "horovod" (see :func:`spawn`).
+            the script; any fn), ``hosts`` for backend "horovod" (see :func:`spawn`), and
+            ``max_restarts``: an int >= 0 (default 0), how many times the workers are all started
+            again after one fails (spawn mode, one node, not with "subprocess"; see :func:`spawn`).
+            Under an external launcher, that launcher's restarts apply (``onedist run
+            --max-restarts N``, ``torchrun --max-restarts N``) and this one is not used.
 
     Example:
         >>> import onedist as od
@@ -85,6 +89,20 @@ class Parallel:
         ...         parallel.run(training, {"lr": 0.1})
 
         The same script under ``torchrun --nproc-per-node 2 script.py`` only initialises.
+
+        A worker that dies (a crash, the OOM killer) with ``max_restarts``: every worker is
+        stopped and started again, the attempt in :func:`onedist.restart_count` (pair it with
+        :func:`onedist.resume` to continue from the last checkpoint):
+
+        >>> import os
+        >>> def flaky(local_rank):
+        ...     if od.restart_count() == 0 and od.get_rank() == 1:
+        ...         os._exit(1)  # rank 1 dies on the first attempt
+        ...     return od.all_reduce(od.restart_count())
+        >>> if __name__ == "__main__":
+        ...     with od.Parallel(backend="gloo", nproc_per_node=2, max_restarts=2) as parallel:
+        ...         print(parallel.run(flaky))  # stderr: "rank 1 failed ...; restarting the workers"
+        2
 
         A function that cannot be pickled, with the script re-run for rank 1 (a script of its
         own: it re-runs the command that started it; tests/test_reexec.py runs such scripts):
@@ -99,7 +117,7 @@ class Parallel:
                     print(p.run(train))                             # 30 (only rank 0 returns here)
     """
 
-    _SPAWN_KWARGS = ("timeout", "start_method", "hosts")
+    _SPAWN_KWARGS = ("timeout", "start_method", "hosts", "max_restarts")
 
     def __init__(
         self,
@@ -113,6 +131,12 @@ class Parallel:
         **spawn_kwargs: Any,
     ) -> None:
         self._check_spawn_kwargs(spawn_kwargs)
+        check_max_restarts(
+            "Parallel",
+            spawn_kwargs.get("max_restarts", 0),
+            nnodes=1 if nnodes is None else nnodes,
+            start_method=spawn_kwargs.get("start_method", "spawn"),
+        )
         from ._parallel_args import check_parallel_args, port_number
 
         master_port = port_number("Parallel", master_port)

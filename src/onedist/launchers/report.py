@@ -29,6 +29,7 @@ __all__ = [
     "read_failure",
     "reported_failure_error",
     "reported_failures",
+    "restart_line",
 ]
 
 # messages of errors that are only the consequence of a peer's death
@@ -174,3 +175,24 @@ def failure_report(failures: list[Failure]) -> tuple[Failure, str]:
             else:
                 lines.append(f"  rank {f.rank}: {f.what()}")
     return primary, "\n".join(lines)
+
+
+def restart_line(who: str, failures: list[Failure], attempt: int, max_restarts: int) -> str:
+    """``onedist run: rank 1 failed (exit code -9, killed by signal SIGKILL); restarting the
+    workers (attempt 1 of 3)``: the ranks that failed on their own (not those stopped, nor their
+    consequences). ``who``: the launcher that restarts ("onedist run", "onedist.spawn")."""
+    causes = [f for f in failures if not f.secondary] or [f for f in failures if not f.stopped]
+    ranks = ", ".join(str(f.rank) for f in causes) or "?"
+    why = "; ".join(_cause(f) for f in causes)
+    return (
+        f"{who}: rank{'s' if len(causes) > 1 else ''} {ranks} failed ({why}); "
+        f"restarting the workers (attempt {attempt} of {max_restarts})\n"
+    )
+
+
+def _cause(f: Failure) -> str:
+    if f.exc_type is not None:
+        return f"{f.exc_type}: {f.message.splitlines()[0] if f.message else ''}"
+    if f.exitcode is not None and f.exitcode < 0:
+        return f"exit code {f.exitcode}, {f.what().removeprefix('was ')}"
+    return f"exit code {f.exitcode}"

@@ -17,10 +17,12 @@ Output lines are prefixed with ``[rank<N>]: `` (``--output-ranks`` keeps only so
 worker fails, the others are stopped (SIGTERM, SIGKILL 3 s later), the failing rank's error is
 printed first, and the exit status is non-zero. SIGINT/SIGTERM are forwarded to the workers.
 
-``--max-restarts N`` (one node): after a worker failed and the others were stopped, start them
-all again, up to N times, each attempt on a fresh port and store, with the attempt number in
+``--max-restarts N``: after a worker failed and the others were stopped, start them all again, up
+to N times, each attempt on a fresh port and store, with the attempt number in
 ``TORCHELASTIC_RESTART_COUNT`` (one line on stderr per restart); the exit status is the last
-attempt's. A signal to the launcher is not a failure: it is never restarted.
+attempt's. A signal to the launcher is not a failure: it is never restarted. On several nodes the
+launchers agree on each restart through a store node 0's launcher hosts on ``--master-port``
+(:mod:`.nodes`); the workers' rendezvous then moves to a fresh port per attempt.
 """
 
 from __future__ import annotations
@@ -31,17 +33,20 @@ import glob
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import IO, Any, Optional
 
 from .._net import LOOPBACK, rendezvous_port
 from ..environments import detect
-from .report import Failure, failure_report
+from .nodes import Agents, AgentsError
+from .report import Failure, failure_report, restart_line
 from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
@@ -95,7 +100,7 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         dest="max_restarts",
         type=int,
         default=0,
-        help="restart the workers up to N times after a failure (one node)",
+        help="restart the workers (of every node) up to N times after a failure",
     )
     p.add_argument(
         "--backend",
@@ -153,9 +158,13 @@ def _output_ranks(value: Optional[str]) -> Optional[set[int]]:
 
 
 # ============================================================================ workers
+_LIBC: list[Any] = []  # loaded in the launcher: after a fork with threads running (the store's,
+# the heartbeat's) the child must not take the dynamic loader's lock, which one of them may hold
+
+
 def _die_with_launcher() -> None:  # runs in the child between fork and exec
     try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die when the launcher dies
+        _LIBC[0].prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die when the launcher dies
     except Exception:
         pass
 
@@ -188,11 +197,6 @@ def _rendezvous_args(args: argparse.Namespace) -> None:
         raise _UsageError(
             f"--max-restarts={args.max_restarts} is not allowed; allowed: an int >= 0 "
             "(how many times the workers are started again after a failure)"
-        )
-    if args.max_restarts != 0 and args.nnodes > 1:
-        raise _UsageError(
-            f"--max-restarts={args.max_restarts} is not allowed with --nnodes={args.nnodes}: "
-            "multi-node restarts are not built yet; allowed: 0, or one node (--nnodes 1)"
         )
     if args.node_rank is None:
         if args.nnodes > 1 and args.rdzv_backend == "c10d":
@@ -252,6 +256,8 @@ def _start_workers(
     attempt: int = 0,
 ) -> None:
     """Start the ``nproc`` workers of this node, each added to ``supervisor`` as it starts."""
+    if not _LIBC:
+        _LIBC.append(ctypes.CDLL(None))
     base_env = _base_env(args, nproc)
     target = ["-m", args.target] if args.module else [args.target]
     cmd = [sys.executable, "-m", "onedist.launchers.bootstrap", *target, *args.args]
@@ -308,18 +314,37 @@ def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> i
         current[0].signal_all(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    agents: Optional[Agents] = None
     try:
+        if args.nnodes > 1 and args.max_restarts > 0:  # the nodes' launchers agree on each restart
+            agents = Agents(args.master_addr, args.master_port, args.node_rank, args.nnodes,
+                            args.max_restarts, args.rdzv_id)  # fmt: skip
+            args.rdzv_id = agents.run_id  # node 0's, unless every node was given --rdzv-id
         attempt = 0
         while True:
             current[0] = Supervisor()
-            code, failures = _attempt(args, nproc, show, attempt, current[0], received)
+            code, failures = _attempt(args, nproc, show, attempt, current[0], received, agents)
+            if agents is not None:
+                verdict = agents.verdict(attempt, failures, received[0] if received else None)
+                if verdict.why:
+                    sys.stderr.write(verdict.why)
+                if verdict.action != "restart":
+                    return code if verdict.action == "done" or code != 0 else 1
+                failures = verdict.failures
             # a signal to the launcher ends the job: only a worker's own failure is restarted
-            if code == 0 or received or attempt >= args.max_restarts:
+            elif code == 0 or received or attempt >= args.max_restarts:
                 return code
             attempt += 1
-            sys.stderr.write(_restart_line(failures, attempt, args.max_restarts))
+            sys.stderr.write(restart_line("onedist run", failures, attempt, args.max_restarts))
             sys.stderr.flush()
+    except AgentsError as e:
+        if agents is not None:
+            agents.abort(e)
+        sys.stderr.write(f"onedist run: node {args.node_rank}: {e}\n")
+        return 1
     finally:
+        if agents is not None:
+            agents.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -331,22 +356,21 @@ def _attempt(
     attempt: int,
     supervisor: Supervisor[PopenWorker],
     received: list[int],
+    agents: Optional[Agents] = None,
 ) -> tuple[int, list[Failure]]:
     """Start this node's workers once (attempt ``attempt``) and watch them: the exit status, and
     the failures. Each attempt gets a fresh store, so no key of a failed attempt (a failure
-    report, a counter) is read by the next one."""
-    # node 0 binds it here and hands it to rank 0's store: no window for another program to take
-    # the port, a port in use fails before any worker starts, and one node listens on loopback only
-    try:
-        port, store_sock = rendezvous_port(
-            args.master_addr, args.master_port, host_store=args.node_rank == 0, what="--master-port"
-        )
-    except OSError as e:
-        raise _UsageError(e.strerror or str(e)) from e
+    report, a counter) is read by the next one; with ``agents``, on the port node 0 publishes."""
+    port, store_sock = _attempt_port(args, attempt, agents)
     tmpdir = tempfile.mkdtemp(prefix="onedist-run-")
     pumps: list[threading.Thread] = []
     stores: list[Any] = []  # the agent store, kept until every worker ended
     failures: list[Failure] = []
+    peers = None
+    if agents is not None:
+        peers = lambda: agents.should_stop(  # noqa: E731
+            attempt, any(w.failure is not None for w in supervisor.workers), bool(received)
+        )
     try:
         if not received:
             _start_workers(args, nproc, port, tmpdir, supervisor, attempt)
@@ -355,7 +379,7 @@ def _attempt(
             stores.append(_agent_store(store_sock, args.master_addr, nproc * args.nnodes))
             store_sock = None
         last = attempt >= args.max_restarts
-        return _wait(supervisor, pumps, received, failures, report=last), failures
+        return _wait(supervisor, pumps, received, failures, report=last, peers=peers), failures
     finally:
         if store_sock is not None:
             store_sock.close()
@@ -366,24 +390,32 @@ def _attempt(
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def _restart_line(failures: list[Failure], attempt: int, max_restarts: int) -> str:
-    """``onedist run: rank 1 failed (killed by signal SIGKILL); restarting the workers (attempt 1
-    of 3)``: the ranks that failed on their own (not those stopped, nor their consequences)."""
-    causes = [f for f in failures if not f.secondary] or [f for f in failures if not f.stopped]
-    ranks = ", ".join(str(f.rank) for f in causes) or "?"
-    why = "; ".join(_cause(f) for f in causes)
-    return (
-        f"onedist run: rank{'s' if len(causes) > 1 else ''} {ranks} failed ({why}); "
-        f"restarting the workers (attempt {attempt} of {max_restarts})\n"
-    )
-
-
-def _cause(f: Failure) -> str:
-    if f.exc_type is not None:
-        return f"{f.exc_type}: {f.message.splitlines()[0] if f.message else ''}"
-    if f.exitcode is not None and f.exitcode < 0:
-        return f"exit code {f.exitcode}, {f.what().removeprefix('was ')}"
-    return f"exit code {f.exitcode}"
+def _attempt_port(
+    args: argparse.Namespace, attempt: int, agents: Optional[Agents]
+) -> tuple[int, Optional[socket.socket]]:
+    """The workers' rendezvous port of ``attempt``, and on node 0 its bound socket. Node 0 binds
+    it here and hands it to rank 0's store: no window for another program to take the port, a
+    port in use fails before any worker starts, and one node listens on loopback only. With
+    ``agents``, --master-port serves the launchers' store: node 0 binds a fresh port and
+    every node reads it from that store once all arrived."""
+    host_store = args.node_rank == 0
+    try:
+        port, store_sock = rendezvous_port(
+            args.master_addr,
+            args.master_port if agents is None else None,
+            host_store=host_store,
+            what="--master-port",
+        )
+    except OSError as e:
+        raise _UsageError(e.strerror or str(e)) from e
+    if agents is None:
+        return port, store_sock
+    try:
+        return agents.begin(attempt, port if host_store else None), store_sock
+    except BaseException:
+        if store_sock is not None:
+            store_sock.close()
+        raise
 
 
 def _agent_env(attempt: int, max_restarts: int) -> dict[str, str]:
@@ -419,12 +451,16 @@ def _wait(
     received: list[int],
     failures_out: list[Failure],
     report: bool = True,
+    peers: Optional[Callable[[], bool]] = None,
 ) -> int:
-    """Watch the workers (5 s after a forwarded signal, stop those left); the exit status. The
-    failures go to ``failures_out``; their report is printed only with ``report``."""
+    """Watch the workers (5 s after a forwarded signal, stop those left; at once when ``peers()``
+    says another node stopped); the exit status. The failures go to ``failures_out``; their
+    report is printed only with ``report``."""
     signalled_at: list[float] = []
 
     def give_up() -> bool:
+        if peers is not None and peers():
+            return True
         if received and not signalled_at:
             signalled_at.append(time.monotonic())
         return bool(signalled_at) and time.monotonic() >= signalled_at[0] + 5.0
@@ -438,8 +474,10 @@ def _wait(
         return 128 + received[0]
     if not failures:
         return 0
+    if all(f.stopped for f in failures):  # stopped because another node's worker failed
+        return 1
     primary, text = failure_report(failures)
-    if report:  # a failure that is restarted gets one line instead (:func:`_restart_line`)
+    if report:  # a failure that is restarted gets one line instead (:func:`~.report.restart_line`)
         sys.stderr.write(text.replace("onedist: worker", "onedist run: worker", 1) + "\n")
     code = primary.exitcode
     return code if code is not None and 0 < code < 128 else 1

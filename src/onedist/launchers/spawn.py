@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from .._net import LOOPBACK, STORE_FD_ENV, rendezvous_port
-from ..errors import OnedistRuntimeError, format_user_traceback
+from ..errors import OnedistRuntimeError, bad_value, format_user_traceback
 from . import LaunchSpec, own_launcher
 from .checks import check_picklable
-from .report import failure_error
+from .report import Failure, failure_error, restart_line
 from .supervisor import ProcessWorker, Supervisor
 from .worker import call_worker_fn, exit_failed, torchrun_env, worker_threads_env
 
@@ -140,6 +140,7 @@ def spawn(
     timeout: Any = None,
     start_method: str = "spawn",
     hosts: Optional[str] = None,
+    max_restarts: int = 0,
 ) -> list[Any]:
     """Start ``nproc_per_node`` workers on this node, each running ``fn(local_rank, *args, **kwargs_dict)``.
 
@@ -169,14 +170,19 @@ def spawn(
         hosts: backend "horovod" only: ``horovod.run``'s host list ``"host1:slots,host2:slots"``,
             as ignite passes it; ``nproc_per_node`` is then the number of processes over all of
             them. Hosts other than this one are reached with ssh, as horovodrun does.
+        max_restarts: after a worker fails, stop the others and start them all again, up to
+            this many times (one line on stderr per restart), each attempt on a fresh port
+            (the same ``master_port`` when one is given) with the attempt in
+            ``TORCHELASTIC_RESTART_COUNT`` (:func:`onedist.restart_count`); an int >= 0, 0 on
+            several nodes (use ``onedist run --max-restarts``). Ctrl-C is never restarted.
 
     Returns:
         Each local rank's return value, in local-rank order (values that cannot be pickled come
         back as None).
 
     Raises:
-        WorkerFailedError: a worker raised or died. The message starts with the failing rank and
-            its traceback; the other workers were stopped.
+        WorkerFailedError: a worker raised or died (on the last attempt, with ``max_restarts``).
+            The message starts with the failing rank and its traceback; the others were stopped.
 
     Example:
         >>> import onedist as od
@@ -187,7 +193,7 @@ def spawn(
         [0.1, 0.1]
     """
     spec = LaunchSpec.build(backend, fn, args, kwargs_dict, nproc_per_node, nnodes, node_rank, master_addr,
-                            master_port, init_method, timeout, start_method, hosts)  # fmt: skip
+                            master_port, init_method, timeout, start_method, hosts, max_restarts)  # fmt: skip
     return launch(spec)
 
 
@@ -195,6 +201,14 @@ def launch(spec: LaunchSpec) -> list[Any]:
     """Start the workers of ``spec`` (the backend's own launcher when it has one) and return
     their results in local-rank order; raise :class:`WorkerFailedError` when one fails."""
     own_launch = own_launcher(spec.backend)
+    if own_launch is not None and spec.max_restarts:
+        raise bad_value(
+            "spawn",
+            "max_restarts",
+            spec.max_restarts,
+            f"0 with backend {spec.backend!r}, whose workers its own launcher starts",
+            hint="restart the whole job from outside (e.g. a loop around mpirun), with od.resume",
+        )
     if own_launch is not None:
         results = own_launch(spec)
         if results is not None:
@@ -229,10 +243,28 @@ def _with_start_method(spec: LaunchSpec) -> LaunchSpec:
 
 
 def _run_workers(spec: LaunchSpec) -> list[Any]:
-    """Start the workers (rank 0's store socket bound first), watch them, return their results."""
+    """Start the workers, watch them, return their results; after a failure, start them all again
+    while restarts are left (``spec.max_restarts``), else raise the failure."""
+    attempt = 0
+    while True:
+        supervisor = Supervisor[ProcessWorker]()
+        failures = _run_attempt(spec, attempt, supervisor)
+        if not failures:
+            return [w.result for w in supervisor.workers]
+        if attempt >= spec.max_restarts:
+            raise failure_error(failures)
+        attempt += 1
+        sys.stderr.write(restart_line("onedist.spawn", failures, attempt, spec.max_restarts))
+        sys.stderr.flush()
+
+
+def _run_attempt(spec: LaunchSpec, attempt: int, supervisor: Supervisor[ProcessWorker]) -> list[Failure]:
+    """One attempt: start the workers (rank 0's store socket bound first) and watch them; their
+    failures (none: each worker's result is in ``supervisor``). Every worker has ended on return."""
     # Rank 0's store listens on a socket bound here, before any worker starts: no other program can
     # take the port in between, a port in use fails now with the fix, and one node listens on
-    # loopback only. Only the env:// rendezvous (the default) can use it.
+    # loopback only. Only the env:// rendezvous (the default) can use it. A restart binds again:
+    # a fresh port (or the same given one), so no key of the failed attempt's store is read.
     host_store = spec.node_rank == 0 and spec.init_method in (None, "env://")
     try:
         port, store_sock = rendezvous_port(
@@ -240,14 +272,10 @@ def _run_workers(spec: LaunchSpec) -> list[Any]:
         )
     except OSError as e:
         raise OnedistRuntimeError(f"onedist.spawn: {e.strerror or e}") from e
-    supervisor = Supervisor[ProcessWorker]()
     try:
-        _start_workers(spec, port, store_sock, supervisor)
-        failures = supervisor.watch()
-        if failures:
-            raise failure_error(failures)
-        return [w.result for w in supervisor.workers]
-    except KeyboardInterrupt as e:
+        _start_workers(spec, port, store_sock, supervisor, attempt)
+        return supervisor.watch()
+    except KeyboardInterrupt as e:  # never restarted
         supervisor.interrupted()
         _print_where_workers_were(supervisor)
         raise e.with_traceback(None) from None  # the workers' tracebacks tell where it was
@@ -259,12 +287,17 @@ def _run_workers(spec: LaunchSpec) -> list[Any]:
 
 
 def _start_workers(
-    spec: LaunchSpec, port: int, store_sock: Any, supervisor: Supervisor[ProcessWorker]
+    spec: LaunchSpec, port: int, store_sock: Any, supervisor: Supervisor[ProcessWorker], attempt: int = 0
 ) -> None:
     """Start one process per local rank, each added to ``supervisor`` as it starts; rank 0 gets
     ``store_sock`` (closed here once it has its copy)."""
     ctx = multiprocessing.get_context(spec.start_method)
     threads = worker_threads_env(spec.nproc_per_node)
+    # torchrun's names for the attempt, read by od.restart_count()
+    restarts = {
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+    }
     try:
         for local_rank in range(spec.nproc_per_node):
             env = {
@@ -272,6 +305,7 @@ def _start_workers(
                     local_rank, spec.nproc_per_node, spec.node_rank, spec.nnodes, spec.master_addr, port
                 ),
                 **threads,
+                **restarts,
             }
             cfg = {
                 "backend": spec.backend,

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from .._net import LOOPBACK
 from ..errors import bad_type, bad_value
 
-__all__ = ["START_METHODS", "LaunchSpec", "available_start_methods"]
+__all__ = ["START_METHODS", "LaunchSpec", "available_start_methods", "check_max_restarts"]
 
 #: multiprocessing's start methods that spawn takes (those this platform has)
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -41,6 +41,7 @@ class LaunchSpec:
     timeout: Optional[timedelta] = None
     start_method: str = "spawn"
     hosts: Optional[str] = None
+    max_restarts: int = 0
 
     @classmethod
     def build(
@@ -58,6 +59,7 @@ class LaunchSpec:
         timeout: Any = None,
         start_method: Any = "spawn",
         hosts: Any = None,
+        max_restarts: Any = 0,
         *,
         caller: str = "spawn",
     ) -> LaunchSpec:
@@ -74,6 +76,7 @@ class LaunchSpec:
         _check_shape(nproc_per_node, nnodes, node_rank)
         _check_rendezvous(master_addr, master_port, init_method)
         _check_start(backend, start_method, hosts, caller)
+        check_max_restarts("spawn", max_restarts, nnodes=nnodes, start_method=start_method)
         from ..backends import class_for_backend
         from ..context import _resolve_backend_name, _timeout
 
@@ -86,7 +89,7 @@ class LaunchSpec:
         td = _timeout(caller, timeout)
         args, kwargs = tuple(args), dict(kwargs or {})
         return cls(name, fn, args, kwargs, nproc_per_node, nnodes, node_rank, master_addr, master_port,
-                   init_method, td, start_method, hosts)  # fmt: skip
+                   init_method, td, start_method, hosts, max_restarts)  # fmt: skip
 
     @property
     def world_size(self) -> int:
@@ -169,4 +172,32 @@ def _check_start(backend: str, start_method: Any, hosts: Any, caller: str) -> No
             f"None with backend {backend!r}",
             hint="hosts is horovod.run's host list, for backend 'horovod'; other backends run "
             "spawn once per node, with nnodes, node_rank and master_addr",
+        )
+
+
+def check_max_restarts(func: str, value: Any, *, nnodes: Any = 1, start_method: Any = "spawn") -> None:
+    """``max_restarts`` of ``spawn`` / ``Parallel``: an int >= 0, and 0 where the workers cannot be
+    restarted from here (several nodes: the nodes would have to agree; the re-exec start method:
+    this process is rank 0 itself)."""
+    allowed = "an int >= 0 (how many times the workers are started again after one fails)"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_type(func, "max_restarts", value, allowed)
+    if value < 0:
+        raise bad_value(func, "max_restarts", value, allowed)
+    if value and nnodes != 1:
+        raise bad_value(
+            func,
+            "max_restarts",
+            value,
+            f"0 with nnodes={nnodes}: restarts over several nodes must be agreed between them",
+            hint="start each node with `onedist run --nnodes N --node-rank K --max-restarts N ...`, "
+            "whose launchers agree on each restart",
+        )
+    if value and start_method == "subprocess":
+        raise bad_value(
+            func,
+            "max_restarts",
+            value,
+            "0 with start_method='subprocess' (this process is rank 0 itself: it cannot restart it)",
+            hint="use start_method 'spawn' or 'fork', or `onedist run --max-restarts N script.py`",
         )

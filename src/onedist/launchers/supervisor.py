@@ -299,6 +299,7 @@ class Supervisor(Generic[W]):
                 self.stop()
                 break
             if give_up is not None and give_up():
+                self.failures(mark_stopped=True)  # stopped from outside: not failures of their own
                 self.stop()
                 break
             if first is not None:

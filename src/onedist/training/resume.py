@@ -9,7 +9,9 @@
   ``onedist run --max-restarts N`` share one code path.
 
 Only files with their final name count: ``save_checkpoint`` writes a temporary file and renames
-it when complete, so a write cut short (a killed rank) leaves a ``.tmp`` file that is ignored.
+it when complete, so a write cut short (a killed rank) leaves a ``.tmp`` file that is never
+loaded; both functions delete such files once their writer is gone
+(:func:`remove_stale_temp_files`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import torch
 from ..errors import bad_type, bad_value
 from .checkpoint import PathLike, load_checkpoint, save_checkpoint
 
-__all__ = ["checkpoint_path", "resume", "save_training_state"]
+__all__ = ["checkpoint_path", "remove_stale_temp_files", "resume", "save_training_state"]
 
 logger = logging.getLogger("onedist")
 
 _NAME = re.compile(r"step_(\d{8,})\.pt")
+# save_checkpoint's temporary file for a step checkpoint: .step_<step>.pt.<writer pid>.<12 hex>.tmp
+_TEMP = re.compile(r"\.step_\d{8,}\.pt\.(\d+)\.[0-9a-f]{12}\.tmp")
 
 
 def checkpoint_path(directory: PathLike, step: int) -> Path:
@@ -82,7 +86,7 @@ def save_training_state(
         'step_00000005.pt'
     """
     from ..collectives import all_gather_object
-    from ..context import get_world_size
+    from ..context import get_rank, get_world_size
 
     func = "save_training_state"
     target = checkpoint_path(directory, step)
@@ -95,6 +99,8 @@ def save_training_state(
             state[key] = value
     if sampler is not None:
         state["sampler"] = sampler.state_dict()
+    if get_rank() == rank:
+        remove_stale_temp_files(target.parent)
     save_checkpoint(state, target, rank=rank)
     return target
 
@@ -145,6 +151,8 @@ def resume(
     func = "resume"
     folder = _directory(func, directory)
     _check_objects(func, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler)
+    if get_rank() == 0:  # the ranks of a job share the folder: one of them cleans it
+        remove_stale_temp_files(folder)
     step = newest_step(folder)
     if get_world_size() > 1:
         step = broadcast_object(step, src=0)  # every rank loads the file rank 0 picked
@@ -202,6 +210,51 @@ def newest_step(directory: PathLike) -> Optional[int]:
         return None
     steps = [int(m.group(1)) for m in map(_NAME.fullmatch, names) if m is not None]
     return max(steps, default=None)
+
+
+def remove_stale_temp_files(directory: PathLike) -> list[str]:
+    """Delete the temporary files of step checkpoints whose writer is gone; the names deleted.
+
+    A writer killed during its write (a restart's cause) leaves ``.step_<n>.pt.<pid>.<id>.tmp``
+    behind: never loaded, but as large as a checkpoint, one more per kill. The pid in the name
+    tells whether its writer still runs on this host; a file whose writer runs (or whose pid
+    belongs to another user's process) is kept. Other files are never touched.
+
+    Example:
+        >>> import os, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> dead = 2**22 + 1  # above the kernel's largest pid: no such process
+        >>> open(os.path.join(folder, f".step_00000005.pt.{dead}.0123456789ab.tmp"), "w").close()
+        >>> remove_stale_temp_files(folder), os.listdir(folder)
+        (['.step_00000005.pt.4194305.0123456789ab.tmp'], [])
+    """
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        m = _TEMP.fullmatch(name)
+        if m is None or _process_exists(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+    if removed:
+        logger.info("onedist: removed %d temporary file(s) of interrupted checkpoint writes", len(removed))
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # no such process (or no such pid at all)
+        return False
+    except PermissionError:
+        return True  # another user's process: not ours to judge
+    return True
 
 
 def _directory(func: str, directory: Any) -> Path:
