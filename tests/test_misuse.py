@@ -36,6 +36,9 @@ def _run(
     if launcher == "run":  # the script's scenario under `onedist run`, which starts its workers
         env["MISUSE_UNDER_RUN"] = "1"
         command = [sys.executable, "-m", "onedist", "run", "-n", str(nproc), MISUSE]
+    elif launcher == "torchrun":  # torch's own launcher: initialize reads its environment
+        env["MISUSE_UNDER_RUN"] = "1"
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), MISUSE]
     else:
         command = [sys.executable, MISUSE]
     proc = subprocess.run(
@@ -131,6 +134,12 @@ def _all_name_the_mismatch(results: list[dict], calls: list[str]) -> None:
         assert all(c in r["message"] for c in calls), (calls, r["message"])
         assert "without debug mode" in r["message"]
     assert len({r["message"] for r in results}) == 1  # one verdict, every rank's call in it
+
+
+@pytest.mark.parametrize("scenario", ["reduce_vs_gather", "plain_shapes"])
+def test_the_stall_check_works_under_torchrun(scenario, tmp_path):
+    results = _run(tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", launcher="torchrun")
+    _all_name_the_mismatch(results, ["rank 0: ", "rank 1: "])
 
 
 def test_a_sub_group_s_ranks_blocked_in_different_collectives_raise(tmp_path):
