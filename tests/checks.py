@@ -222,6 +222,13 @@ def check_all_reduce_nested_one_collective_per_dtype() -> None:
     assert list(out) == order  # the caller's key order is kept
     for i, k in enumerate(keys):
         assert out[k] == i + (w - 1) / 2
+    counts_by_key = {"seen": 10 + r, "right": r}  # a dict of ints: ints back, floats for MEAN
+    assert od.all_reduce(counts_by_key) == {"seen": 10 * w + sum(range(w)), "right": sum(range(w))}
+    assert all(type(v) is int for v in od.all_reduce(counts_by_key).values())
+    assert od.all_reduce(counts_by_key, op="MEAN") == {"seen": 10 + (w - 1) / 2, "right": (w - 1) / 2}
+    assert od.all_reduce({"top": float(r)}, op="MAX") == {"top": float(w - 1)}
+    on_root = od.reduce({"n": 1 + r}, dst=0)
+    assert on_root == ({"n": w + sum(range(w))} if r == 0 else {"n": 1 + r})
     tensor_metrics = {k: torch.tensor(float(i + r)) for i, k in enumerate(keys)}
     with count_primitives() as counts:
         out = od.all_reduce(tensor_metrics)
