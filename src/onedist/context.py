@@ -192,6 +192,7 @@ def initialize(
         if fresh and init_method in (None, "env://"):
             announce_init_failure(e)  # the peers waiting for this rank to join raise it too
         raise
+    world.world_calls, world.group_calls = 0, {}  # a new group: the stall check counts afresh
     if world.backend.world_size > 1:
         failures.install()  # an uncaught exception here is reported to the other ranks
         failures.start_watch()  # and a failure of another rank ends this one, even outside collectives
