@@ -1,6 +1,6 @@
 """onedist against what a torch user writes by hand, in the same processes, on one process group.
 
-    python benchmarks/bench_handwritten.py                  # 2 gloo ranks, 15 rounds
+    python benchmarks/bench_handwritten.py                  # 2 gloo ranks, 30 rounds
     python benchmarks/bench_handwritten.py --rounds 25 --json out.json
     python benchmarks/bench_handwritten.py --backend shm --cases dict
 
@@ -143,20 +143,20 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
         v["ignite"] = lambda: ig.all_reduce(t)
     if ac:
         v["accelerate"] = lambda: ac.reduce(t, reduction="sum")
-    cases["all_reduce 1 float"] = (v, 20, 0)
+    cases["all_reduce 1 float"] = (v, 10, 0)
     for mb in (16, 128):
         x = torch.ones(mb * 2**20 // 4)
         v = {"raw": lambda x=x: dist.all_reduce(x), "onedist": lambda x=x: od.all_reduce(x)}
         if ig:
             v["ignite"] = lambda x=x: ig.all_reduce(x)
-        cases[f"all_reduce {mb} MB"] = (v, 4 if mb == 16 else 1, mb * 2**20)
+        cases[f"all_reduce {mb} MB"] = (v, 2 if mb == 16 else 1, mb * 2**20)
     one = torch.tensor([float(rank)])
     v = {"raw": lambda: raw_all_gather(one, world), "onedist": lambda: od.all_gather(one)}
     if ig:
         v["ignite"] = lambda: ig.all_gather(one)
     if ac:
         v["accelerate"] = lambda: ac.gather(one)
-    cases["all_gather 1 element"] = (v, 20, 0)
+    cases["all_gather 1 element"] = (v, 10, 0)
     mine = torch.full((1000 + 37 * rank, 16), float(rank))
     v = {
         "raw": lambda: raw_uneven(mine, world),
@@ -166,24 +166,24 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
     if ig:
         shapes = [[1000 + 37 * r, 16] for r in range(world)]
         v["ignite (shapes given)"] = lambda: torch.cat(ig.all_gather_tensors_with_shapes(mine, shapes))
-    cases["uneven all_gather (1000+37r)x16"] = (v, 10, 0)
+    cases["uneven all_gather (1000+37r)x16"] = (v, 5, 0)
     obj = {"rank": rank, "name": f"worker-{rank}", "stats": [0.1 * i for i in range(20)]}
     src_obj = obj if rank == 0 else None
     v = {"raw": lambda: raw_broadcast_object(obj, rank), "onedist": lambda: od.broadcast_object(src_obj)}
     if ac:
         v["accelerate"] = lambda: ac.broadcast_object_list([src_obj])
-    cases["object broadcast"] = (v, 20, 0)
+    cases["object broadcast"] = (v, 10, 0)
     v = {"raw": lambda: raw_all_gather_object(obj, world), "onedist": lambda: od.all_gather_object(obj)}
     if ig:
         v["ignite"] = lambda: ig.all_gather(obj)
     if ac:
         v["accelerate"] = lambda: ac.gather_object([obj])
-    cases["object all_gather"] = (v, 20, 0)
+    cases["object all_gather"] = (v, 10, 0)
     metrics = {f"metric_{i:03d}": torch.tensor(float(i + rank)) for i in range(100)}
     v = {"raw": lambda: raw_stacked(metrics), "onedist": lambda: od.all_reduce(metrics)}
     if ig:
         v["ignite (leaf by leaf)"] = lambda: {k: ig.all_reduce(m.clone()) for k, m in metrics.items()}
-    cases["dict of 100 metrics"] = (v, 10, 0)
+    cases["dict of 100 metrics"] = (v, 5, 0)
     for variants, _, _ in cases.values():
         variants["raw again (A/A)"] = variants["raw"]
     return cases
@@ -267,16 +267,18 @@ def main() -> None:
     )
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--cases", nargs="*", help="only the cases whose name contains one of these")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
+    load = os.getloadavg()[0]
     result = od.spawn(args.backend, run, args=(args,), nproc_per_node=args.world_size)[0]
     rows = report(result)
     print(
         f"onedist {od.__version__}, torch {torch.__version__}, {args.backend}, world size "
-        f"{args.world_size}, {os.cpu_count()} CPUs, {args.rounds} rounds; ratio = median of per-round "
+        f"{args.world_size}, {os.cpu_count()} CPUs (load average {load:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after), {args.rounds} rounds; ratio = median of per-round "
         "ratios to raw (time ratio; for MB rows: fraction of raw's bandwidth), [quartiles]"
     )
     case = None

@@ -233,35 +233,30 @@ def copy_tensors_into(packed: Packed, dst: torch.Tensor) -> None:
 def tensor_slot(t: torch.Tensor, slot_len: int) -> Optional[tuple[torch.Tensor, Packed, int]]:
     """:func:`pack` and :func:`fill_slot` of a dense CPU tensor bound for a CPU channel, in one go.
 
-    The slot is built in a ``bytearray`` with plain Python stores (header, meta, and the data
-    through numpy's buffer when numpy has the dtype): on a small all_gather every tensor op
-    costs more than the collective's own Python, and ranks waiting on a busy core multiply it
-    (issue 24). Returns (slot, packed, inline level), the same bytes ``fill_slot`` writes; None
-    when the tensor needs :func:`pack`'s general handling (another device or layout, a lazy
-    conjugate, a dtype without a wire code).
+    The slot is a copy of a template made once per (dtype, shape) (header and meta), into which
+    the data goes through numpy's buffer when numpy has the dtype: on a small all_gather every
+    tensor op and struct call costs more than the collective's own Python, and ranks waiting on
+    a busy core multiply it (issue 24). Returns (slot, packed, inline level), the same bytes
+    ``fill_slot`` writes; None when the tensor needs :func:`pack`'s general handling (another
+    device or layout, a lazy conjugate, a dtype without a wire code).
     """
-    code = _DTYPE_CODE.get(t.dtype)
-    if code is None or not t.is_cpu or t.layout != torch.strided or t.is_conj() or t.is_neg():
+    if not t.is_cpu or t.layout != torch.strided or t.is_conj() or t.is_neg():
         return None
+    key = (t.dtype, t.shape, slot_len)
+    plan = _SLOT_PLANS.get(key)
+    if plan is None:
+        if t.dtype not in _DTYPE_CODE:
+            return None
+        plan = _slot_plan(t, slot_len)
+        if len(_SLOT_PLANS) >= 256:
+            _SLOT_PLANS.clear()
+        _SLOT_PLANS[key] = plan
+    template, meta, start, nbytes, inline = plan
     if t.requires_grad:
         t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    dim = t.dim()
-    nbytes = t.numel() * t.element_size()
-    meta_len = 16 + 8 * dim
-    start = HEADER_BYTES + align(meta_len)
-    if start + nbytes <= slot_len:
-        inline = INLINE_ALL
-    elif HEADER_BYTES + meta_len <= slot_len:
-        inline = INLINE_META
-    else:
-        inline = INLINE_NONE
-    meta = struct.pack(f"<{2 + dim}q", code, dim, *t.shape)
-    buf = bytearray(slot_len)
-    HEADER.pack_into(buf, 0, MAGIC, STATUS_OK, K_TENSOR, meta_len, nbytes, inline)
-    if inline != INLINE_NONE:
-        buf[HEADER_BYTES : HEADER_BYTES + meta_len] = meta
+    buf = bytearray(template)
     slot = torch.frombuffer(buf, dtype=torch.uint8)
     if inline == INLINE_ALL and nbytes:
         try:
@@ -269,6 +264,30 @@ def tensor_slot(t: torch.Tensor, slot_len: int) -> Optional[tuple[torch.Tensor, 
         except (TypeError, ValueError, RuntimeError):  # bfloat16, float8, complex: numpy lacks them
             slot[start : start + nbytes].copy_(tensor_bytes(t))
     return slot, Packed(K_TENSOR, meta, [t], [nbytes]), inline
+
+
+#: (dtype, shape, slot length) -> what :func:`tensor_slot` copies and where the data goes
+_SLOT_PLANS: dict[tuple[torch.dtype, torch.Size, int], tuple[bytes, bytes, int, int, int]] = {}
+
+
+def _slot_plan(t: torch.Tensor, slot_len: int) -> tuple[bytes, bytes, int, int, int]:
+    """(slot template: header and meta, meta, data offset, data bytes, inline level) for ``t``'s
+    dtype and shape."""
+    dim = t.dim()
+    nbytes = t.numel() * t.element_size()
+    meta = struct.pack(f"<{2 + dim}q", _DTYPE_CODE[t.dtype], dim, *t.shape)
+    start = HEADER_BYTES + align(len(meta))
+    if start + nbytes <= slot_len:
+        inline = INLINE_ALL
+    elif HEADER_BYTES + len(meta) <= slot_len:
+        inline = INLINE_META
+    else:
+        inline = INLINE_NONE
+    buf = bytearray(slot_len)
+    HEADER.pack_into(buf, 0, MAGIC, STATUS_OK, K_TENSOR, len(meta), nbytes, inline)
+    if inline != INLINE_NONE:
+        buf[HEADER_BYTES : HEADER_BYTES + len(meta)] = meta
+    return bytes(buf), meta, start, nbytes, inline
 
 
 # ---------------------------------------------------------------------------------------- slots
