@@ -38,6 +38,7 @@ __all__ = [
     "INLINE_NONE",
     "PackError",
     "Packed",
+    "SlotPlan",
     "Header",
     "align",
     "error_slot",
@@ -230,18 +231,34 @@ def copy_tensors_into(packed: Packed, dst: torch.Tensor) -> None:
         offset += size
 
 
-def tensor_slot(t: torch.Tensor, slot_len: int) -> Optional[tuple[torch.Tensor, Packed, int]]:
+class SlotPlan(NamedTuple):
+    """A tensor's round-1 slot for one dtype, shape and slot length (see :func:`tensor_slot`)."""
+
+    template: bytes  #: the whole slot with header and meta written, zeros elsewhere
+    meta: bytes
+    head: bytes  #: header and meta: equal on every rank that sent this dtype and shape
+    start: int  #: where the data goes in the slot
+    nbytes: int
+    inline: int
+    np_dtype: Any  #: numpy's dtype for the data, None where numpy lacks it (bfloat16, float8)
+
+
+def tensor_slot(t: torch.Tensor, slot_len: int) -> Optional[tuple[torch.Tensor, Packed, SlotPlan]]:
     """:func:`pack` and :func:`fill_slot` of a dense CPU tensor bound for a CPU channel, in one go.
 
     The slot is a copy of a template made once per (dtype, shape) (header and meta), into which
     the data goes through numpy's buffer when numpy has the dtype: on a small all_gather every
     tensor op and struct call costs more than the collective's own Python, and ranks waiting on
-    a busy core multiply it (issue 24). Returns (slot, packed, inline level), the same bytes
+    a busy core multiply it (issue 24). Returns (slot, packed, plan), the same bytes
     ``fill_slot`` writes; None when the tensor needs :func:`pack`'s general handling (another
     device or layout, a lazy conjugate, a dtype without a wire code).
     """
     if not t.is_cpu or t.layout != torch.strided or t.is_conj() or t.is_neg():
         return None
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
     key = (t.dtype, t.shape, slot_len)
     plan = _SLOT_PLANS.get(key)
     if plan is None:
@@ -251,28 +268,22 @@ def tensor_slot(t: torch.Tensor, slot_len: int) -> Optional[tuple[torch.Tensor, 
         if len(_SLOT_PLANS) >= 256:
             _SLOT_PLANS.clear()
         _SLOT_PLANS[key] = plan
-    template, meta, start, nbytes, inline = plan
-    if t.requires_grad:
-        t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    buf = bytearray(template)
+    buf = bytearray(plan.template)
     slot = torch.frombuffer(buf, dtype=torch.uint8)
-    if inline == INLINE_ALL and nbytes:
-        try:
+    start, nbytes = plan.start, plan.nbytes
+    if plan.inline == INLINE_ALL and nbytes:
+        if plan.np_dtype is not None:
             buf[start : start + nbytes] = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
-        except (TypeError, ValueError, RuntimeError):  # bfloat16, float8, complex: numpy lacks them
+        else:
             slot[start : start + nbytes].copy_(tensor_bytes(t))
-    return slot, Packed(K_TENSOR, meta, [t], [nbytes]), inline
+    return slot, Packed(K_TENSOR, plan.meta, [t], [nbytes]), plan
 
 
 #: (dtype, shape, slot length) -> what :func:`tensor_slot` copies and where the data goes
-_SLOT_PLANS: dict[tuple[torch.dtype, torch.Size, int], tuple[bytes, bytes, int, int, int]] = {}
+_SLOT_PLANS: dict[tuple[torch.dtype, torch.Size, int], SlotPlan] = {}
 
 
-def _slot_plan(t: torch.Tensor, slot_len: int) -> tuple[bytes, bytes, int, int, int]:
-    """(slot template: header and meta, meta, data offset, data bytes, inline level) for ``t``'s
-    dtype and shape."""
+def _slot_plan(t: torch.Tensor, slot_len: int) -> SlotPlan:
     dim = t.dim()
     nbytes = t.numel() * t.element_size()
     meta = struct.pack(f"<{2 + dim}q", _DTYPE_CODE[t.dtype], dim, *t.shape)
@@ -287,7 +298,13 @@ def _slot_plan(t: torch.Tensor, slot_len: int) -> tuple[bytes, bytes, int, int, 
     HEADER.pack_into(buf, 0, MAGIC, STATUS_OK, K_TENSOR, len(meta), nbytes, inline)
     if inline != INLINE_NONE:
         buf[HEADER_BYTES : HEADER_BYTES + len(meta)] = meta
-    return bytes(buf), meta, start, nbytes, inline
+    try:
+        np_dtype = t.numpy().dtype
+        memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):  # numpy lacks it, no byte view
+        np_dtype = None
+    head = bytes(buf[: HEADER_BYTES + len(meta)])
+    return SlotPlan(bytes(buf), meta, head, start, nbytes, inline, np_dtype)
 
 
 # ---------------------------------------------------------------------------------------- slots
