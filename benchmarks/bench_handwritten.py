@@ -5,11 +5,12 @@
     python benchmarks/bench_handwritten.py --backend shm --cases dict
 
 Every variant runs in the same spawned worker processes on the same default process group. A
-*round* times every case once, and inside a case every variant once (``--iters`` calls each,
-ranks in step after a barrier), the variants' order rotating from round to round; the ratio of
-a variant to ``raw`` is taken **per round** (both timed seconds apart at most), and the report
-gives the median of those ratios. ``raw again (A/A)`` is the raw baseline run a second time: its
-ratio is the noise floor of the others (a clean machine gives 0.95-1.05).
+*round* times every case once, and inside a case every variant once (a sample: the median of
+5-10 calls timed one by one, ranks in step after a barrier; for the broadcast, whose root may
+run ahead, the mean of the loop), the variants' order rotating from round to round; the ratio
+of a variant to ``raw`` is taken **per round** (both timed within milliseconds), and the report
+gives the median of those ratios. ``raw again (A/A)`` is the raw baseline run a second time:
+its ratio is the noise floor of the others (a quiet machine gives 0.95-1.05).
 
 The baselines (``raw``), as a torch user writes them by hand:
 
@@ -203,13 +204,27 @@ def _check_results(rank: int, world: int) -> None:
     assert od.all_reduce(metrics) == raw_stacked(metrics)
 
 
-def _time(fn: Callable[[], Any], iters: int) -> float:
-    """Seconds per call, ranks starting together; rank 0's clock."""
+def _time(fn: Callable[[], Any], iters: int, per_call: bool) -> float:
+    """Seconds per call, ranks starting together; rank 0's clock.
+
+    ``per_call``: each call timed on its own and the sample is their median (on a shared 2-core
+    machine a neighbour's burst lands on a call or two, which a mean would carry into the
+    ratio); else the mean of the loop, for a broadcast, whose root may run calls ahead of the
+    receivers.
+    """
     dist.barrier()
-    t0 = time.perf_counter()
+    clock = time.perf_counter
+    if not per_call:
+        t0 = clock()
+        for _ in range(iters):
+            fn()
+        return (clock() - t0) / iters
+    times = []
     for _ in range(iters):
+        t0 = clock()
         fn()
-    return (time.perf_counter() - t0) / iters
+        times.append(clock() - t0)
+    return statistics.median(times)
 
 
 def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -231,7 +246,7 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
             names = list(variants)
             shift = rnd % len(names)
             for name in names[shift:] + names[:shift]:
-                samples[case][name].append(_time(variants[name], iters))
+                samples[case][name].append(_time(variants[name], iters, "broadcast" not in case))
     return {"samples": samples, "bytes": {c: cases[c][2] for c in cases}}
 
 

@@ -314,7 +314,8 @@ def gather_tensor(
         return AsyncResult([], lambda: out) if async_op else out
     if inline != W.INLINE_META or local.dim() == 0:
         return None
-    # per rank: the header but its tensor length, and the meta but the first dimension, match
+    # per rank: the header but its tensor length (bytes 32-40), and the meta but the first
+    # dimension (8 bytes at dim0, after the dtype code and ndim), match this rank's
     lens, total_rows, dim0 = [], 0, W.HEADER_BYTES + 16
     for i in range(size):
         at = i * slot
