@@ -336,6 +336,58 @@ def check_all_gather_tensors() -> None:
     assert torch.equal(h.wait(), torch.arange(w))
 
 
+def check_all_gather_tensor_fast_paths() -> str:
+    """The tensor paths of issue 24 (slot built without tensor ops, result read from the slots or
+    received into itself): what the general path gives, in as few collectives, errors alike."""
+    r, w = rw()
+    one = torch.tensor([float(r)], requires_grad=True)
+    with count_primitives() as counts:
+        out = od.all_gather(one)
+    assert sum(counts.values()) == 1, counts
+    assert torch.equal(out, torch.arange(w, dtype=torch.float32)) and not out.requires_grad
+    assert out.is_contiguous() and out.data_ptr() != one.data_ptr()
+    for dtype in (torch.bfloat16, torch.complex128, torch.bool, torch.int8, torch.float64):
+        x = (torch.arange(6) + r).view(3, 2).to(dtype)
+        got = od.all_gather(x)
+        assert got.dtype == dtype and torch.equal(
+            got, torch.cat([(torch.arange(6) + q).view(3, 2).to(dtype) for q in range(w)])
+        )
+    assert torch.equal(od.all_gather(torch.tensor(r, dtype=torch.int16)), torch.arange(w, dtype=torch.int16))
+    assert od.all_gather(torch.ones(0, 5)).shape == (0, 5)
+
+    # uneven first dimension beyond the slot: the size round and one exchange, straight into the result
+    def rows(q: int) -> torch.Tensor:
+        return torch.arange((1000 + 37 * q) * 16, dtype=torch.float32).view(-1, 16) + q
+
+    with count_primitives() as counts:
+        out = od.all_gather(rows(r))
+    assert rounds(counts) == 2, counts
+    assert torch.equal(out, torch.cat([rows(q) for q in range(w)]))
+    assert torch.equal(od.all_gather(rows(r), async_op=True).wait(), torch.cat([rows(q) for q in range(w)]))
+    # some ranks inline in the slot, others not
+    mixed = torch.full((3 if r == 0 else 5000, 2), float(r))
+    assert torch.equal(
+        od.all_gather(mixed), torch.cat([torch.full((3 if q == 0 else 5000, 2), float(q)) for q in range(w)])
+    )
+    if w == 1:
+        return "ok"
+    # what cannot be concatenated still raises on every rank, small or beyond the slot
+    for n in (2, 5000):
+        with pytest.raises(od.CollectiveMismatchError, match="cannot be concatenated"):
+            od.all_gather(torch.ones(n, 3 + r))
+        with pytest.raises(od.CollectiveMismatchError, match="cannot be concatenated"):
+            od.all_gather(torch.ones(n, 3, dtype=torch.float32 if r == 0 else torch.float64))
+    # another rank's error slot reaches a rank that sent a tensor
+    if r == 1:
+        with pytest.raises(od.OnedistTypeError, match="cannot pickle"):
+            od.all_gather(lambda: 0)
+    else:
+        with pytest.raises(od.RemoteRankError, match="rank 1 could not send"):
+            od.all_gather(torch.ones(2))
+    assert torch.equal(od.all_gather(torch.tensor([r])), torch.arange(w))
+    return "ok"
+
+
 def check_all_gather_values() -> None:
     r, w = rw()
     f = od.all_gather(0.1 * r)  # numbers: one exact entry per rank, as ignite's list

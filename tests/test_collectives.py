@@ -34,6 +34,10 @@ def test_all_gather_tensors_even_and_uneven(world):
     world(checks.check_all_gather_tensors)
 
 
+def test_all_gather_tensor_fast_paths(world):
+    assert world(checks.check_all_gather_tensor_fast_paths) == ["ok"] * world.world_size
+
+
 def test_all_gather_numbers_strings_objects_nested(world):
     world(checks.check_all_gather_values)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import struct
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Optional
 
@@ -57,7 +58,7 @@ def pack_or_error(
 
 
 def slot_message(slot: torch.Tensor, h: W.Header) -> str:
-    return bytes(slot[W.HEADER_BYTES : W.HEADER_BYTES + h.meta_len].numpy()).decode("utf-8", "replace")
+    return W.slot_bytes(slot, W.HEADER_BYTES, W.HEADER_BYTES + h.meta_len).decode("utf-8", "replace")
 
 
 def remote_error(func: str, rank: int, message: str) -> RemoteRankError:
@@ -141,12 +142,17 @@ def gather_bytes(
     block: torch.Tensor,
     sizes: list[int],
     async_op: bool,
+    out: Optional[torch.Tensor] = None,
 ) -> tuple[Optional[torch.Tensor], list[Optional[Work]]]:
-    """Every rank's block, concatenated in group-rank order; exact sizes, no padding."""
+    """Every rank's block, concatenated in group-rank order; exact sizes, no padding.
+
+    ``out``: where to receive (``sum(sizes)`` bytes), e.g. the result tensor's own memory.
+    """
     total = sum(sizes)
     if total == 0:
         return None, []
-    out = torch.empty(total, dtype=U8, device=dev)
+    if out is None:
+        out = torch.empty(total, dtype=U8, device=dev)
     if all(s == sizes[0] for s in sizes):
         return out, [b.all_gather_into_(out, block, group, async_op)]
     own = b.all_gather_uneven_(out, block, sizes, group, async_op)
@@ -186,10 +192,10 @@ def decode(
     obj_rest: Optional[torch.Tensor]
     if h.inline == W.INLINE_NONE:
         assert obj is not None
-        meta = bytes(obj[: h.meta_len].numpy())  # the object channel is on the CPU
+        meta = W.slot_bytes(obj, 0, h.meta_len)  # the object channel is on the CPU
         obj_rest = obj[W.align(h.meta_len) :]
     else:
-        meta = bytes(slot[W.HEADER_BYTES : W.HEADER_BYTES + h.meta_len].numpy())
+        meta = W.slot_bytes(slot, W.HEADER_BYTES, W.HEADER_BYTES + h.meta_len)
         obj_rest = obj
     specs, offsets, rest = W.split_meta(h.kind, meta)
     data: Optional[torch.Tensor]
@@ -224,10 +230,20 @@ def gather_values(func: str, value: Any, group: GroupLike, async_op: bool, merge
         return done(value if func == "all_gather" else [value], async_op)
     size = len(ranks)
     ch = Channels(b, g, "all_gather", size)
-    slot = torch.empty(ch.slot, dtype=U8)
-    packed, inline, err = pack_or_error(func, value, ch, slot)
+    fast = W.tensor_slot(value, ch.slot) if merge and ch.merged and type(value) is torch.Tensor else None
+    packed: Optional[W.Packed]
+    if fast is not None:  # the same slot bytes as below, built without tensor ops
+        slot, packed, plan = fast
+        inline, err = plan.inline, ""
+    else:
+        slot = torch.empty(ch.slot, dtype=U8)
+        packed, inline, err = pack_or_error(func, value, ch, slot)
     slots = torch.empty(size * ch.slot, dtype=U8)
     b.all_gather_into_(slots, slot, ch.og, False)
+    if fast is not None:
+        result = gather_tensor(b, ch, ranks, me, value, fast, slots, async_op)
+        if result is not None:
+            return result
     headers = W.parse_headers(slots, size)
     raise_slot_errors(func, ch, slots, headers, ranks, me, err)
     obj_sizes = [obj_len(h, ch.merged) for h in headers]
@@ -249,6 +265,77 @@ def gather_values(func: str, value: Any, group: GroupLike, async_op: bool, merge
     if async_op:
         return AsyncResult(w1 + w2, finish)
     return finish()
+
+
+def gather_tensor(
+    b: Backend,
+    ch: Channels,
+    ranks: Sequence[int],
+    me: int,
+    local: torch.Tensor,
+    fast: tuple[torch.Tensor, W.Packed, W.SlotPlan],
+    slots: torch.Tensor,
+    async_op: bool,
+) -> Any:
+    """all_gather's result when every rank sent a tensor of ``local``'s dtype and trailing shape,
+    read straight from the round-1 slots; None otherwise (the general path then parses the same
+    slots, and reports errors and mismatches).
+
+    Same shape, data inline (a metric, a small batch): one copy out of the slots. Data not
+    inline (first dimensions may differ): round 2 as the general path does it, with the same
+    sizes (so ranks on either path issue the same collectives), received into the result itself.
+    """
+    size, slot = len(ranks), ch.slot
+    mv = slots.numpy().data
+    plan = fast[2]
+    head = plan.head  # status, sizes, dtype, shape
+    inline = plan.inline
+    if inline == W.INLINE_ALL:
+        for i in range(size):
+            if i != me and mv[i * slot : i * slot + len(head)] != head:
+                return None
+        # rank i's data sits at the same offset of its slot: copied into the result with plain
+        # memoryview slices where numpy has the dtype (fewer ops than a strided view and a
+        # copy: every op between two collectives counts several times on busy cores)
+        start, nbytes = plan.start, plan.nbytes
+        shape = (size,) if local.dim() == 0 else (size * local.shape[0], *local.shape[1:])
+        out = torch.empty(shape, dtype=local.dtype)
+        if plan.np_dtype is not None and nbytes:
+            dst = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
+            for i in range(size):
+                at = i * slot + start
+                dst[i * nbytes : (i + 1) * nbytes] = mv[at : at + nbytes]
+        elif nbytes:  # a dtype numpy lacks (bfloat16, float8)
+            item = local.element_size()
+            rows = slots.view(local.dtype).as_strided(
+                (size, nbytes // item), (slot // item, 1), start // item
+            )
+            out.view(size, -1).copy_(rows)
+        return AsyncResult([], lambda: out) if async_op else out
+    if inline != W.INLINE_META or local.dim() == 0:
+        return None
+    # per rank: the header but its tensor length (bytes 32-40), and the meta but the first
+    # dimension (8 bytes at dim0, after the dtype code and ndim), match this rank's
+    lens, total_rows, dim0 = [], 0, W.HEADER_BYTES + 16
+    for i in range(size):
+        at = i * slot
+        if i != me and (
+            mv[at : at + 32] != head[:32]
+            or mv[at + 40 : at + dim0] != head[40:dim0]
+            or mv[at + dim0 + 8 : at + len(head)] != head[dim0 + 8 :]
+        ):
+            return None
+        lens.append(_I64.unpack_from(mv, at + 32)[0])
+        total_rows += _I64.unpack_from(mv, at + dim0)[0]
+    out = torch.empty((total_rows, *local.shape[1:]), dtype=local.dtype)
+    recv = W.tensor_bytes(out) if out.numel() else None
+    _, works = gather_bytes(
+        b, ch.og, ranks, me, CPU, W.tensor_bytes(fast[1].tensors[0]), lens, async_op, recv
+    )
+    return AsyncResult(works, lambda: out) if async_op else out
+
+
+_I64 = struct.Struct("<q")
 
 
 def localize(value: Any, local: Any) -> Any:

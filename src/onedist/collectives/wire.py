@@ -24,27 +24,31 @@ import io
 import pickle
 import struct
 import threading
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from ..errors import CollectiveMismatchError
 
 __all__ = [
+    "HEADER",
     "HEADER_BYTES",
     "INLINE_ALL",
     "INLINE_META",
     "INLINE_NONE",
     "PackError",
     "Packed",
+    "SlotPlan",
     "Header",
     "align",
     "error_slot",
     "fill_slot",
     "pack",
     "parse_headers",
+    "slot_bytes",
     "slot_size",
     "split_meta",
+    "tensor_slot",
     "unpack",
     "view_tensor",
 ]
@@ -52,6 +56,7 @@ __all__ = [
 MAGIC = 0x6F6E656469737401  # "onedist" + format version 1
 HEADER_FIELDS = 6
 HEADER_BYTES = 8 * HEADER_FIELDS
+HEADER = struct.Struct(f"<{HEADER_FIELDS}q")
 ALIGN = 16
 
 INLINE_NONE, INLINE_META, INLINE_ALL = 0, 1, 2
@@ -226,6 +231,82 @@ def copy_tensors_into(packed: Packed, dst: torch.Tensor) -> None:
         offset += size
 
 
+class SlotPlan(NamedTuple):
+    """A tensor's round-1 slot for one dtype, shape and slot length (see :func:`tensor_slot`)."""
+
+    template: bytes  #: the whole slot with header and meta written, zeros elsewhere
+    meta: bytes
+    head: bytes  #: header and meta: equal on every rank that sent this dtype and shape
+    start: int  #: where the data goes in the slot
+    nbytes: int
+    inline: int
+    np_dtype: Any  #: numpy's dtype for the data, None where numpy lacks it (bfloat16, float8)
+
+
+def tensor_slot(t: torch.Tensor, slot_len: int) -> Optional[tuple[torch.Tensor, Packed, SlotPlan]]:
+    """:func:`pack` and :func:`fill_slot` of a dense CPU tensor bound for a CPU channel, in one go.
+
+    The slot is a copy of a template made once per (dtype, shape) (header and meta), into which
+    the data goes through numpy's buffer when numpy has the dtype: on a small all_gather every
+    tensor op and struct call costs more than the collective's own Python, and ranks waiting on
+    a busy core multiply it (issue 24). Returns (slot, packed, plan), the same bytes
+    ``fill_slot`` writes; None when the tensor needs :func:`pack`'s general handling (another
+    device or layout, a lazy conjugate, a dtype without a wire code).
+    """
+    if not t.is_cpu or t.layout != torch.strided or t.is_conj() or t.is_neg():
+        return None
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    key = (t.dtype, t.shape, slot_len)
+    plan = _SLOT_PLANS.get(key)
+    if plan is None:
+        if t.dtype not in _DTYPE_CODE:
+            return None
+        plan = _slot_plan(t, slot_len)
+        if len(_SLOT_PLANS) >= 256:
+            _SLOT_PLANS.clear()
+        _SLOT_PLANS[key] = plan
+    buf = bytearray(plan.template)
+    slot = torch.frombuffer(buf, dtype=torch.uint8)
+    start, nbytes = plan.start, plan.nbytes
+    if plan.inline == INLINE_ALL and nbytes:
+        if plan.np_dtype is not None:
+            buf[start : start + nbytes] = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+        else:
+            slot[start : start + nbytes].copy_(tensor_bytes(t))
+    return slot, Packed(K_TENSOR, plan.meta, [t], [nbytes]), plan
+
+
+#: (dtype, shape, slot length) -> what :func:`tensor_slot` copies and where the data goes
+_SLOT_PLANS: dict[tuple[torch.dtype, torch.Size, int], SlotPlan] = {}
+
+
+def _slot_plan(t: torch.Tensor, slot_len: int) -> SlotPlan:
+    dim = t.dim()
+    nbytes = t.numel() * t.element_size()
+    meta = struct.pack(f"<{2 + dim}q", _DTYPE_CODE[t.dtype], dim, *t.shape)
+    start = HEADER_BYTES + align(len(meta))
+    if start + nbytes <= slot_len:
+        inline = INLINE_ALL
+    elif HEADER_BYTES + len(meta) <= slot_len:
+        inline = INLINE_META
+    else:
+        inline = INLINE_NONE
+    buf = bytearray(slot_len)
+    HEADER.pack_into(buf, 0, MAGIC, STATUS_OK, K_TENSOR, len(meta), nbytes, inline)
+    if inline != INLINE_NONE:
+        buf[HEADER_BYTES : HEADER_BYTES + len(meta)] = meta
+    try:
+        np_dtype = t.numpy().dtype
+        memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):  # numpy lacks it, no byte view
+        np_dtype = None
+    head = bytes(buf[: HEADER_BYTES + len(meta)])
+    return SlotPlan(bytes(buf), meta, head, start, nbytes, inline, np_dtype)
+
+
 # ---------------------------------------------------------------------------------------- slots
 def fill_slot(slot: torch.Tensor, packed: Packed, tensors_inline_ok: bool) -> int:
     """Write header (and whatever fits) into ``slot`` (uint8, CPU); return the inline level."""
@@ -238,12 +319,14 @@ def fill_slot(slot: torch.Tensor, packed: Packed, tensors_inline_ok: bool) -> in
         inline = INLINE_META
     else:
         inline = INLINE_NONE
-    header = struct.pack(f"<{HEADER_FIELDS}q", MAGIC, STATUS_OK, packed.kind, meta_len, tensor_len, inline)
+    # header and meta go in through a memoryview of the slot's own bytes: plain Python stores,
+    # where a tensor built from them and copied in cost two tensor ops (a large share of a
+    # small gather's time, issue 24)
+    mv = slot.numpy().data
+    HEADER.pack_into(mv, 0, MAGIC, STATUS_OK, packed.kind, meta_len, tensor_len, inline)
     if inline == INLINE_NONE:
-        slot[:HEADER_BYTES].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         return inline
-    head = bytearray(header) + packed.meta
-    slot[: len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    mv[HEADER_BYTES : HEADER_BYTES + meta_len] = packed.meta
     if inline == INLINE_ALL and tensor_len:
         start = HEADER_BYTES + align(meta_len)
         copy_tensors_into(packed, slot[start : start + tensor_len])
@@ -253,24 +336,30 @@ def fill_slot(slot: torch.Tensor, packed: Packed, tensors_inline_ok: bool) -> in
 def error_slot(slot: torch.Tensor, message: str) -> None:
     """Fill ``slot`` with an error status and as much of ``message`` as fits."""
     text = message.encode("utf-8", "replace")[: slot.numel() - HEADER_BYTES]
-    head = bytearray(struct.pack(f"<{HEADER_FIELDS}q", MAGIC, STATUS_ERROR, 0, len(text), 0, INLINE_META))
-    head += text
-    slot[: len(head)].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    mv = slot.numpy().data
+    HEADER.pack_into(mv, 0, MAGIC, STATUS_ERROR, 0, len(text), 0, INLINE_META)
+    mv[HEADER_BYTES : HEADER_BYTES + len(text)] = text
 
 
 def parse_headers(slots: torch.Tensor, n: int) -> list[Header]:
-    """Headers of ``n`` consecutive slots in the uint8 tensor ``slots``."""
+    """Headers of ``n`` consecutive slots in the uint8 CPU tensor ``slots``."""
     size = slots.numel() // n
-    rows = slots.view(n, size)[:, :HEADER_BYTES].contiguous().view(torch.int64).tolist()
+    mv = slots.numpy().data  # struct reads of the bytes themselves: no tensor ops per call
     headers = []
-    for row in rows:
+    for i in range(n):
+        row = HEADER.unpack_from(mv, i * size)
         if row[0] != MAGIC:
             raise CollectiveMismatchError(
                 "onedist: a rank sent data that is not an onedist slot: the ranks are calling "
                 "different collectives here (or run different onedist versions)"
             )
-        headers.append(Header(*row[1:]))
+        headers.append(Header._make(row[1:]))
     return headers
+
+
+def slot_bytes(slot: torch.Tensor, start: int, stop: int) -> bytes:
+    """Bytes ``start:stop`` of a uint8 CPU tensor (a slot, or a round-2 object block)."""
+    return bytes(slot.numpy().data[start:stop])
 
 
 # ---------------------------------------------------------------------------------------- unpacking
