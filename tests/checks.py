@@ -234,6 +234,16 @@ def check_all_reduce_nested_one_collective_per_dtype() -> None:
         out = od.all_reduce(tensor_metrics)
     assert counts["all_reduce_"] == 1, counts
     assert all(torch.equal(out[k], torch.tensor(float(i * w + sum(range(w))))) for i, k in enumerate(keys))
+    grads = {k: torch.tensor(float(r), requires_grad=True) for k in ("b", "a")}  # stacked in one buffer
+    out = od.all_reduce(grads, op="MEAN")
+    assert list(out) == ["b", "a"]
+    assert all(v.item() == (w - 1) / 2 and not v.requires_grad for v in out.values())
+    ints = od.all_reduce({"n": torch.tensor(r), "m": torch.tensor(1)}, op="MEAN")  # floats, as ever
+    assert ints["n"].dtype == torch.get_default_dtype() and ints["n"].item() == (w - 1) / 2
+    uneven = od.all_reduce({"v": torch.ones(2) * r, "s": torch.tensor(float(r))}, op="MAX")
+    assert uneven["v"].shape == (2,) and uneven["s"].shape == () and uneven["s"].item() == w - 1
+    on_root = od.reduce({"t": torch.tensor([1.0, r])}, dst=0)["t"]
+    assert on_root.tolist() == ([float(w), float(sum(range(w)))] if r == 0 else [1.0, float(r)])
     mixed_shapes = [torch.ones(2) * r, torch.ones(3, 1) * r, torch.tensor(float(r))]
     out = od.all_reduce(mixed_shapes, op="MAX")
     assert [t.shape for t in out] == [(2,), (3, 1), ()] and all(torch.all(t == w - 1) for t in out)

@@ -52,9 +52,10 @@ def sorted_keys(m: Mapping[Any, Any]) -> list[Any]:
 _LEAF_TYPES = (torch.Tensor, float, int)  # bool is an int
 
 
-def number_dict(obj: Any) -> Optional[tuple[list[Any], list[Any], torch.dtype]]:
-    """A plain dict whose values are all floats, or all ints (the metrics of a step), as (sorted
-    keys, values in that order, their dtype); None for anything else, packed the general way."""
+def flat_dict(obj: Any) -> Optional[tuple[list[Any], list[Any], Optional[torch.dtype]]]:
+    """A plain dict of a step's metrics, as (sorted keys, values in that order, dtype): all
+    floats or all ints (dtype float64 / int64), or all CPU tensors of one dtype (dtype None: the
+    caller stacks them); None for anything else, packed the general way."""
     if type(obj) is not dict or not obj:
         return None
     keys = sorted_keys(obj)
@@ -62,7 +63,11 @@ def number_dict(obj: Any) -> Optional[tuple[list[Any], list[Any], torch.dtype]]:
     types = set(map(type, values))
     if len(types) != 1:
         return None
-    dtype = _NUMBER_DTYPES.get(types.pop())
+    kind = types.pop()
+    if kind is torch.Tensor:
+        same = len(set(map(_get_dtype, values))) == 1 and all(map(_is_cpu, values))
+        return (keys, values, None) if same else None
+    dtype = _NUMBER_DTYPES.get(kind)
     return None if dtype is None else (keys, values, dtype)
 
 

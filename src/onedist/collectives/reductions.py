@@ -23,7 +23,7 @@ from .base import (
     resolve_group,
 )
 from .guard import guarded
-from .packing import buckets, fill, flatten, number_dict, unfill, unflatten
+from .packing import buckets, fill, flat_dict, flatten, unfill, unflatten
 
 
 # ============================================================================ reductions
@@ -154,14 +154,55 @@ def _reduce(
             fits = op != "MEAN" or x.dtype.is_floating_point or x.dtype.is_complex
             inplace = fits and (x.is_contiguous() or not _overlaps(x))
         return _reduce_tensor(b, func, x, op, g, size, dst, async_op, inplace)
-    if not async_op and op in _DICT_OPS:
-        numbers = number_dict(x)
-        if numbers is not None:
-            return _reduce_numbers(b, func, x, *numbers, op, g, size, dst)
+    if not async_op and op in _DICT_OPS and not inplace:
+        flat = flat_dict(x)
+        if flat is not None and flat[2] is not None:
+            return _reduce_numbers(b, func, x, *flat, op, g, size, dst)  # type: ignore[arg-type]
+        if flat is not None:
+            stacked = _reduce_stacked(b, func, x, flat[0], flat[1], op, g, size, dst)
+            if stacked is not None:
+                return stacked
     return _reduce_tree(b, func, x, op, g, size, dst, async_op, bool(inplace))
 
 
 _DICT_OPS = frozenset({"SUM", "MEAN", "MIN", "MAX", "PRODUCT"})
+
+
+def _reduce_stacked(
+    b: Backend,
+    func: str,
+    d: dict[Any, Any],
+    keys: list[Any],
+    values: list[torch.Tensor],
+    op: str,
+    g: Any,
+    size: int,
+    dst: Optional[int],
+) -> Any:
+    """A dict of CPU tensors of one dtype and shape (0-dim metrics), stacked into one buffer, as
+    :func:`_reduce_tree` does it but for its flatten and bucket bookkeeping (100 metrics: ~30 us
+    of ~110). None when the general path must take it (shapes differ, an integer MEAN)."""
+    dtype = values[0].dtype
+    if op == "MEAN" and not (dtype.is_floating_point or dtype.is_complex):
+        return None  # a float result of integers: the general path's conversions
+    check_op_dtype(func, op, dtype, " (leaf 0)")  # every leaf has that dtype
+    with torch.no_grad():  # results are not differentiable, as in torch.distributed
+        try:
+            buf = torch.stack(values)
+        except RuntimeError:  # shapes differ
+            return None
+        dev, wire = b.comm_device(buf.device, "all_reduce"), b.reduce_dtype(dtype)
+        if buf.device != dev or wire != dtype:
+            buf = buf.to(device=dev, dtype=wire)
+        _issue(b, buf, op, g, dst, False)
+        if dst is not None and dst != b.rank:
+            return d
+        if op == "MEAN":
+            buf.div_(size)
+        if buf.device != values[0].device or wire != dtype:
+            buf = buf.to(device=values[0].device, dtype=dtype)
+        by_key = dict(zip(keys, buf.unbind(0)))
+    return by_key if keys == list(d) else {k: by_key[k] for k in d}
 
 
 def _reduce_numbers(
