@@ -191,17 +191,14 @@ def _reduce_stacked(
             buf = torch.stack(values)
         except RuntimeError:  # shapes differ
             return None
-        dev, wire = b.comm_device(buf.device, "all_reduce"), b.reduce_dtype(dtype)
-        if buf.device != dev or wire != dtype:
-            buf = buf.to(device=dev, dtype=wire)
-        _issue(b, buf, op, g, dst, False)
-        if dst is not None and dst != b.rank:
+        reduced = _reduce_on_wire(b, buf, op, g, dst)
+        if reduced is None:
             return d
         if op == "MEAN":
-            buf.div_(size)
-        if buf.device != values[0].device or wire != dtype:
-            buf = buf.to(device=values[0].device, dtype=dtype)
-        by_key = dict(zip(keys, buf.unbind(0)))
+            reduced.div_(size)
+        if reduced.device != buf.device or reduced.dtype != dtype:
+            reduced = reduced.to(device=buf.device, dtype=dtype)
+        by_key = dict(zip(keys, reduced.unbind(0)))
     return by_key if keys == list(d) else {k: by_key[k] for k in d}
 
 
@@ -223,18 +220,27 @@ def _reduce_numbers(
         buf = torch.tensor(values, dtype=dtype)
     except (OverflowError, RuntimeError, ValueError) as e:
         raise bad_value(func, "tensor", values, "numbers that fit in int64 / float64") from e
-    dev, wire = b.comm_device(buf.device, "all_reduce"), b.reduce_dtype(dtype)
-    if buf.device != dev or wire != dtype:
-        buf = buf.to(device=dev, dtype=wire)
-    _issue(b, buf, op, g, dst, False)
-    if dst is not None and dst != b.rank:
+    reduced = _reduce_on_wire(b, buf, op, g, dst)
+    if reduced is None:
         return d
     if op == "MEAN":  # of ints too: floats, as _reduce_tree gives
-        buf = buf.double() / size if dtype == torch.int64 else buf.div_(size)
-    elif wire != dtype:
-        buf = buf.to(dtype)
-    by_key = dict(zip(keys, buf.tolist()))
+        reduced = reduced.double() / size if dtype == torch.int64 else reduced.div_(size)
+    elif reduced.dtype != dtype:
+        reduced = reduced.to(dtype)
+    by_key = dict(zip(keys, reduced.tolist()))
     return by_key if keys == list(d) else {k: by_key[k] for k in d}
+
+
+def _reduce_on_wire(
+    b: Backend, buf: torch.Tensor, op: str, g: Any, dst: Optional[int]
+) -> Optional[torch.Tensor]:
+    """``buf`` reduced on the backend's device and dtype (a new tensor when it had to move);
+    None on a rank that is not ``dst``."""
+    dev, wire = b.comm_device(buf.device, "all_reduce"), b.reduce_dtype(buf.dtype)
+    if buf.device != dev or wire != buf.dtype:
+        buf = buf.to(device=dev, dtype=wire)
+    _issue(b, buf, op, g, dst, False)
+    return None if dst is not None and dst != b.rank else buf
 
 
 def _overlaps(x: torch.Tensor) -> bool:
