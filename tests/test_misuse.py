@@ -103,10 +103,10 @@ def test_debug_mode_lets_correct_programs_through(tmp_path):
             "shapes_then_barrier",
             [
                 "rank 0: barrier() at",
-                "misuse.py:54 (call 3)",
+                "misuse.py:55 (call 3)",
                 "rank 1: all_reduce(",
                 "[3]",
-                "misuse.py:53 (call 2)",
+                "misuse.py:54 (call 2)",
             ],
         ),
         (
