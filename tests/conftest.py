@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -12,6 +13,12 @@ from distpool import DistPool
 # (pyproject's pythonpath) and in every process the tests start (PYTHONPATH is inherited).
 _SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC, os.environ.get("PYTHONPATH")) if p)
+
+# A shell's background job without job control (`cmd &` in a script) starts with SIGINT ignored,
+# and every process a test starts would inherit that: the tests that stop their workers with
+# Ctrl-C would wait for ever. A handler is reset to the default in a child, so they get SIGINT.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 WORLDS = ["serial", 1, 2, 3, 4]
 
