@@ -178,10 +178,11 @@ def _launcher_frame(filename: str) -> bool:
     return runpy or filename.startswith(_PACKAGE)
 
 
-def user_frame(frame: Optional[FrameType]) -> Optional[FrameType]:
-    """The first frame from ``frame`` outward that is not in onedist's files (any subpackage):
-    where the user called onedist; None when there is none."""
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+def user_frame(frame: Optional[FrameType], *also: str) -> Optional[FrameType]:
+    """The first frame from ``frame`` outward that is not in onedist's files (any subpackage), nor
+    under the directories ``also``: where the user called onedist; None when there is none."""
+    skip = (_PACKAGE, *also)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
         frame = frame.f_back
     return frame
 

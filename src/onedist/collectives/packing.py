@@ -71,9 +71,6 @@ def flat_dict(obj: Any) -> Optional[tuple[list[Any], list[Any], Optional[torch.d
     return None if dtype is None else (keys, values, dtype)
 
 
-_NUMBER_DTYPES = {float: torch.float64, int: torch.int64}
-
-
 _EXACT_LEAF_TYPES = frozenset({torch.Tensor, float, int, bool})
 _get_dtype, _get_device, _is_cpu = attrgetter("dtype"), attrgetter("device"), attrgetter("is_cpu")
 
@@ -169,6 +166,7 @@ class Bucket:
 
 
 _PY_DTYPES = {"f": torch.float64, "i": torch.int64, "b": torch.bool}
+_NUMBER_DTYPES = {float: _PY_DTYPES["f"], int: _PY_DTYPES["i"]}  # flat_dict's plain numbers
 
 
 def buckets(func: str, leaves: list[Any], op: str) -> list[Bucket]:

@@ -144,11 +144,8 @@ class StallCheck:
         a plain torch.distributed call learns why its group broke from nowhere else."""
         if not self.decided or self.mine is None:
             return
-        receipts = [_READ_KEY.format(r) for r in self.mine["group"] if r != self.rank]
-        deadline = time.monotonic() + 2.0
         try:
-            while receipts and not self.store.check(receipts) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _await_receipts(self.store, self.mine["group"], self.rank, 2.0)
         except Exception:
             pass
 
@@ -156,13 +153,8 @@ class StallCheck:
         """A verdict a peer wrote about this rank's blocked call (it broke the group: a plain call
         here learns why from it)."""
         assert self.mine is not None
-        if not self.store.check([_VERDICT_KEY]):
-            return None
-        verdict = json.loads(self.store.get(_VERDICT_KEY))
-        if verdict.get("group") != self.mine["group"] or verdict["seq"] > self.mine["seq"]:
-            return None
-        self.store.set(_READ_KEY.format(self.rank), "1")
-        return str(verdict["message"])
+        verdict = _read(self.store, self.mine["seq"], self.rank, self.mine["group"])
+        return None if verdict is None else str(verdict["message"])
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -227,18 +219,31 @@ def read_verdict(store: Any, seq: int, rank: int, world_size: int) -> Optional[s
     if store is None or seq < 0:
         return None
     try:
-        if not store.check([_VERDICT_KEY]):
+        verdict = _read(store, seq, rank)
+        if verdict is None:
             return None
-        verdict = json.loads(store.get(_VERDICT_KEY))
-        if verdict["seq"] > seq:
-            return None
-        store.set(_READ_KEY.format(rank), "1")
         if rank == 0:
-            members = verdict.get("group") or range(world_size)
-            receipts = [_READ_KEY.format(r) for r in members if r != 0]
-            deadline = time.monotonic() + _RECEIPT_WAIT_S
-            while not store.check(receipts) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            _await_receipts(store, verdict.get("group") or range(world_size), 0, _RECEIPT_WAIT_S)
     except Exception:
         return None
     return str(verdict["message"])
+
+
+def _read(store: Any, seq: int, rank: int, group: Any = None) -> Optional[dict[str, Any]]:
+    """The verdict in the store when it concerns a call numbered ``seq`` or earlier (of ``group``,
+    when given), with this rank's read receipt left; None otherwise."""
+    if not store.check([_VERDICT_KEY]):
+        return None
+    verdict: dict[str, Any] = json.loads(store.get(_VERDICT_KEY))
+    if verdict["seq"] > seq or (group is not None and verdict.get("group") != group):
+        return None
+    store.set(_READ_KEY.format(rank), "1")
+    return verdict
+
+
+def _await_receipts(store: Any, members: Any, me: int, timeout: float) -> None:
+    """Wait up to ``timeout`` s until every member but ``me`` has left its read receipt."""
+    receipts = [_READ_KEY.format(r) for r in members if r != me]
+    deadline = time.monotonic() + timeout
+    while receipts and not store.check(receipts) and time.monotonic() < deadline:
+        time.sleep(0.02)

@@ -18,10 +18,11 @@ import sys
 from types import FrameType
 from typing import Any, Optional
 
+from ..errors import user_frame
+
 __all__ = ["TorchCall", "torch_call"]
 
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
-_ONEDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _COLLECTIVES = frozenset(
     {
         "all_reduce",
@@ -126,9 +127,5 @@ def _text(value: Any) -> str:
 def _site(frame: Optional[FrameType]) -> str:
     """``file:line`` of the first frame outside torch and onedist that led to the call."""
     torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__ or "")) + os.sep
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(torch_dir) and not path.startswith(_ONEDIST):
-            return f"{os.path.basename(path)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
+    user = user_frame(frame, torch_dir)
+    return "<unknown>" if user is None else f"{os.path.basename(user.f_code.co_filename)}:{user.f_lineno}"
