@@ -144,7 +144,7 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
         v["ignite"] = lambda: ig.all_reduce(t)
     if ac:
         v["accelerate"] = lambda: ac.reduce(t, reduction="sum")
-    cases["all_reduce 1 float"] = (v, 10, 0)
+    cases["all_reduce 1 float"] = (v, 20, 0)
     for mb in (16, 128):
         x = torch.ones(mb * 2**20 // 4)
         v = {"raw": lambda x=x: dist.all_reduce(x), "onedist": lambda x=x: od.all_reduce(x)}
@@ -157,7 +157,7 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
         v["ignite"] = lambda: ig.all_gather(one)
     if ac:
         v["accelerate"] = lambda: ac.gather(one)
-    cases["all_gather 1 element"] = (v, 10, 0)
+    cases["all_gather 1 element"] = (v, 20, 0)
     mine = torch.full((1000 + 37 * rank, 16), float(rank))
     v = {
         "raw": lambda: raw_uneven(mine, world),
@@ -173,18 +173,18 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
     v = {"raw": lambda: raw_broadcast_object(obj, rank), "onedist": lambda: od.broadcast_object(src_obj)}
     if ac:
         v["accelerate"] = lambda: ac.broadcast_object_list([src_obj])
-    cases["object broadcast"] = (v, 10, 0)
+    cases["object broadcast"] = (v, 20, 0)
     v = {"raw": lambda: raw_all_gather_object(obj, world), "onedist": lambda: od.all_gather_object(obj)}
     if ig:
         v["ignite"] = lambda: ig.all_gather(obj)
     if ac:
         v["accelerate"] = lambda: ac.gather_object([obj])
-    cases["object all_gather"] = (v, 10, 0)
+    cases["object all_gather"] = (v, 20, 0)
     metrics = {f"metric_{i:03d}": torch.tensor(float(i + rank)) for i in range(100)}
     v = {"raw": lambda: raw_stacked(metrics), "onedist": lambda: od.all_reduce(metrics)}
     if ig:
         v["ignite (leaf by leaf)"] = lambda: {k: ig.all_reduce(m.clone()) for k, m in metrics.items()}
-    cases["dict of 100 metrics"] = (v, 5, 0)
+    cases["dict of 100 metrics"] = (v, 10, 0)
     for variants, _, _ in cases.values():
         variants["raw again (A/A)"] = variants["raw"]
     return cases

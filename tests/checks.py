@@ -398,6 +398,38 @@ def check_all_gather_tensor_fast_paths() -> str:
     return "ok"
 
 
+def check_all_gather_slot_follows_the_values() -> list[int]:
+    """Round 1's slot shrinks after a run of small values and is full again right after a larger
+    one, the same on every rank; results and collective counts stay right across the changes."""
+    from onedist.collectives.exchange import SHRINK_AFTER_CALLS, SMALL_SLOT, channels
+
+    r, w = rw()
+    ch = channels(current(), None, "all_gather", w)
+    full = ch.full_slot
+    one = torch.tensor([float(r)])
+    od.all_gather("x" * 1000)  # a value beyond the small slot: the full one
+    assert ch.slot == full
+    for _ in range(SHRINK_AFTER_CALLS):
+        with count_primitives() as counts:
+            assert torch.equal(od.all_gather(one), torch.arange(w, dtype=torch.float32))
+        assert sum(counts.values()) == 1, counts
+    assert ch.slot == min(SMALL_SLOT, full)
+    text = f"{r}" * 600  # fits the full slot, not the small one: round 2 this once
+    with count_primitives() as counts:
+        assert od.all_gather_object(text) == [f"{q}" * 600 for q in range(w)]
+    assert sum(counts.values()) == (2 if full > SMALL_SLOT else 1), counts
+    assert ch.slot == full
+    with count_primitives() as counts:  # and in one collective again right after
+        assert od.all_gather_object(text) == [f"{q}" * 600 for q in range(w)]
+    assert sum(counts.values()) == 1, counts
+    sizes = []
+    for i in range(2 * SHRINK_AFTER_CALLS):  # ranks alternate kinds of small values: still agree
+        value = one if (i + r) % 2 else {"step": i}
+        assert len(od.all_gather_object(value)) == w
+        sizes.append(ch.slot)
+    return sizes
+
+
 def check_all_gather_values() -> None:
     r, w = rw()
     f = od.all_gather(0.1 * r)  # numbers: one exact entry per rank, as ignite's list

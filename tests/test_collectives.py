@@ -38,6 +38,11 @@ def test_all_gather_tensor_fast_paths(world):
     assert world(checks.check_all_gather_tensor_fast_paths) == ["ok"] * world.world_size
 
 
+def test_all_gather_slot_follows_the_values(world):
+    sizes = world(checks.check_all_gather_slot_follows_the_values)
+    assert all(s == sizes[0] for s in sizes), sizes  # every rank sized each call the same
+
+
 def test_all_gather_numbers_strings_objects_nested(world):
     world(checks.check_all_gather_values)
 

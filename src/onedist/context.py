@@ -193,6 +193,7 @@ def initialize(
             announce_init_failure(e)  # the peers waiting for this rank to join raise it too
         raise
     world.world_calls, world.group_calls = 0, {}  # a new group: the stall check counts afresh
+    world.routes = {}
     if world.backend.world_size > 1:
         failures.install()  # an uncaught exception here is reported to the other ranks
         failures.start_watch()  # and a failure of another rank ends this one, even outside collectives
@@ -250,7 +251,7 @@ def finalize() -> None:
         1
     """
     b = world.backend
-    world.backend = SerialBackend()
+    world.backend, world.routes = SerialBackend(), {}
     Backend.local_rank_hint = None  # a hint describes one context
     if not isinstance(b, SerialBackend):
         failures.stop_watch()

@@ -40,6 +40,7 @@ class World:
         "one_rank_depth",
         "previous_hook",
         "published",
+        "routes",
         "watch_stop",
         "watcher",
         "world_calls",
@@ -68,6 +69,9 @@ class World:
         self.world_calls = 0
         #: the same per sub-group (a sorted rank tuple or a group handle -> count)
         self.group_calls: dict[Any, int] = {}
+        #: what the collectives derive once per backend: (group, op) -> how bytes travel
+        #: (onedist.collectives.exchange.channels); emptied whenever ``backend`` changes
+        self.routes: dict[Any, Any] = {}
         #: call record -> what the ranks compare ({"call", "site", "sig"}); set by the collectives
         self.describe_call: Any = None
         #: the failure watcher thread and the event that stops it (None when not running)
@@ -86,4 +90,5 @@ def current() -> Backend:
         if not isinstance(b, SerialBackend):
             b.finalize()  # the user destroyed the group: restore what onedist set
         b = world.backend = detect()
+        world.routes = {}
     return b

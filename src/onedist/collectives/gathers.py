@@ -162,7 +162,7 @@ def gather(data: Any, dst: int = 0, group: GroupLike = None) -> list[Any]:
     slots = torch.empty(size * ch.slot, dtype=U8)
     b.all_gather_into_(slots, slot, ch.og, False)
     headers = W.parse_headers(slots, size)
-    raise_slot_errors("gather", ch, slots, headers, ranks, me, err)
+    raise_slot_errors("gather", slots, headers, ranks, me, err)
     obj_sizes = [obj_len(h, ch.merged) for h in headers]
     t_sizes = [0 if ch.merged else h.tensor_len for h in headers]
     my_obj, my_t = my_blocks(packed, inline, ch, obj_sizes[me])

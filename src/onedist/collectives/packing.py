@@ -22,31 +22,15 @@ from ..errors import OnedistTypeError, bad_type, bad_value
 from .base import CPU, check_op_dtype
 
 # ---------------------------------------------------------------------------- nested reductions
-_KEY_ORDERS: dict[tuple[Any, ...], list[Any]] = {}  # a dict's keys (insertion order) -> sorted
 
 
 def sorted_keys(m: Mapping[Any, Any]) -> list[Any]:
-    """The keys in sorted order (insertion order if they cannot be sorted), cached per key set:
-    metric dicts come back with the same keys on every step."""
-    keys = tuple(m)
-    keys = (*keys, *map(type, keys))  # True == 1 == 1.0: the types keep such key sets apart
+    """The keys in sorted order (insertion order if they cannot be sorted). Not cached: sorting
+    100 metric names (~2 us) costs less than hashing them into a cache key."""
     try:
-        order = _KEY_ORDERS.get(keys)
-    except TypeError:  # unhashable key tuple
-        order = None
-    if order is None:
-        names = keys[: len(keys) // 2]
-        try:
-            order = sorted(names)
-        except TypeError:
-            order = list(names)
-        if len(_KEY_ORDERS) >= 256:
-            _KEY_ORDERS.clear()
-        try:
-            _KEY_ORDERS[keys] = order
-        except TypeError:
-            pass
-    return order
+        return sorted(m)
+    except TypeError:
+        return list(m)
 
 
 _LEAF_TYPES = (torch.Tensor, float, int)  # bool is an int
@@ -54,8 +38,8 @@ _LEAF_TYPES = (torch.Tensor, float, int)  # bool is an int
 
 def flat_dict(obj: Any) -> Optional[tuple[list[Any], list[Any], Optional[torch.dtype]]]:
     """A plain dict of a step's metrics, as (sorted keys, values in that order, dtype): all
-    floats or all ints (dtype float64 / int64), or all CPU tensors of one dtype (dtype None: the
-    caller stacks them); None for anything else, packed the general way."""
+    floats or all ints (dtype float64 / int64), or all tensors of one dtype (dtype None: the
+    caller stacks them, if they are on the CPU); None for anything else, packed the general way."""
     if type(obj) is not dict or not obj:
         return None
     keys = sorted_keys(obj)
@@ -64,9 +48,8 @@ def flat_dict(obj: Any) -> Optional[tuple[list[Any], list[Any], Optional[torch.d
     if len(types) != 1:
         return None
     kind = types.pop()
-    if kind is torch.Tensor:
-        same = len(set(map(_get_dtype, values))) == 1 and all(map(_is_cpu, values))
-        return (keys, values, None) if same else None
+    if kind is torch.Tensor:  # the caller checks that the stack is on the CPU
+        return (keys, values, None) if len(set(map(_get_dtype, values))) == 1 else None
     dtype = _NUMBER_DTYPES.get(kind)
     return None if dtype is None else (keys, values, dtype)
 

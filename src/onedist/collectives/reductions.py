@@ -189,7 +189,9 @@ def _reduce_stacked(
     with torch.no_grad():  # results are not differentiable, as in torch.distributed
         try:
             buf = torch.stack(values)
-        except RuntimeError:  # shapes differ
+        except RuntimeError:  # shapes or devices differ
+            return None
+        if not buf.is_cpu:
             return None
         reduced = _reduce_on_wire(b, buf, op, g, dst)
         if reduced is None:

@@ -38,6 +38,7 @@ __all__ = [
     "INLINE_NONE",
     "PackError",
     "Packed",
+    "SlotBuffers",
     "SlotPlan",
     "Header",
     "align",
@@ -48,6 +49,7 @@ __all__ = [
     "slot_bytes",
     "slot_size",
     "split_meta",
+    "release",
     "tensor_slot",
     "unpack",
     "view_tensor",
@@ -243,14 +245,42 @@ class SlotPlan(NamedTuple):
     np_dtype: Any  #: numpy's dtype for the data, None where numpy lacks it (bfloat16, float8)
 
 
-def tensor_slot(t: torch.Tensor, slot_len: int) -> Optional[tuple[torch.Tensor, Packed, SlotPlan]]:
+class SlotBuffers:
+    """Round 1's send slot and receive buffer for one :class:`SlotPlan` and group size, with where
+    each rank's header and data sit in the receive buffer; reused by the next call once this one
+    is done with them (:func:`release`): on gloo, fresh buffers cost a small all_gather 20-40 us a
+    call more than the same buffers again, and every op between two collectives counts several
+    times on busy cores (measured, issue 24)."""
+
+    __slots__ = ("copies", "heads", "key", "out_shape", "plan", "recv", "recv_view", "send", "send_bytes")
+
+    def __init__(self, key: tuple[Any, ...], plan: SlotPlan, shape: torch.Size, size: int) -> None:
+        self.key, self.plan = key, plan
+        slot, start, nbytes = len(plan.template), plan.start, plan.nbytes
+        self.send_bytes = bytearray(plan.template)
+        self.send = torch.frombuffer(self.send_bytes, dtype=torch.uint8)
+        self.recv = torch.empty(size * slot, dtype=torch.uint8)
+        self.recv_view = self.recv.numpy().data
+        #: rank i's header and meta in ``recv_view``
+        self.heads = [slice(i * slot, i * slot + len(plan.head)) for i in range(size)]
+        #: (where in the result, where in ``recv_view``) of rank i's data, when inline
+        self.copies = [
+            (slice(i * nbytes, (i + 1) * nbytes), slice(i * slot + start, i * slot + start + nbytes))
+            for i in range(size)
+        ]
+        #: the concatenation of ``size`` tensors of ``shape`` (0-dim ones stacked)
+        self.out_shape = (size,) if not shape else (size * shape[0], *shape[1:])
+
+
+def tensor_slot(t: torch.Tensor, slot_len: int, size: int) -> Optional[tuple[SlotBuffers, torch.Tensor]]:
     """:func:`pack` and :func:`fill_slot` of a dense CPU tensor bound for a CPU channel, in one go.
 
-    The slot is a copy of a template made once per (dtype, shape) (header and meta), into which
-    the data goes through numpy's buffer when numpy has the dtype: on a small all_gather every
-    tensor op and struct call costs more than the collective's own Python, and ranks waiting on
-    a busy core multiply it (issue 24). Returns (slot, packed, plan), the same bytes
-    ``fill_slot`` writes; None when the tensor needs :func:`pack`'s general handling (another
+    The slot starts as a template made once per (dtype, shape) (header and meta), into which the
+    data goes through numpy's buffer when numpy has the dtype: on a small all_gather every tensor
+    op and struct call costs more than the collective's own Python, and ranks waiting on a busy
+    core multiply it (issue 24). Returns the buffers (their ``send`` holds the same bytes
+    ``fill_slot`` writes; taken out of the pool until :func:`release`) and the tensor as sent
+    (detached, contiguous); None when the tensor needs :func:`pack`'s general handling (another
     device or layout, a lazy conjugate, a dtype without a wire code).
     """
     if not t.is_cpu or t.layout != torch.strided or t.is_conj() or t.is_neg():
@@ -259,28 +289,31 @@ def tensor_slot(t: torch.Tensor, slot_len: int) -> Optional[tuple[torch.Tensor, 
         t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    key = (t.dtype, t.shape, slot_len)
-    plan = _SLOT_PLANS.get(key)
-    if plan is None:
+    key = (t.dtype, t.shape, slot_len, size)
+    bufs = _FREE_BUFFERS.pop(key, None)  # atomic: a thread calling at once makes its own
+    if bufs is None:
         if t.dtype not in _DTYPE_CODE:
             return None
-        plan = _slot_plan(t, slot_len)
-        if len(_SLOT_PLANS) >= 256:
-            _SLOT_PLANS.clear()
-        _SLOT_PLANS[key] = plan
-    buf = bytearray(plan.template)
-    slot = torch.frombuffer(buf, dtype=torch.uint8)
+        bufs = SlotBuffers(key, _slot_plan(t, slot_len), t.shape, size)
+    plan = bufs.plan
     start, nbytes = plan.start, plan.nbytes
     if plan.inline == INLINE_ALL and nbytes:
         if plan.np_dtype is not None:
-            buf[start : start + nbytes] = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+            bufs.send_bytes[start : start + nbytes] = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
         else:
-            slot[start : start + nbytes].copy_(tensor_bytes(t))
-    return slot, Packed(K_TENSOR, plan.meta, [t], [nbytes]), plan
+            bufs.send[start : start + nbytes].copy_(tensor_bytes(t))
+    return bufs, t
 
 
-#: (dtype, shape, slot length) -> what :func:`tensor_slot` copies and where the data goes
-_SLOT_PLANS: dict[tuple[torch.dtype, torch.Size, int], SlotPlan] = {}
+def release(bufs: SlotBuffers) -> None:
+    """Give ``bufs`` back for the next call with the same plan (nothing may use them after)."""
+    if len(_FREE_BUFFERS) >= 256:
+        _FREE_BUFFERS.clear()
+    _FREE_BUFFERS[bufs.key] = bufs
+
+
+#: (dtype, shape, slot length, group size) -> buffers no call is using
+_FREE_BUFFERS: dict[tuple[Any, ...], SlotBuffers] = {}
 
 
 def _slot_plan(t: torch.Tensor, slot_len: int) -> SlotPlan:
