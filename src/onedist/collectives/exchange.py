@@ -336,21 +336,12 @@ def gather_tensor(
             if mv[rank_head] != head:
                 return None
         ch.fit(plan.start + plan.nbytes)
-        # rank i's data sits at the same offset of its slot: copied into the result with plain
-        # memoryview slices where numpy has the dtype (fewer ops than a strided view and a
-        # copy: every op between two collectives counts several times on busy cores)
-        out = torch.empty(bufs.out_shape, dtype=local.dtype)
-        nbytes = plan.nbytes
-        if plan.np_dtype is not None and nbytes:
-            dst = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
-            for to, data in bufs.copies:
-                dst[to] = mv[data]
-        elif nbytes:  # a dtype numpy lacks (bfloat16, float8)
-            item = local.element_size()
-            rows = bufs.recv.view(local.dtype).as_strided(
-                (size, nbytes // item), (slot // item, 1), plan.start // item
-            )
-            out.view(size, -1).copy_(rows)
+        # rank i's data sits at the same offset of its slot: one strided view over the slots
+        # (made with the buffers), cloned into a contiguous result
+        assert bufs.rows is not None
+        out = bufs.rows.clone(memory_format=torch.contiguous_format)
+        if out.dim() != len(bufs.out_shape):  # (size, n, ...) rows: n > 1 rows per rank
+            out = out.view(bufs.out_shape)
         return AsyncResult([], lambda: out) if async_op else out
     if inline != W.INLINE_META or local.dim() == 0:
         return None

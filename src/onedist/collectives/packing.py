@@ -43,7 +43,7 @@ def flat_dict(obj: Any) -> Optional[tuple[list[Any], list[Any], Optional[torch.d
     if type(obj) is not dict or not obj:
         return None
     keys = sorted_keys(obj)
-    values = [obj[k] for k in keys]
+    values = list(map(obj.__getitem__, keys))
     types = set(map(type, values))
     if len(types) != 1:
         return None

@@ -193,12 +193,17 @@ def _reduce_stacked(
             return None
         if not buf.is_cpu:
             return None
-        reduced = _reduce_on_wire(b, buf, op, g, dst)
-        if reduced is None:
-            return d
+        if dst is None and dtype in b.cpu_reduce_dtypes:  # reduced as it is: no move, no cast
+            b.all_reduce_(buf, "SUM" if op == "MEAN" else op, g, False)
+            reduced = buf
+        else:
+            wired = _reduce_on_wire(b, buf, op, g, dst)
+            if wired is None:
+                return d
+            reduced = wired
         if op == "MEAN":
             reduced.div_(size)
-        if reduced.device != buf.device or reduced.dtype != dtype:
+        if reduced is not buf and (reduced.device != buf.device or reduced.dtype != dtype):
             reduced = reduced.to(device=buf.device, dtype=dtype)
         by_key = dict(zip(keys, reduced.unbind(0)))
     return by_key if keys == list(d) else {k: by_key[k] for k in d}
