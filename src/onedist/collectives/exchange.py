@@ -66,8 +66,9 @@ SHRINK_AFTER_CALLS = 4
 
 def channels(b: Backend, g: Any, op: str, size: int) -> Channels:
     """``g``'s :class:`Channels` for ``op``, made once per backend (their questions to the backend
-    cost more than a small collective's own Python; the cache empties when the backend changes)."""
-    key = (g, op)
+    cost more than a small collective's own Python; the cache empties when the backend changes).
+    One per rank: XLA's device threads are ranks of one process, and each sizes its own slot."""
+    key = (g, op, b.rank)
     try:
         ch: Optional[Channels] = world.routes.get(key)
     except TypeError:  # a handle that does not hash
