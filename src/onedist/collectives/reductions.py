@@ -193,14 +193,9 @@ def _reduce_stacked(
             return None
         if not buf.is_cpu:
             return None
-        if dst is None and dtype in b.cpu_reduce_dtypes:  # reduced as it is: no move, no cast
-            b.all_reduce_(buf, "SUM" if op == "MEAN" else op, g, False)
-            reduced = buf
-        else:
-            wired = _reduce_on_wire(b, buf, op, g, dst)
-            if wired is None:
-                return d
-            reduced = wired
+        reduced = _reduce_on_wire(b, buf, op, g, dst)
+        if reduced is None:
+            return d
         if op == "MEAN":
             reduced.div_(size)
         if reduced is not buf and (reduced.device != buf.device or reduced.dtype != dtype):
@@ -243,9 +238,10 @@ def _reduce_on_wire(
 ) -> Optional[torch.Tensor]:
     """``buf`` reduced on the backend's device and dtype (a new tensor when it had to move);
     None on a rank that is not ``dst``."""
-    dev, wire = b.comm_device(buf.device, "all_reduce"), b.reduce_dtype(buf.dtype)
-    if buf.device != dev or wire != buf.dtype:
-        buf = buf.to(device=dev, dtype=wire)
+    if not (buf.is_cpu and buf.dtype in b.cpu_reduce_dtypes):  # those reduce as they are
+        dev, wire = b.comm_device(buf.device, "all_reduce"), b.reduce_dtype(buf.dtype)
+        if buf.device != dev or wire != buf.dtype:
+            buf = buf.to(device=dev, dtype=wire)
     _issue(b, buf, op, g, dst, False)
     return None if dst is not None and dst != b.rank else buf
 
