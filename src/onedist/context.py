@@ -19,7 +19,7 @@ import torch
 
 from . import failures
 from .backends import Backend, SerialBackend, announce_init_failure, available_backends, class_for_backend
-from .errors import BackendUnavailableError, OnedistRuntimeError, bad_type, bad_value
+from .errors import BackendUnavailableError, CollectiveMismatchError, OnedistRuntimeError, bad_type, bad_value
 from .state import current, world
 
 __all__ = [
@@ -242,7 +242,11 @@ def finalize() -> None:
     """Destroy the distributed context and return to serial; safe to call twice.
 
     Restores every environment variable :func:`initialize` set and forgets a local rank given to
-    :func:`set_local_rank`.
+    :func:`set_local_rank`. Raises :class:`~onedist.CollectiveMismatchError` (after the cleanup)
+    when a peer is still blocked in a collective this rank returned from (gloo returns an
+    all_reduce early, with a wrong result, on the rank with fewer elements); waiting for that
+    takes at most the stall check's time after the last collective began (``ONEDIST_STALL_S``,
+    3 s), and nothing when every rank reaches finalize together.
 
     Example:
         >>> import onedist as od
@@ -250,12 +254,22 @@ def finalize() -> None:
         >>> od.get_world_size()
         1
     """
+    _finalize(check_last_call=True)
+
+
+def _finalize(check_last_call: bool) -> None:
+    """``finalize``; ``check_last_call=False`` when leaving on an error already (Parallel)."""
     b = world.backend
+    # a peer still blocked in a call this rank returned from (gloo returns early on a smaller
+    # tensor): raised here, after the cleanup, rather than exiting 0 with a wrong result
+    mismatch = failures.check_at_finalize() if check_last_call and not isinstance(b, SerialBackend) else None
     world.backend, world.routes = SerialBackend(), {}
     Backend.local_rank_hint = None  # a hint describes one context
     if not isinstance(b, SerialBackend):
         failures.stop_watch()
         b.finalize()
+    if mismatch is not None:
+        raise CollectiveMismatchError(mismatch)
 
 
 def backend() -> Optional[str]:

@@ -351,7 +351,7 @@ class Parallel:
         tb: Optional[TracebackType],
     ) -> None:
         if self._initialized_here:
-            from .context import finalize
+            from .context import _finalize
 
             self._log.info(f"Finalized processing group with backend: '{self.backend}'")
             if exc is not None:
@@ -359,8 +359,8 @@ class Parallel:
 
                 report_and_release(exc, tb)  # before the group goes: this rank's error is printed first
                 let_failed_rank_exit_first(exc)
-            finalize()
             self._initialized_here = False
+            _finalize(check_last_call=exc is None)  # an error on the way out must not hide exc
 
 
 def _context_active() -> bool:

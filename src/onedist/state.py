@@ -37,6 +37,7 @@ class World:
         "explaining",
         "group_calls",
         "hook_installed",
+        "last_started",
         "one_rank_depth",
         "previous_hook",
         "published",
@@ -67,6 +68,8 @@ class World:
         self.call: Any = None
         #: how many collectives on the default group this process started (all ranks agree)
         self.world_calls = 0
+        #: when the last public collective began (time.monotonic), for the check at finalize
+        self.last_started = 0.0
         #: the same per sub-group (a sorted rank tuple or a group handle -> count)
         self.group_calls: dict[Any, int] = {}
         #: what the collectives derive once per backend: (group, op) -> how bytes travel

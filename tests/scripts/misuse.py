@@ -53,6 +53,14 @@ def scenario(name: str) -> None:
     elif name == "shapes_then_barrier":  # gloo returns the 2-element call early on rank 0
         od.all_reduce(torch.ones(2 + rank))
         od.barrier()
+    elif name == "shapes_last":  # the program's last collective: gloo returns rank 0's early
+        od.all_reduce(torch.ones(2 + rank))
+        od.finalize()  # where rank 0 learns that rank 1 never got out
+    elif name == "finalize_together":
+        od.all_reduce(torch.ones(3))
+        started = time.monotonic()
+        od.finalize()
+        FINALIZE_S.append(time.monotonic() - started)
     elif name == "subgroup_reduce_vs_barrier":  # 3 ranks; rank 2 is not in the group
         group = od.new_group([0, 1]) if rank < 2 else None
         if rank == 0:
@@ -86,19 +94,26 @@ def plain_scenario(name: str) -> None:
         raise SystemExit(f"unknown scenario {name}")
 
 
+FINALIZE_S: list = []  # how long finalize took (scenario finalize_together)
+
+
 def main(local_rank: int, out_dir: str, name: str) -> None:
     start = time.time()
+    rank = od.get_rank()  # a scenario may finalize: then the rank is 0 (serial)
     try:
         scenario(name)
         result = {"error": None}
     except Exception as e:
         result = {"error": type(e).__name__, "message": str(e)}
+        result["mismatch"] = isinstance(e, od.CollectiveMismatchError)
         result["chained"] = e.__cause__ is not None  # onedist's explanations stand alone
         result["backend_error"] = type(getattr(e, "backend_error", None)).__name__
-        if name == "crash" and od.get_rank() == 1:
+        if name == "crash" and rank == 1:
             raise
     result["elapsed"] = time.time() - start
-    with open(os.path.join(out_dir, f"{od.get_rank()}.json"), "w") as f:
+    if FINALIZE_S:
+        result["finalize_s"] = FINALIZE_S[0]
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
     os._exit(0)  # the group is broken after a failed collective: do not wait in finalize

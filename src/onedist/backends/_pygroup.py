@@ -95,6 +95,9 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
         self._lock = threading.Lock()  # guards _pending
         self._exec = threading.Lock()  # held while a collective runs (one at a time)
         self._pending = 0
+        #: how many collectives this process started on the group: the stall check's call number
+        #: for plain torch.distributed calls (torch numbers only its C++ groups' calls)
+        self.collectives = 0
         self._queue: Optional[queue.SimpleQueue[Any]] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -145,6 +148,7 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
         """Run ``job`` in call order: inline when nothing is queued and it is small, else queued."""
         nbytes = sum(t.numel() * t.element_size() for t in inputs)
         with self._lock:
+            self.collectives += 1
             inline = nbytes < ASYNC_BYTES and self._pending == 0
             if inline:
                 self._exec.acquire()  # the thread is idle (pending 0): this cannot wait long

@@ -392,6 +392,9 @@ def _agree_master(cluster: ClusterEnv) -> ClusterEnv:
         # warns "suspicious MPI execution environment", and MPI there would be a singleton anyway
         warnings.filterwarnings("error", "suspicious MPI execution environment", RuntimeWarning)
         try:
+            from .mpi import prepare_environment
+
+            prepare_environment()  # before MPI starts
             from mpi4py import MPI
         except (ImportError, RuntimeWarning):
             return cluster

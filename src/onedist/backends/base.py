@@ -144,6 +144,11 @@ class Backend(ABC):
         collectives). False when the backend cannot: the caller then ends the process instead."""
         return False
 
+    def break_tells_peers(self) -> bool:
+        """True when :meth:`break_pending` makes the peers' pending calls raise an error that says
+        why (mpi4py's revoked communicator), so the watcher breaks first and explains after."""
+        return False
+
     @abstractmethod
     def object_group(self, group: Any) -> Any:
         """The group to send CPU byte tensors on (a gloo side group when the backend is GPU-only)."""

@@ -16,6 +16,13 @@ on real MPI calls of the MPI library mpi4py was built against (Open MPI, MPICH, 
 * **Types.** Every dtype moves (as bytes). Reductions use MPI's typed ops; float16 and
   bfloat16, which MPI lacks, reduce in float32 and round once; bool reduces as bytes (SUM is or,
   PRODUCT is and, as in gloo).
+* **Mismatches.** When the stall check finds the ranks blocked in different calls, a rank in a
+  blocking MPI call can only leave it if MPI lets it: with Open MPI 5's fault tolerance (ULFM,
+  switched on here before MPI starts: ``OMPI_MCA_mpi_ft_enable=1``) the watcher revokes the
+  group's communicators (``MPI_Comm_revoke``), the pending call returns on every rank, and each
+  raises :class:`~onedist.CollectiveMismatchError`. Other MPI libraries (Open MPI 4 has no ULFM)
+  cannot be revoked: a rank blocked there is ended with the report printed (see
+  :mod:`onedist.failures.watcher`).
 * **Timeouts.** A blocking MPI call cannot be interrupted, so a watchdog thread checks the call
   in flight: when one runs past the group's timeout, it prints which collective, on which group
   and rank, and calls ``MPI_Abort``, which ends every rank of the job (the launcher reports it).
@@ -35,6 +42,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from functools import cache, partial
@@ -69,8 +77,56 @@ def _mpi() -> Any:
     return MPI
 
 
+#: Open MPI 5's run-time switch for ULFM (MPI_Comm_revoke); read once, when MPI starts
+FT_ENV = "OMPI_MCA_mpi_ft_enable"
+
+
+def prepare_environment() -> None:
+    """Settings that must be in the environment before MPI starts (``import mpi4py.MPI``): ULFM
+    on, so that a mismatch can be broken (see the module doc; Open MPI 4 and MPICH ignore it, a
+    user's own value is kept), and no warning about the processes onedist forks."""
+    os.environ.setdefault(FT_ENV, "1")
+    os.environ.setdefault("OMPI_MCA_mpi_warn_on_fork", "0")
+
+
+@cache
+def _revocable() -> bool:
+    """True when MPI_Comm_revoke works here: Open MPI 5 or later with ULFM switched on. (Elsewhere
+    it raises, or, with Open MPI 5's ULFM off, blocks forever.)"""
+    MPI = _mpi()
+    words = MPI.Get_library_version().split()
+    if len(words) < 3 or words[:2] != ["Open", "MPI"] or os.environ.get(FT_ENV) != "1":
+        return False
+    try:
+        return int(words[2].lstrip("v").split(".")[0]) >= 5 and hasattr(MPI.Comm, "Revoke")
+    except ValueError:
+        return False
+
+
+_live_groups: weakref.WeakSet[MpiProcessGroup] = weakref.WeakSet()
+
+
+def revoke_all() -> bool:
+    """Revoke the communicator of every mpi4py group of this process (ULFM), so that a call
+    blocked in one returns ``MPI_ERR_REVOKED`` here and on every peer; False when MPI cannot."""
+    if "mpi4py.MPI" not in sys.modules or not _revocable():
+        return False
+    revoked = False
+    for group in list(_live_groups):
+        revoked = group.revoke() or revoked
+    return revoked
+
+
 class MpiError(RuntimeError):
     """An argument MPI cannot take (an unsupported reduce op or dtype), or a barrier that timed out."""
+
+
+class MpiRevokedError(MpiError, CollectiveMismatchError):
+    """A call broken off by ``MPI_Comm_revoke`` (ULFM), which onedist calls on a mismatch only.
+    onedist's collectives replace it with the stall check's verdict, which names every rank's call."""
+
+    #: read by onedist's guard: the mismatch was found on another rank or by the watcher
+    found_elsewhere = True
 
 
 # ---------------------------------------------------------------------------- types and ops
@@ -250,6 +306,19 @@ class MpiProcessGroup(OrderedGroup):
         self._label = f"group of ranks {ranks}" if ranks else "the world group"
         self._timed_out = ""  # the barrier that timed out: the group can no longer be used
         self._stale: Any = None  # that barrier's MPI request, pending for good
+        self._revoked = False
+        _live_groups.add(self)
+
+    def revoke(self) -> bool:
+        """Revoke this group's communicator (ULFM): its pending and later calls fail on every rank."""
+        if self._revoked:
+            return True
+        try:
+            self._comm.Revoke()
+        except (NotImplementedError, _mpi().Exception):
+            return False
+        self._revoked = True
+        return True
 
     def getBackendName(self) -> str:
         return NAME
@@ -275,9 +344,20 @@ class MpiProcessGroup(OrderedGroup):
             _watchdog.leave(key)
 
     def _explained(self, what: str, e: Any) -> BaseException:
-        """MPI's error, or what it means when a peer sent more than this call takes."""
-        if e.Get_error_class() != _mpi().ERR_TRUNCATE:
+        """MPI's error, or what it means when a peer sent more than this call takes, or revoked
+        the group (the stall check's verdict, which onedist's guard then raises)."""
+        error_class = e.Get_error_class()
+        if error_class == getattr(_mpi(), "ERR_REVOKED", None):
+            return MpiRevokedError(
+                f"onedist mpi: {what} on rank {self._rank} of {self._label} was broken off: a rank revoked "
+                "the group's communicator after it found the ranks' calls differ (ranks blocked in "
+                "different collectives, or a call that received more data than it takes); the group "
+                "cannot be used again"
+            )
+        if error_class != _mpi().ERR_TRUNCATE:
             return e  # type: ignore[no-any-return]
+        if _revocable():  # the peers may wait for data this rank will never send: let them go
+            self.revoke()
         return CollectiveMismatchError(
             f"onedist mpi: {what} on rank {self._rank} of {self._label} received more data than it takes "
             "(MPI_ERR_TRUNCATE): the ranks called it with different sizes, or called different "
@@ -708,5 +788,5 @@ def _create(opts: Any, backend_options: Any) -> MpiProcessGroup:
 
 def register() -> None:
     """Register onedist's mpi4py process group with torch.distributed (called by ``initialize("mpi")``)."""
-    os.environ.setdefault("OMPI_MCA_mpi_warn_on_fork", "0")
+    prepare_environment()
     _pygroup.register(NAME, _create, extended_api=True)

@@ -201,8 +201,15 @@ class NativeBackend(Backend):
         return dist.distributed_c10d.GroupMember.WORLD is not self._world
 
     def break_pending(self) -> bool:
+        if self.name == _MPI4PY:  # MPI's own connections: only ULFM can break its calls
+            from .mpi import revoke_all
+
+            return revoke_all()
         port = int(os.environ.get("MASTER_PORT", "-1") or -1)
         return break_connections(self._group_fds, keep_port=port) > 0
+
+    def break_tells_peers(self) -> bool:
+        return self.name == _MPI4PY
 
     def finalize(self) -> None:
         try:

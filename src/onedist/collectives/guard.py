@@ -41,6 +41,7 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
             group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
             if group is None:
                 seq = w.world_calls = w.world_calls + 1
+                w.last_started = started
             else:
                 seq = group_call_number(w, group)
             # what this rank waits in, should the call block (a tuple: no work until it does)
@@ -49,21 +50,16 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
                 if w.debug:  # its exchange is a collective too: a dead peer shows here first
                     debug_check(name, args, kwargs, group, spec)
                 return fn(*args, **kwargs)
-            except CollectiveMismatchError as e:  # the ranks' calls tell it all, not onedist's frames
-                raise e.with_traceback(None) from None
+            except CollectiveMismatchError as e:
+                if getattr(e, "found_elsewhere", False):  # a peer's verdict names every rank's call
+                    raise _explained(name, e, group, started, seq) from None
+                raise e.with_traceback(None) from None  # the ranks' calls tell it all, not our frames
             except OnedistError:
                 raise
             except RuntimeError as e:
-                w.explaining += 1
-                try:
-                    with store_noise_held_back():
-                        err = explain(name, e, group, started, seq)
-                finally:
-                    w.explaining -= 1
+                err = _explained(name, e, group, started, seq)
                 if err is e:
                     raise
-                if isinstance(err, OnedistError):
-                    err.backend_error = e
                 raise err from None  # the explanation stands alone (see OnedistError.backend_error)
             finally:
                 w.call = outer
@@ -71,6 +67,20 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
         return wrapper  # type: ignore[return-value]
 
     return decorator
+
+
+def _explained(name: str, e: BaseException, group: Any, started: float, seq: int) -> BaseException:
+    """The backend's error ``e`` as onedist explains it (:func:`~onedist.failures.explain.explain`)."""
+    w = world
+    w.explaining += 1
+    try:
+        with store_noise_held_back():
+            err = explain(name, e, group, started, seq)
+    finally:
+        w.explaining -= 1
+    if err is not e and isinstance(err, OnedistError):
+        err.backend_error = e
+    return err
 
 
 def group_call_number(w: Any, group: Any) -> int:

@@ -73,6 +73,8 @@ def explain(name: str, e: BaseException, group: Any, started: float, seq: int = 
         failed = {r: rep for r, rep in failed.items() if rep.get("type") != "OnedistTimeoutError"}
     if failed:
         return _remote_failure(name, rank, site, failed)
+    if isinstance(e, CollectiveMismatchError):  # found elsewhere, no verdict: the backend's words
+        return e
     if _is_timeout(e):
         return _timeout_error(name, e, ranks, rank, site, started)
     text = str(e)

@@ -37,12 +37,14 @@ from typing import Any, Optional
 from ..state import world
 from .torch_calls import TorchCall, torch_call
 
-__all__ = ["StallCheck", "read_verdict"]
+__all__ = ["DONE_KEY", "StallCheck", "forget_stalls", "read_verdict"]
 
 _BLOCKED_KEY = "onedist/blocked/{}"
 _VERDICT_KEY = "onedist/stall-verdict"
 _READ_KEY = "onedist/stall-verdict-read/{}"
 _RECEIPT_WAIT_S = 3.0
+#: a rank done with its collectives, at finalize (onedist.failures.last_call)
+DONE_KEY = "onedist/done/{}"
 
 
 def stall_seconds() -> float:
@@ -157,6 +159,16 @@ class StallCheck:
         return None if verdict is None else str(verdict["message"])
 
 
+def forget_stalls(store: Any, rank: int) -> None:
+    """Clear what this rank left in the store and in memory under an earlier group (a store can
+    outlive its group: the same ``env://`` port, re-initialised), so no peer reads it as current."""
+    global _known
+    _known = None
+    store.set(_BLOCKED_KEY.format(rank), "{}")
+    for key in (_READ_KEY.format(rank), DONE_KEY.format(rank)) + ((_VERDICT_KEY,) if rank == 0 else ()):
+        store.delete_key(key)
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, TorchCall):
         return a.same(b)
@@ -219,7 +231,10 @@ def read_verdict(store: Any, seq: int, rank: int, world_size: int) -> Optional[s
     if store is None or seq < 0:
         return None
     try:
-        verdict = _read(store, seq, rank)
+        try:
+            verdict = _read(store, seq, rank)
+        except Exception:  # the store's host left after the watcher read it: the copy read then
+            verdict = _known if _known is not None and _known["seq"] <= seq else None
         if verdict is None:
             return None
         if rank == 0:
@@ -234,11 +249,18 @@ def _read(store: Any, seq: int, rank: int, group: Any = None) -> Optional[dict[s
     when given), with this rank's read receipt left; None otherwise."""
     if not store.check([_VERDICT_KEY]):
         return None
+    global _known
     verdict: dict[str, Any] = json.loads(store.get(_VERDICT_KEY))
     if verdict["seq"] > seq or (group is not None and verdict.get("group") != group):
         return None
     store.set(_READ_KEY.format(rank), "1")
+    _known = verdict
     return verdict
+
+
+#: the last verdict this process read (its watcher reads it before breaking the call, the guard
+#: after: by then the rank that wrote it may have left, taking the store with it)
+_known: Optional[dict[str, Any]] = None
 
 
 def _await_receipts(store: Any, members: Any, me: int, timeout: float) -> None:

@@ -4,8 +4,9 @@ A script may call ``dist.all_reduce`` itself on the group onedist initialised; o
 never sees such a call. The watcher looks instead: once a second it takes the main thread's Python
 stack (``sys._current_frames``, no cost to the main thread) and finds the outermost frame of a
 public collective in ``torch/distributed/distributed_c10d.py``. The process group numbers its own
-collectives (``_get_sequence_number_for_group``, counted by gloo and NCCL alike), and that number
-orders the ranks' calls as onedist's count orders its own. Point-to-point calls are left out
+collectives (``_get_sequence_number_for_group``, counted by gloo and NCCL alike; onedist's Python
+groups, mpi4py's and shm's, count theirs in ``collectives``), and that number orders the ranks'
+calls as onedist's count orders its own. Point-to-point calls are left out
 (a send and its receive carry different numbers on their two ranks), as are asynchronous calls
 waited on later (``work.wait()`` has no Python frame to find).
 """
@@ -104,8 +105,10 @@ def torch_call(main_ident: int) -> Optional[TorchCall]:
         return None
     try:
         group = outer.f_locals.get("group") or dist.distributed_c10d._get_default_group()
-        seq = int(group._get_sequence_number_for_group())
-    except Exception:  # a backend that does not number its calls (a Python process group)
+        # torch numbers its C++ groups' calls; onedist's Python groups (mpi4py, shm) count their own
+        counted = getattr(group, "collectives", None)
+        seq = int(group._get_sequence_number_for_group() if counted is None else counted)
+    except Exception:  # a backend that does not number its calls (another Python process group)
         return None
     return TorchCall(outer, group, seq)
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 from ..errors import CollectiveMismatchError, RemoteRankError
 from ..state import world
 from .channel import FAILED_COUNT, ServerProbe, failed_reports, rank_and_world, side_store
-from .stall import StallCheck
+from .stall import StallCheck, forget_stalls
 from .stderr import release_stderr
 
 _WATCH_S = 1.0  # how often each rank asks the store whether another rank failed
@@ -61,6 +61,10 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
             return
         if verdict is not None and stall is not None:
             check, stall = stall, None  # one verdict per group: its connections are gone after it
+            if world.call is None and _break_tells_peers():  # every rank's call raises at once
+                _break()
+                _end_main_thread(stop, main_ident, _mismatch_error_class(verdict), verdict, rank)
+                return
             if world.call is None:  # a plain torch.distributed call: no guard there to explain it
 
                 def break_after_peers_read(check: StallCheck = check) -> None:
@@ -78,6 +82,13 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
 def _break() -> bool:
     try:
         return bool(world.backend.break_pending())
+    except Exception:
+        return False
+
+
+def _break_tells_peers() -> bool:
+    try:
+        return bool(world.backend.break_tells_peers())
     except Exception:
         return False
 
@@ -154,6 +165,10 @@ def start_watch() -> None:
     if store is None:
         return
     world.published = False
+    try:
+        forget_stalls(store, rank)
+    except Exception:  # a store without delete_key: nothing of an earlier group in it either
+        pass
     stop = threading.Event()
     thread = threading.Thread(
         target=_watch,

@@ -1,0 +1,120 @@
+"""The stall check at ``finalize``: a peer still blocked in a call this rank returned from.
+
+gloo returns an all_reduce early, with a wrong result, on the rank whose tensor has fewer
+elements; its peer waits for the rest. When that was the program's last collective, the early rank
+never blocks again, so the stall check (:mod:`onedist.failures.stall`) sees one rank blocked and
+nobody to compare it with, and the early rank would exit 0 with its wrong result. So ``finalize``
+marks this rank done after its last call on the default group and, until the stall check's time
+has passed since that call began (plus the watcher's sampling), looks at the peers: every peer
+done ends the wait at once (the usual exit: milliseconds); a peer whose published report says it
+is still blocked in a call numbered at or below this rank's last (the same report on two looks
+1.2 s apart) cannot complete, so this rank writes the verdict (the peer's watcher breaks its call
+and raises it) and raises it too. A peer that is busy elsewhere is not waited for past that time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional
+
+from ..state import world
+from .channel import rank_and_world, server_gone, side_store
+from .stall import (
+    _BLOCKED_KEY,
+    _HINT,
+    _RECEIPT_WAIT_S,
+    _VERDICT_KEY,
+    DONE_KEY,
+    _await_receipts,
+    stall_seconds,
+)
+
+__all__ = ["check_at_finalize", "last_call_verdict"]
+
+_CONFIRM_S = 1.2  # the watcher samples once a second: a report still there this much later is current
+_SLACK_S = 2.5  # the watcher samples once a second (a report appears 3-4 s after the block), round trips
+
+
+def check_at_finalize() -> Optional[str]:
+    """The mismatch report of this rank's last default-group call, or None (no watcher, no store,
+    nothing wrong); called by ``finalize`` while the group still stands."""
+    if world.watcher is None:
+        return None
+    try:
+        rank, world_size = rank_and_world()
+        store = side_store()
+        if store is None or server_gone(store):
+            return None
+        return last_call_verdict(store, rank, world_size, world.world_calls, world.last_started)
+    except Exception:  # the store's host left: the job is ending anyway
+        return None
+
+
+def last_call_verdict(
+    store: Any, rank: int, world_size: int, last_seq: int, last_started: float
+) -> Optional[str]:
+    """Mark this rank done after call ``last_seq`` of the default group (begun at monotonic
+    ``last_started``) and return the mismatch report when a peer is still blocked in it or earlier."""
+    after = stall_seconds()
+    if after <= 0 or last_seq <= 0 or world_size <= 1:
+        return None
+    store.set(DONE_KEY.format(rank), str(last_seq))
+    peers = [r for r in range(world_size) if r != rank]
+    deadline = last_started + after + _SLACK_S
+    first_seen: dict[int, tuple[Any, float]] = {}  # rank -> (its report's id, when first seen)
+    pause = 0.01
+    while True:
+        blocked = _blocked_behind(store, peers, last_seq)
+        if blocked is None:  # every peer is done
+            return None
+        now = time.monotonic()
+        for r, report in blocked.items():
+            seen = first_seen.setdefault(r, (report["id"], now))
+            if seen[0] != report["id"]:
+                first_seen[r] = (report["id"], now)
+            elif now - seen[1] >= _CONFIRM_S:
+                return _decide(store, rank, world_size, last_seq, report, after)
+        if now > deadline and (not blocked or now > deadline + 2 * _CONFIRM_S):
+            return None  # the peers not done are busy elsewhere (or left and came back)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)
+
+
+def _blocked_behind(store: Any, peers: list[int], last_seq: int) -> Optional[dict[int, dict[str, Any]]]:
+    """The peers' reports of default-group calls numbered ``last_seq`` or below (None when every
+    peer is done)."""
+    blocked: dict[int, dict[str, Any]] = {}
+    waiting = False
+    for r in peers:
+        if store.check([DONE_KEY.format(r)]):
+            continue
+        waiting = True
+        key = _BLOCKED_KEY.format(r)
+        if store.check([key]):
+            report = json.loads(store.get(key))
+            if report.get("domain") == "onedist" and 0 < report.get("seq", 0) <= last_seq:
+                blocked[r] = report
+    return blocked if waiting else None
+
+
+def _decide(
+    store: Any, rank: int, world_size: int, last_seq: int, report: dict[str, Any], after: float
+) -> str:
+    seq = report["seq"]
+    message = "\n".join(
+        [
+            f"onedist: rank {report['rank']} is blocked in call {seq} on the default group, which rank "
+            f"{rank} returned from; rank {rank} finished after call {last_seq} (found at finalize, after "
+            f"{after:.0f} s without debug mode), so that call can never complete:",
+            f"  rank {report['rank']}: {report['call']} at {report['site']} (call {seq})",
+            f"  rank {rank}: in finalize (its last call: call {last_seq})",
+            "A call that returns on some ranks only is one the ranks disagree on, most often in shape: gloo "
+            "returns an all_reduce early, with a wrong result, on the rank that has fewer elements.",
+            _HINT,
+        ]
+    )
+    verdict = {"seq": seq, "group": report.get("group"), "message": message}
+    store.set(_VERDICT_KEY, json.dumps(verdict))
+    _await_receipts(store, report.get("group") or range(world_size), rank, _RECEIPT_WAIT_S)
+    return message
