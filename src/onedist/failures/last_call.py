@@ -19,7 +19,7 @@ import time
 from typing import Any, Optional
 
 from ..state import world
-from .channel import rank_and_world, server_gone, side_store
+from .channel import FAILED_COUNT, rank_and_world, server_gone, side_store
 from .stall import (
     _BLOCKED_KEY,
     _HINT,
@@ -64,10 +64,11 @@ def last_call_verdict(
     deadline = last_started + after + _SLACK_S
     first_seen: dict[int, tuple[Any, float]] = {}  # rank -> (its report's id, when first seen)
     pause = 0.01
+    failed_before = int(store.add(FAILED_COUNT, 0))
     while True:
         blocked = _blocked_behind(store, peers, last_seq)
-        if blocked is None:  # every peer is done
-            return None
+        if blocked is None or int(store.add(FAILED_COUNT, 0)) > failed_before:
+            return None  # every peer is done, or one failed (its error is what the job reports)
         now = time.monotonic()
         for r, report in blocked.items():
             seen = first_seen.setdefault(r, (report["id"], now))

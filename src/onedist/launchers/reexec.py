@@ -576,11 +576,11 @@ def _end(launch: _Launch, saved: dict[str, Optional[str]], previous_threads: Opt
     launch.done.set()
     launch.join_watcher()
     launch.stop()
-    if launch.initialized:
-        from ..context import finalize
+    if launch.initialized:  # fn or initialize failed: no last call to check (context._finalize)
+        from ..context import _finalize
 
         try:
-            finalize()
+            _finalize(check_last_call=False)
         except Exception:
             pass
     launch.restore_signals()
