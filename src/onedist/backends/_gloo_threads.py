@@ -27,7 +27,7 @@ __all__ = ["install_exit_hook", "settle"]
 #: the name gloo's process group gives its worker threads (``/proc/<pid>/task/<tid>/comm``)
 WORKER_NAME = "pt_gloo_runloop"
 _TASKS = "/proc/self/task"
-_QUIET_SAMPLES = 3  # consecutive samples in which every worker is blocked
+_QUIET_SAMPLES = 3  # consecutive samples: every worker blocked, no switch since the last
 _SAMPLE_S = 0.005
 
 
@@ -36,40 +36,44 @@ def _read(tid: str, name: str) -> str:
         return f.read()
 
 
-def _workers_idle() -> Optional[bool]:
-    """None when this process has no gloo worker thread, else True when every one is blocked in
-    a futex wait (its condition variable: waiting for work; a thread waiting for the GIL, also a
-    futex, gets it while :func:`settle` sleeps). Where the kernel hides the wait channel, blocked
-    at all (state S or D) counts."""
+def _workers_state() -> Optional[tuple[bool, dict[str, str]]]:
+    """None when this process has no gloo worker thread, else (every one blocked in a futex wait,
+    each one's count of voluntary context switches). A blocked thread waits for work on its
+    condition variable, or for the GIL (a futex too, and a thread napping in a callback passes
+    through it every time it wakes): so only a thread whose switch count stays the same from one
+    sample to the next is idle. Where the kernel hides the wait channel, blocked at all (state S
+    or D) counts."""
     try:
         tids = os.listdir(_TASKS)
     except OSError:  # not Linux: nothing to look at
         return None
-    found, idle = False, True
+    blocked_all, switches = True, {}
     for tid in tids:
         try:
             if _read(tid, "comm").strip() != WORKER_NAME:
                 continue
             state = _read(tid, "stat").rsplit(")", 1)[1].split()[0]
             wchan = _read(tid, "wchan").strip()
+            switches[tid] = _read(tid, "status").split("voluntary_ctxt_switches:", 1)[1].split(None, 1)[0]
         except (OSError, IndexError):
             continue  # the thread ended meanwhile
-        found = True
-        blocked = state in ("S", "D") and (wchan in ("", "0") or "futex" in wchan)
-        idle = idle and blocked
-    return idle if found else None
+        blocked_all = blocked_all and state in ("S", "D") and (wchan in ("", "0") or "futex" in wchan)
+    return (blocked_all, switches) if switches else None
 
 
 def settle(max_wait_s: float = 2.0) -> bool:
-    """Wait (GIL released) until every gloo worker thread is blocked in ``_QUIET_SAMPLES``
-    consecutive samples; True when they are (or there are none), False after ``max_wait_s``."""
+    """Wait (GIL released) until every gloo worker thread is blocked, without a context switch in
+    between, in ``_QUIET_SAMPLES`` consecutive samples; True when they are (or there are none),
+    False after ``max_wait_s``."""
     deadline = time.monotonic() + max_wait_s
-    quiet = 0
+    quiet, before = 0, None
     while quiet < _QUIET_SAMPLES:
-        idle = _workers_idle()
-        if idle is None:
+        found = _workers_state()
+        if found is None:
             return True
-        quiet = quiet + 1 if idle else 0
+        blocked, switches = found
+        quiet = quiet + 1 if blocked and switches == before else 0
+        before = switches
         if time.monotonic() > deadline:
             return False
         time.sleep(_SAMPLE_S)
