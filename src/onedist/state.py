@@ -68,10 +68,11 @@ class World:
         self.call: Any = None
         #: how many collectives on the default group this process started (all ranks agree)
         self.world_calls = 0
-        #: when the last public collective began (time.monotonic), for the check at finalize
-        self.last_started = 0.0
         #: the same per sub-group (a sorted rank tuple or a group handle -> count)
         self.group_calls: dict[Any, int] = {}
+        #: when the last collective on the default group began (time.monotonic), for the check
+        #: at finalize
+        self.last_started = 0.0
         #: what the collectives derive once per backend: (group, op) -> how bytes travel
         #: (onedist.collectives.exchange.channels); emptied whenever ``backend`` changes
         self.routes: dict[Any, Any] = {}

@@ -24,10 +24,11 @@ from .stall import (
     _BLOCKED_KEY,
     _HINT,
     _RECEIPT_WAIT_S,
-    _VERDICT_KEY,
     DONE_KEY,
+    RETURNED_EARLY,
     _await_receipts,
     stall_seconds,
+    write_verdict,
 )
 
 __all__ = ["check_at_finalize", "last_call_verdict"]
@@ -110,12 +111,10 @@ def _decide(
             f"{after:.0f} s without debug mode), so that call can never complete:",
             f"  rank {report['rank']}: {report['call']} at {report['site']} (call {seq})",
             f"  rank {rank}: in finalize (its last call: call {last_seq})",
-            "A call that returns on some ranks only is one the ranks disagree on, most often in shape: gloo "
-            "returns an all_reduce early, with a wrong result, on the rank that has fewer elements.",
+            RETURNED_EARLY,
             _HINT,
         ]
     )
-    verdict = {"seq": seq, "group": report.get("group"), "message": message}
-    store.set(_VERDICT_KEY, json.dumps(verdict))
+    write_verdict(store, seq, report.get("group"), message)
     _await_receipts(store, report.get("group") or range(world_size), rank, _RECEIPT_WAIT_S)
     return message

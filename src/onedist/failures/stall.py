@@ -37,7 +37,7 @@ from typing import Any, Optional
 from ..state import world
 from .torch_calls import TorchCall, torch_call
 
-__all__ = ["DONE_KEY", "StallCheck", "forget_stalls", "read_verdict"]
+__all__ = ["DONE_KEY", "RETURNED_EARLY", "StallCheck", "forget_stalls", "read_verdict", "write_verdict"]
 
 _BLOCKED_KEY = "onedist/blocked/{}"
 _VERDICT_KEY = "onedist/stall-verdict"
@@ -136,8 +136,7 @@ class StallCheck:
 
     def _decide(self, reports: dict[int, dict[str, Any]], message: str) -> str:
         seq = min(rep["seq"] for rep in reports.values())
-        verdict = {"seq": seq, "group": self.mine["group"] if self.mine else None, "message": message}
-        self.store.set(_VERDICT_KEY, json.dumps(verdict))
+        write_verdict(self.store, seq, self.mine["group"] if self.mine else None, message)
         self.decided = True
         return message
 
@@ -157,6 +156,12 @@ class StallCheck:
         assert self.mine is not None
         verdict = _read(self.store, self.mine["seq"], self.rank, self.mine["group"])
         return None if verdict is None else str(verdict["message"])
+
+
+def write_verdict(store: Any, seq: int, group: Any, message: str) -> None:
+    """Publish the mismatch report about call ``seq`` of ``group`` for every rank to read (the
+    peers' watchers break their calls on it, their guards raise it)."""
+    store.set(_VERDICT_KEY, json.dumps({"seq": seq, "group": group, "message": message}))
 
 
 def forget_stalls(store: Any, rank: int) -> None:
@@ -201,12 +206,15 @@ def _report_apart(reports: dict[int, dict[str, Any]], after: float) -> str:
     ]
     for r in sorted(reports):
         lines.append(f"  rank {r}: {reports[r]['call']} at {reports[r]['site']} (call {reports[r]['seq']})")
-    lines.append(
-        "A call that returns on some ranks only is one the ranks disagree on, most often in shape: gloo "
-        "returns an all_reduce early, with a wrong result, on the rank that has fewer elements."
-    )
+    lines.append(RETURNED_EARLY)
     lines.append(_HINT)
     return "\n".join(lines)
+
+
+RETURNED_EARLY = (
+    "A call that returns on some ranks only is one the ranks disagree on, most often in shape: gloo "
+    "returns an all_reduce early, with a wrong result, on the rank that has fewer elements."
+)
 
 
 def _group_text(rep: dict[str, Any]) -> str:
