@@ -6,8 +6,8 @@
 
 Every variant runs in the same spawned worker processes on the same default process group. A
 *round* times every case once, and inside a case every variant once (a sample: the median of
-5-10 calls timed one by one, ranks in step after a barrier; for the broadcast, whose root may
-run ahead, the mean of the loop), the variants' order rotating from round to round; the ratio
+3-20 calls timed one by one, 3 for 128 MB, ranks in step after a barrier; for the broadcast,
+whose root may run ahead, the mean of the loop), the variants' order rotating from round to round; the ratio
 of a variant to ``raw`` is taken **per round** (both timed within milliseconds), and the report
 gives the median of those ratios. ``raw again (A/A)`` is the raw baseline run a second time:
 its ratio is the noise floor of the others (a quiet machine gives 0.95-1.05).
@@ -150,7 +150,7 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
         v = {"raw": lambda x=x: dist.all_reduce(x), "onedist": lambda x=x: od.all_reduce(x)}
         if ig:
             v["ignite"] = lambda x=x: ig.all_reduce(x)
-        cases[f"all_reduce {mb} MB"] = (v, 2 if mb == 16 else 1, mb * 2**20)
+        cases[f"all_reduce {mb} MB"] = (v, 5 if mb == 16 else 3, mb * 2**20)
     one = torch.tensor([float(rank)])
     v = {"raw": lambda: raw_all_gather(one, world), "onedist": lambda: od.all_gather(one)}
     if ig:
@@ -167,7 +167,7 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
     if ig:
         shapes = [[1000 + 37 * r, 16] for r in range(world)]
         v["ignite (shapes given)"] = lambda: torch.cat(ig.all_gather_tensors_with_shapes(mine, shapes))
-    cases["uneven all_gather (1000+37r)x16"] = (v, 5, 0)
+    cases["uneven all_gather (1000+37r)x16"] = (v, 10, 0)
     obj = {"rank": rank, "name": f"worker-{rank}", "stats": [0.1 * i for i in range(20)]}
     src_obj = obj if rank == 0 else None
     v = {"raw": lambda: raw_broadcast_object(obj, rank), "onedist": lambda: od.broadcast_object(src_obj)}
@@ -184,7 +184,7 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
     v = {"raw": lambda: raw_stacked(metrics), "onedist": lambda: od.all_reduce(metrics)}
     if ig:
         v["ignite (leaf by leaf)"] = lambda: {k: ig.all_reduce(m.clone()) for k, m in metrics.items()}
-    cases["dict of 100 metrics"] = (v, 10, 0)
+    cases["dict of 100 metrics"] = (v, 20, 0)
     for variants, _, _ in cases.values():
         variants["raw again (A/A)"] = variants["raw"]
     return cases

@@ -33,6 +33,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import onedist as od
 
+# torch >= 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 MB = 1 << 20
 
 
@@ -98,8 +101,8 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     bc = torch.ones(n)
     out["16 MB others"] = _timed(
         {
-            "shm all_gather": lambda: dist.all_gather_into_tensor(full, part),
-            "gloo all_gather": lambda: dist.all_gather_into_tensor(full, part, group=gloo),
+            "shm all_gather": lambda: _gather_into(full, part),
+            "gloo all_gather": lambda: _gather_into(full, part, group=gloo),
             "shm broadcast": lambda: dist.broadcast(bc, src=0),
             "gloo broadcast": lambda: dist.broadcast(bc, src=0, group=gloo),
         },

@@ -186,21 +186,22 @@ def _reduce_stacked(
     if op == "MEAN" and not (dtype.is_floating_point or dtype.is_complex):
         return None  # a float result of integers: the general path's conversions
     check_op_dtype(func, op, dtype, " (leaf 0)")  # every leaf has that dtype
-    with torch.no_grad():  # results are not differentiable, as in torch.distributed
-        try:
-            buf = torch.stack(values)
-        except RuntimeError:  # shapes or devices differ
-            return None
-        if not buf.is_cpu:
-            return None
-        reduced = _reduce_on_wire(b, buf, op, g, dst)
-        if reduced is None:
-            return d
-        if op == "MEAN":
-            reduced.div_(size)
-        if reduced is not buf and (reduced.device != buf.device or reduced.dtype != dtype):
-            reduced = reduced.to(device=buf.device, dtype=dtype)
-        by_key = dict(zip(keys, reduced.unbind(0)))
+    try:
+        buf = torch.stack(values)
+    except RuntimeError:  # shapes or devices differ
+        return None
+    if not buf.is_cpu:
+        return None
+    if buf.requires_grad:  # results are not differentiable, as in torch.distributed (a detach
+        buf = buf.detach()  # here, not no_grad around it all: ~2 us a call on the common path)
+    reduced = _reduce_on_wire(b, buf, op, g, dst)
+    if reduced is None:
+        return d
+    if op == "MEAN":
+        reduced.div_(size)
+    if reduced is not buf and (reduced.device != buf.device or reduced.dtype != dtype):
+        reduced = reduced.to(device=buf.device, dtype=dtype)
+    by_key = dict(zip(keys, reduced.unbind(0)))
     return by_key if keys == list(d) else {k: by_key[k] for k in d}
 
 
@@ -255,10 +256,18 @@ def _issue(
     b: Backend, buf: torch.Tensor, op: str, g: Any, dst: Optional[int], async_op: bool
 ) -> Optional[Work]:
     op = "SUM" if op == "MEAN" else op
-    with torch.no_grad():  # a reduction into a tensor that requires grad, as torch's c10d allows
-        if dst is None:
-            return b.all_reduce_(buf, op, g, async_op)
-        return b.reduce_(buf, dst, op, g, async_op)
+    if buf.requires_grad:  # a reduction into a tensor that requires grad, as torch's c10d allows
+        with torch.no_grad():
+            return _issue_now(b, buf, op, g, dst, async_op)
+    return _issue_now(b, buf, op, g, dst, async_op)
+
+
+def _issue_now(
+    b: Backend, buf: torch.Tensor, op: str, g: Any, dst: Optional[int], async_op: bool
+) -> Optional[Work]:
+    if dst is None:
+        return b.all_reduce_(buf, op, g, async_op)
+    return b.reduce_(buf, dst, op, g, async_op)
 
 
 def _reduce_tensor(

@@ -315,13 +315,18 @@ class Exchanges(ChunkMover):
     ) -> None:
         """The rest of an all_to_all too large for one step (``told``: where each rank's parts
         start, ``starts`` this rank's): in round ``k`` each rank puts bytes ``[k*c, (k+1)*c)`` of its
-        part for rank ``q`` at ``q*c`` in its slot (``c``: a slot over the group size), and after a
-        barrier each rank takes its pieces from every slot. As many rounds as the largest part
-        needs; this rank's own part goes straight from ``inp`` to ``out``."""
+        part for each peer into its slot (``c``: a slot over the number of peers; a rank's own part
+        goes straight from ``inp`` to ``out``, so it needs no room), and in the next phase each rank
+        takes its pieces from every slot while the ranks put round ``k + 1`` into the other bank:
+        one barrier per round. As many rounds as the largest part needs. Against a barrier after
+        each put and each take (16 MB, 8 ranks on 2 cores, two runs each): 1.12-1.16x gloo's
+        speed instead of 0.97-1.03x; 2 and 4 ranks, where copies weigh more than barriers: the
+        same within noise."""
         seg = self._seg
         assert seg is not None
         size, me = self._size, self._rank
-        c = seg.chunk // size // 64 * 64 or seg.chunk // size  # cache lines, unless ranks are very many
+        peers = max(size - 1, 1)
+        c = seg.chunk // peers // 64 * 64 or seg.chunk // peers  # cache lines, unless ranks are very many
         lens = [[h[q + 1] - h[q] for q in range(size)] for h in told]  # lens[p][q]: p sends q
         at = list(accumulate((lens[p][me] for p in range(size)), initial=0))  # each rank's part in out
         if lens[me][me]:
@@ -333,17 +338,17 @@ class Exchanges(ChunkMover):
             for q in range(size):
                 n = min(c, lens[me][q] - k * c)
                 if q != me and n > 0:
-                    lo = starts[q] + k * c
-                    self._copy(slot[q * c : q * c + n], inp[lo : lo + n])
+                    lo, to = starts[q] + k * c, (q - (q > me)) * c  # peers in order, me left out
+                    self._copy(slot[to : to + n], inp[lo : lo + n])
 
         def take(k: int, bank: _Bank) -> None:
             for p in range(size):
                 n = min(c, lens[p][me] - k * c)
                 if p != me and n > 0:
-                    lo = at[p] + k * c
-                    self._copy(out[lo : lo + n], bank.slots[p][me * c : me * c + n])
+                    lo, fro = at[p] + k * c, (me - (me > p)) * c  # where rank p put this rank's piece
+                    self._copy(out[lo : lo + n], bank.slots[p][fro : fro + n])
 
-        self._phases(-(-most // c), [put, take], "all_to_all")
+        self._phases(-(-most // c), [put, take], "all_to_all", overlap=True)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         self._agree(_KIND_ALL_GATHER_COALESCED, inputs)

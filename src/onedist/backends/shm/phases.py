@@ -65,7 +65,8 @@ class ChunkMover(SegmentSync):
         the two banks, one barrier per chunk. ``None``: nothing to do on this rank (the phase
         still counts). Measured on 2 ranks, overlap makes a broadcast 1.2-1.7x faster (the root
         writes while the others read) but an all_reduce or all_gather 0.8-0.9x slower (two banks
-        are twice the cache footprint), so only broadcast uses it.
+        are twice the cache footprint), so only broadcast and the rounds of a large all_to_all
+        (where barriers, not the cache, cost most when ranks outnumber cores) use it.
 
         Safety: a stage reads only what an earlier stage wrote in an earlier phase, and in one
         phase the ranks write and read different areas (stage 0 writes a rank's own slot, or the
