@@ -20,16 +20,8 @@ from typing import Any, Optional
 
 from ..state import world
 from .channel import FAILED_COUNT, rank_and_world, server_gone, side_store
-from .stall import (
-    _BLOCKED_KEY,
-    _HINT,
-    _RECEIPT_WAIT_S,
-    DONE_KEY,
-    RETURNED_EARLY,
-    _await_receipts,
-    stall_seconds,
-    write_verdict,
-)
+from .keys import BLOCKED_KEY, DONE_KEY, RECEIPT_WAIT_S, await_receipts
+from .stall import HINT, RETURNED_EARLY, stall_seconds, write_verdict
 
 __all__ = ["check_at_finalize", "last_call_verdict"]
 
@@ -92,7 +84,7 @@ def _blocked_behind(store: Any, peers: list[int], last_seq: int) -> Optional[dic
         if store.check([DONE_KEY.format(r)]):
             continue
         waiting = True
-        key = _BLOCKED_KEY.format(r)
+        key = BLOCKED_KEY.format(r)
         if store.check([key]):
             report = json.loads(store.get(key))
             if report.get("domain") == "onedist" and 0 < report.get("seq", 0) <= last_seq:
@@ -112,9 +104,9 @@ def _decide(
             f"  rank {report['rank']}: {report['call']} at {report['site']} (call {seq})",
             f"  rank {rank}: in finalize (its last call: call {last_seq})",
             RETURNED_EARLY,
-            _HINT,
+            HINT,
         ]
     )
     write_verdict(store, seq, report.get("group"), message)
-    _await_receipts(store, report.get("group") or range(world_size), rank, _RECEIPT_WAIT_S)
+    await_receipts(store, report.get("group") or range(world_size), rank, RECEIPT_WAIT_S)
     return message

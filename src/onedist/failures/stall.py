@@ -35,16 +35,10 @@ import time
 from typing import Any, Optional
 
 from ..state import world
+from .keys import BLOCKED_KEY, DONE_KEY, READ_KEY, RECEIPT_WAIT_S, VERDICT_KEY, await_receipts
 from .torch_calls import TorchCall, torch_call
 
-__all__ = ["DONE_KEY", "RETURNED_EARLY", "StallCheck", "forget_stalls", "read_verdict", "write_verdict"]
-
-_BLOCKED_KEY = "onedist/blocked/{}"
-_VERDICT_KEY = "onedist/stall-verdict"
-_READ_KEY = "onedist/stall-verdict-read/{}"
-_RECEIPT_WAIT_S = 3.0
-#: a rank done with its collectives, at finalize (onedist.failures.last_call)
-DONE_KEY = "onedist/done/{}"
+__all__ = ["HINT", "RETURNED_EARLY", "StallCheck", "forget_stalls", "read_verdict", "write_verdict"]
 
 
 def stall_seconds() -> float:
@@ -76,7 +70,7 @@ class StallCheck:
         now = time.monotonic()
         if not _same(call, self.call):
             if self.mine is not None:  # left the call it reported: peers must not count it blocked
-                self.store.set(_BLOCKED_KEY.format(self.rank), "{}")
+                self.store.set(BLOCKED_KEY.format(self.rank), "{}")
             self.call, self.since, self.mine, self.apart = call, now, None, None
             return None
         if call is None or now - self.since < self.after:
@@ -86,7 +80,7 @@ class StallCheck:
             if self.mine is None:
                 self.call = None
                 return None
-            self.store.set(_BLOCKED_KEY.format(self.rank), json.dumps(self.mine))
+            self.store.set(BLOCKED_KEY.format(self.rank), json.dumps(self.mine))
         return self._verdict_of_peer() or self._compare()
 
     def _blocked(self) -> Any:
@@ -112,7 +106,7 @@ class StallCheck:
         assert self.mine is not None
         reports = {self.rank: self.mine}
         for r in self.mine["group"]:
-            key = _BLOCKED_KEY.format(r)
+            key = BLOCKED_KEY.format(r)
             if r != self.rank and self.store.check([key]):
                 report = json.loads(self.store.get(key))
                 if report.get("domain") == self.mine["domain"] and report.get("group") == self.mine["group"]:
@@ -146,7 +140,7 @@ class StallCheck:
         if not self.decided or self.mine is None:
             return
         try:
-            _await_receipts(self.store, self.mine["group"], self.rank, 2.0)
+            await_receipts(self.store, self.mine["group"], self.rank, 2.0)
         except Exception:
             pass
 
@@ -161,7 +155,7 @@ class StallCheck:
 def write_verdict(store: Any, seq: int, group: Any, message: str) -> None:
     """Publish the mismatch report about call ``seq`` of ``group`` for every rank to read (the
     peers' watchers break their calls on it, their guards raise it)."""
-    store.set(_VERDICT_KEY, json.dumps({"seq": seq, "group": group, "message": message}))
+    store.set(VERDICT_KEY, json.dumps({"seq": seq, "group": group, "message": message}))
 
 
 def forget_stalls(store: Any, rank: int) -> None:
@@ -169,8 +163,8 @@ def forget_stalls(store: Any, rank: int) -> None:
     outlive its group: the same ``env://`` port, re-initialised), so no peer reads it as current."""
     global _known
     _known = None
-    store.set(_BLOCKED_KEY.format(rank), "{}")
-    for key in (_READ_KEY.format(rank), DONE_KEY.format(rank)) + ((_VERDICT_KEY,) if rank == 0 else ()):
+    store.set(BLOCKED_KEY.format(rank), "{}")
+    for key in (READ_KEY.format(rank), DONE_KEY.format(rank)) + ((VERDICT_KEY,) if rank == 0 else ()):
         store.delete_key(key)
 
 
@@ -191,7 +185,7 @@ def _report(reports: dict[int, dict[str, Any]], after: float) -> str:
     others = sorted(set(rep0["group"]) - set(reports))
     if others:
         lines.append(f"  ranks {others}: not blocked in a collective there (busy, or still on the way)")
-    lines.append(_HINT)
+    lines.append(HINT)
     return "\n".join(lines)
 
 
@@ -207,7 +201,7 @@ def _report_apart(reports: dict[int, dict[str, Any]], after: float) -> str:
     for r in sorted(reports):
         lines.append(f"  rank {r}: {reports[r]['call']} at {reports[r]['site']} (call {reports[r]['seq']})")
     lines.append(RETURNED_EARLY)
-    lines.append(_HINT)
+    lines.append(HINT)
     return "\n".join(lines)
 
 
@@ -225,7 +219,7 @@ def _group_text(rep: dict[str, Any]) -> str:
     return where
 
 
-_HINT = (
+HINT = (
     "HINT: every rank must call the same collectives, in the same order, on values of the same type, "
     "dtype and shape; ONEDIST_DEBUG=1 checks each call before it is made"
 )
@@ -246,7 +240,7 @@ def read_verdict(store: Any, seq: int, rank: int, world_size: int) -> Optional[s
         if verdict is None:
             return None
         if rank == 0:
-            _await_receipts(store, verdict.get("group") or range(world_size), 0, _RECEIPT_WAIT_S)
+            await_receipts(store, verdict.get("group") or range(world_size), 0, RECEIPT_WAIT_S)
     except Exception:
         return None
     return str(verdict["message"])
@@ -255,13 +249,13 @@ def read_verdict(store: Any, seq: int, rank: int, world_size: int) -> Optional[s
 def _read(store: Any, seq: int, rank: int, group: Any = None) -> Optional[dict[str, Any]]:
     """The verdict in the store when it concerns a call numbered ``seq`` or earlier (of ``group``,
     when given), with this rank's read receipt left; None otherwise."""
-    if not store.check([_VERDICT_KEY]):
+    if not store.check([VERDICT_KEY]):
         return None
     global _known
-    verdict: dict[str, Any] = json.loads(store.get(_VERDICT_KEY))
+    verdict: dict[str, Any] = json.loads(store.get(VERDICT_KEY))
     if verdict["seq"] > seq or (group is not None and verdict.get("group") != group):
         return None
-    store.set(_READ_KEY.format(rank), "1")
+    store.set(READ_KEY.format(rank), "1")
     _known = verdict
     return verdict
 
@@ -269,11 +263,3 @@ def _read(store: Any, seq: int, rank: int, group: Any = None) -> Optional[dict[s
 #: the last verdict this process read (its watcher reads it before breaking the call, the guard
 #: after: by then the rank that wrote it may have left, taking the store with it)
 _known: Optional[dict[str, Any]] = None
-
-
-def _await_receipts(store: Any, members: Any, me: int, timeout: float) -> None:
-    """Wait up to ``timeout`` s until every member but ``me`` has left its read receipt."""
-    receipts = [_READ_KEY.format(r) for r in members if r != me]
-    deadline = time.monotonic() + timeout
-    while receipts and not store.check(receipts) and time.monotonic() < deadline:
-        time.sleep(0.02)

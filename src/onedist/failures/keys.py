@@ -1,0 +1,31 @@
+"""The store keys through which the ranks compare blocked calls: one place that names the
+protocol :mod:`.stall` (the watcher's check) and :mod:`.last_call` (the check at finalize) share.
+
+A rank publishes what it is blocked in under ``BLOCKED_KEY`` (``"{}"``: nothing), the rank that
+finds a mismatch writes the verdict under ``VERDICT_KEY``, every rank that reads it leaves a
+receipt under ``READ_KEY``, and a rank done with its collectives says so under ``DONE_KEY``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["BLOCKED_KEY", "DONE_KEY", "READ_KEY", "RECEIPT_WAIT_S", "VERDICT_KEY", "await_receipts"]
+
+BLOCKED_KEY = "onedist/blocked/{}"
+VERDICT_KEY = "onedist/stall-verdict"
+READ_KEY = "onedist/stall-verdict-read/{}"
+#: a rank done with its collectives, at finalize
+DONE_KEY = "onedist/done/{}"
+#: how long the rank that hosts the store waits for the others' receipts before it raises (its
+#: exit would take the verdict with it)
+RECEIPT_WAIT_S = 3.0
+
+
+def await_receipts(store: Any, members: Any, me: int, timeout: float) -> None:
+    """Wait up to ``timeout`` s until every member but ``me`` has left its read receipt."""
+    receipts = [READ_KEY.format(r) for r in members if r != me]
+    deadline = time.monotonic() + timeout
+    while receipts and not store.check(receipts) and time.monotonic() < deadline:
+        time.sleep(0.02)
