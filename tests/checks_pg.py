@@ -253,6 +253,80 @@ def check_gather_scatter_all_to_all_exact() -> int:
     return done
 
 
+def _forbid_cross_memory_reads() -> None:
+    """Make the kernel refuse this process's ``process_vm_readv`` (EPERM), in every thread, as
+    Docker's default seccomp profile does: a real refusal, for the fallback test (x86-64 only,
+    as the shm backend)."""
+    import ctypes
+    import struct as _struct
+
+    ld_abs, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    program = [(ld_abs, 0, 0, 0), (jeq, 0, 1, 310), (ret, 0, 0, 0x00050000 | 1), (ret, 0, 0, 0x7FFF0000)]
+    code = ctypes.create_string_buffer(b"".join(_struct.pack("<HBBI", *op) for op in program))
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = Program(len(program), ctypes.addressof(code))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+    # seccomp(SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC): the group's thread too
+    assert libc.syscall(317, 1, 1, ctypes.byref(prog)) == 0, ctypes.get_errno()
+
+
+def check_all_to_all_reads_directly_then_falls_back() -> list[bool]:
+    """An all_to_all larger than a slot: each rank reads its parts straight out of the peers'
+    inputs while every rank can; once the kernel refuses one rank's reads, every rank sees its
+    vote, all move the parts through the slots instead (the results still exact), and the group
+    stops trying. Returns this rank's read results, call by call."""
+    from onedist.backends.shm import cma
+
+    rank, world, pg = od.get_rank(), od.get_world_size(), _pg()
+    results: list[bool] = []
+    real = cma.read_pieces
+
+    def observed(*args: Any) -> bool:
+        ok = real(*args)
+        results.append(ok)
+        return ok
+
+    big = _slot() // 24 + 2  # rows of 3 int64: more than a slot per peer
+
+    def exchange() -> None:
+        inp = torch.cat([_block(rank, q, big + q, torch.int64) for q in range(world)])
+        out = torch.empty(sum(big + rank for _ in range(world)), 3, dtype=torch.int64)
+        dist.all_to_all_single(out, inp, [big + rank] * world, [big + q for q in range(world)])
+        assert torch.equal(out, torch.cat([_block(p, rank, big + rank, torch.int64) for p in range(world)]))
+
+    cma.read_pieces = observed
+    try:
+        exchange()
+        assert pg._cma and results == [True], results
+        if rank == 1:
+            _forbid_cross_memory_reads()
+        exchange()
+        assert not pg._cma, "the group still reads directly after a refused read"
+        exchange()  # the rounds from the start: no read tried
+    finally:
+        cma.read_pieces = real
+    return results
+
+
+def check_all_to_all_without_direct_reads_on_one_rank() -> int:
+    """A rank with ``ONEDIST_SHM_CMA=0``: no rank reads directly, every exchange goes in rounds."""
+    from onedist.backends.shm import cma
+
+    rank, world = od.get_rank(), od.get_world_size()
+    real, tried = cma.read_pieces, []
+    cma.read_pieces = lambda *args: tried.append(1) or real(*args)  # type: ignore[assignment]
+    try:
+        done = check_gather_scatter_all_to_all_exact()
+    finally:
+        cma.read_pieces = real
+    assert not tried, f"rank {rank} of {world} read directly"
+    return done
+
+
 def _step_input(step: int, rank: int, n: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, (n,), generator=torch.Generator().manual_seed(step * 1009 + rank))
 

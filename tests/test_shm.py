@@ -79,8 +79,43 @@ def test_split_over_helper_threads_equals_gloo(world_size):
     run = Runner(world_size, backend="shm", env=SPLIT)
     assert run(checks_pg.check_all_reduce_equals_gloo, timeout=240)[0] > 200
     run(checks_pg.check_copy_collectives_equal_gloo, timeout=120)
+    run(checks_pg.check_gather_scatter_all_to_all_exact, timeout=120)  # direct reads over threads too
     run(checks_pg.check_non_contiguous_and_views)
     assert max(run(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
+
+
+# all_to_all larger than a slot: read straight out of the peers' memory (process_vm_readv), else
+# in rounds through the slots; 256 KiB slots keep the exchanges small
+SMALL_SLOTS = {"ONEDIST_SHM_CHUNK_MB": "0.25"}
+
+
+def test_all_to_all_reads_peers_directly_and_falls_back_when_the_kernel_refuses():
+    pool = DistPool(3, "shm", env=SMALL_SLOTS)  # its own processes: rank 1 ends up filtered
+    try:
+        reads = pool.run(checks_pg.check_all_to_all_reads_directly_then_falls_back, timeout=120)
+    finally:
+        pool.close()
+    assert reads == [[True, True], [True, False], [True, True]]  # the second: rank 1's reads refused
+
+
+def test_all_to_all_in_rounds_when_one_rank_may_not_read_others():
+    env = [{**SMALL_SLOTS}, {**SMALL_SLOTS, "ONEDIST_SHM_CMA": "0"}, {**SMALL_SLOTS}]
+    pool = DistPool(3, "shm", rank_env=env)
+    try:
+        assert min(pool.run(checks_pg.check_all_to_all_without_direct_reads_on_one_rank, timeout=240)) > 100
+    finally:
+        pool.close()
+
+
+def test_direct_reads_setting_is_checked(monkeypatch):
+    from onedist import OnedistValueError
+    from onedist.backends.shm import cma
+
+    monkeypatch.setenv("ONEDIST_SHM_CMA", "0")
+    assert not cma.enabled()
+    monkeypatch.setenv("ONEDIST_SHM_CMA", "yes")
+    with pytest.raises(OnedistValueError, match="ONEDIST_SHM_CMA.*'yes'"):
+        cma.enabled()
 
 
 def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable(shm):

@@ -10,9 +10,11 @@ shared-memory segment per group instead of loopback TCP:
   always in rank order, so every rank gets the same bits, run after run.
 * **all_gather / broadcast / reduce_scatter / reduce / barrier / gather / scatter**: the same
   slots and barriers.
-* **all_to_all**: each rank writes a head (where its parts start, what it expects from each rank)
-  and, when they fit, its parts into its slot; after a barrier every rank reads every head and
-  takes its parts; larger ones go in rounds of a slot per rank (``_exchange``).
+* **all_to_all**: each rank writes a head (where its parts start, what it expects from each rank,
+  where its input is) and, when they fit, its parts into its slot; after a barrier every rank
+  reads every head and takes its parts; larger ones each rank reads straight out of the peers'
+  memory (``process_vm_readv``, :mod:`.cma`), or, where the kernel forbids that, they go in
+  rounds of a slot per rank (``_exchange``).
 * everything else (send/recv, the deprecated all_gather_coalesced, CUDA tensors) goes to a gloo
   group made beside it on the same store, so the backend is complete.
 
@@ -46,8 +48,9 @@ worst it is gloo.
 The package, one job per module: :mod:`.segment` (the memfd and its layout), :mod:`.protocol`
 (barriers, the call check, failure marks), :mod:`.reductions` (what each reduce op computes),
 :mod:`.phases` (chunks through the banks, copies over helper threads), :mod:`.exchange` (gather,
-scatter, all_to_all), :mod:`.hosts` (two levels over several hosts) and :mod:`.group` (the
-process group, its dense collectives and its registration with torch).
+scatter, all_to_all), :mod:`.cma` (reads from a peer's memory), :mod:`.hosts` (two levels over
+several hosts) and :mod:`.group` (the process group, its dense collectives and its registration
+with torch).
 """
 
 from __future__ import annotations

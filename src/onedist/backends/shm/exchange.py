@@ -3,6 +3,7 @@ all_to_all (and the check at a barrier before gloo runs all_gather_coalesced).""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from functools import partial
 from itertools import accumulate
@@ -13,7 +14,8 @@ import torch._C._distributed_c10d as _c10d
 
 from ...errors import CollectiveMismatchError
 from .._pygroup import ArgCheck, all_cpu, flat as _flat, for_each
-from .phases import ChunkMover, _bytes_of
+from . import cma
+from .phases import _SPLIT_BYTES, ChunkMover, _bytes_of
 from .protocol import (
     _KIND_ALL_GATHER_COALESCED,
     _KIND_ALL_TO_ALL,
@@ -24,6 +26,8 @@ from .protocol import (
 )
 from .segment import _SMALL_BYTES, NAME, _Bank, _round
 
+_VOTE = struct.Struct("<q")
+
 
 class Exchanges(ChunkMover):
     """gather, scatter and all_to_all of :class:`~.group.ShmProcessGroup`, and the chunked gather
@@ -32,6 +36,7 @@ class Exchanges(ChunkMover):
     _gloo: Any
     _mail: int
     _heads: Any
+    _cma: bool
 
     # ------------------------------------------------------------------ gather, scatter, all_to_all
     # (arguments checked first as for the others: gloo names less, hangs a peer on some wrong
@@ -240,7 +245,8 @@ class Exchanges(ChunkMover):
         expects from each rank), and its parts after it when they fit. After the barrier every rank
         reads all heads, so all make the same choices: raise CollectiveMismatchError when a rank
         sends another a size it does not expect (every rank alike, nothing changed), take their
-        parts from the slots when every rank's fitted (one step), else move them in rounds (see
+        parts from the slots when every rank's fitted (one step), else read them straight out of
+        the peers' inputs when every rank may (see _read_parts), else move them in rounds (see
         _exchange_rounds)."""
         seg = self._seg
         assert seg is not None
@@ -251,9 +257,10 @@ class Exchanges(ChunkMover):
         starts = list(accumulate(in_sizes, initial=0))
         self._begin(_KIND_ALL_TO_ALL, -1, dtype)  # the ranks may send different amounts
         told: list[tuple[int, ...]] = []
+        where: list[Any] = []  # the peers' input addresses, whether all may read them, the bank
 
         def put(k: int, bank: _Bank) -> None:
-            heads.pack_into(mm, bank.at[me], *starts, *out_sizes)
+            heads.pack_into(mm, bank.at[me], *starts, *out_sizes, inp.data_ptr(), int(self._cma), 0)
             total = starts[-1]
             if not 0 < total <= room:
                 return
@@ -269,10 +276,11 @@ class Exchanges(ChunkMover):
         def take(k: int, bank: _Bank) -> None:
             full = [heads.unpack_from(mm, at) for at in bank.at]
             told.extend(f[: size + 1] for f in full)
+            where.extend(([f[2 * size + 1] for f in full], all(f[2 * size + 2] for f in full), bank))
             wrong = [
                 (p, q, told[p][q + 1] - told[p][q], expect)
                 for q, f in enumerate(full)
-                for p, expect in enumerate(f[size + 1 :])
+                for p, expect in enumerate(f[size + 1 : 2 * size + 1])
                 if told[p][q + 1] - told[p][q] != expect
             ]
             if wrong:  # every rank sees it: all raise here, in step, and hand on the bank as at the end
@@ -294,7 +302,47 @@ class Exchanges(ChunkMover):
 
         self._phases(1, [put, take], "all_to_all")
         if any(h[-1] > room for h in told):
-            self._exchange_rounds(out, inp, starts, told)
+            addrs, all_may, bank = where
+            if not (all_may and self._read_parts(out, inp, starts, told, addrs, bank)):
+                self._exchange_rounds(out, inp, starts, told)
+
+    def _read_parts(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        starts: list[int],
+        told: list[tuple[int, ...]],
+        addrs: list[int],
+        bank: _Bank,
+    ) -> bool:
+        """The rest of an all_to_all too large for one step, each rank reading its parts straight
+        out of the peers' inputs (``addrs``, from their heads; :mod:`.cma`): one copy per byte and
+        one barrier, where the rounds take two copies and a barrier per slot-full. Each rank then
+        votes in its head whether its reads succeeded, and after the barrier (no rank leaves, so
+        no input changes, before every read is done) all see the same votes: True when every
+        rank has its parts; else the rounds move them all again, and this group stops trying.
+        16 MB on 2 cores, against the rounds in the same session: 1.05x / 1.2x / 1.55x their
+        speed at 2 / 4 / 8 ranks (1.6-3.0x gloo's)."""
+        seg = self._seg
+        assert seg is not None
+        size, me = self._size, self._rank
+        at = list(accumulate((told[p][me + 1] - told[p][me] for p in range(size)), initial=0))
+        base = out.data_ptr()
+        pieces = [
+            (seg.pids[p], base + at[p], addrs[p] + told[p][me], at[p + 1] - at[p])
+            for p in range(size)
+            if p != me and at[p + 1] > at[p]
+        ]
+        if at[me + 1] > at[me]:
+            self._copy(out[at[me] : at[me + 1]], inp[starts[me] : starts[me + 1]])
+        ok = cma.read_pieces(pieces, self._helpers, self._parts, _SPLIT_BYTES)
+        vote = self._heads.size - 8  # the head's last field
+        _VOTE.pack_into(seg.mm, bank.at[me] + vote, 1 if ok else 2)
+        self._barrier("all_to_all")
+        if all(_VOTE.unpack_from(seg.mm, a + vote)[0] == 1 for a in bank.at):
+            return True
+        self._cma = False  # every rank saw the same votes: the group's ranks stop trying alike
+        return False
 
     def _split_mismatch(self, wrong: list[tuple[int, int, int, int]]) -> CollectiveMismatchError:
         """The error of an all_to_all whose ranks disagree on sizes: (sender, receiver, bytes sent,

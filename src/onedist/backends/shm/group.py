@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .. import _pygroup
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
+from . import cma
 from .exchange import Exchanges
 from .hosts import TwoLevels, _host_map
 from .phases import _bytes_of, _helper_pool
@@ -56,8 +57,10 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         self._gen = 0
         self._bank = 0  # the bank the next collective's first chunk goes through (see _phases)
         self._mail = 0  # the mailbox of the next small all_reduce (see _all_reduce_small)
-        # an all_to_all's head: where a rank's parts start (and end), and what it expects from each
-        self._heads = struct.Struct(f"<{2 * size + 1}q")
+        # an all_to_all's head: where a rank's parts start (and end), what it expects from each, the
+        # address of its input, whether it may read the peers' inputs, whether it did (see _exchange)
+        self._heads = struct.Struct(f"<{2 * size + 4}q")
+        self._cma = cma.enabled()
         self._record = _CALL.pack(_KIND_BARRIER, -1, -1, 0, 0, 0)  # what this rank calls (see _begin)
         #: this group's ranks as ranks of the group that holds it (one host's part of a group over
         #: several hosts), for errors; None: a group of its own
