@@ -253,6 +253,27 @@ def check_gather_scatter_all_to_all_exact() -> int:
     return done
 
 
+def check_group_thread_lets_go_of_tensors() -> bool:
+    """A collective of 1 MB or more runs on the group's thread; once it is done, the thread keeps
+    no reference to its tensors (it kept the last one's until the next job came, so a large result
+    outlived its caller and its free landed in the next collective's time)."""
+    import gc
+    import weakref
+
+    world = od.get_world_size()
+    inp = torch.full((1 << 19,), float(od.get_rank()))  # 2 MB: the group's thread runs it
+    out = torch.empty(world << 19)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp)
+    assert out[-1].item() == world - 1
+    alive = weakref.ref(out)
+    del out
+    deadline = time.monotonic() + 5.0
+    while alive() is not None and time.monotonic() < deadline:  # the thread lets go just after
+        gc.collect()
+        time.sleep(0.01)
+    return alive() is None
+
+
 def _forbid_cross_memory_reads() -> None:
     """Make the kernel refuse this process's ``process_vm_readv`` (EPERM), in every thread, as
     Docker's default seccomp profile does: a real refusal, for the fallback test (x86-64 only,

@@ -84,6 +84,10 @@ def test_split_over_helper_threads_equals_gloo(world_size):
     assert max(run(checks_pg.check_ddp_equals_gloo, timeout=120)) < 1e-5
 
 
+def test_group_thread_lets_go_of_a_collectives_tensors():
+    assert Runner(2, backend="shm")(checks_pg.check_group_thread_lets_go_of_tensors) == [True, True]
+
+
 # all_to_all larger than a slot: read straight out of the peers' memory (process_vm_readv), else
 # in rounds through the slots; 256 KiB slots keep the exchanges small
 SMALL_SLOTS = {"ONEDIST_SHM_CHUNK_MB": "0.25"}
