@@ -576,7 +576,7 @@ def _end(launch: _Launch, saved: dict[str, Optional[str]], previous_threads: Opt
     launch.done.set()
     launch.join_watcher()
     launch.stop()
-    if launch.initialized:  # fn or initialize failed: no last call to check (context._finalize)
+    if launch.initialized:  # still set only when fn raised: no last call to check (context._finalize)
         from ..context import _finalize
 
         try:

@@ -302,21 +302,19 @@ class Exchanges(ChunkMover):
 
         self._phases(1, [put, take], "all_to_all")
         if any(h[-1] > room for h in told):
+            at = list(accumulate((h[me + 1] - h[me] for h in told), initial=0))  # each rank's part in out
+            if at[me + 1] > at[me]:  # this rank's own part, whichever way the others' come
+                self._copy(out[at[me] : at[me + 1]], inp[starts[me] : starts[me + 1]])
             addrs, all_may, bank = where
-            if not (all_may and self._read_parts(out, inp, starts, told, addrs, bank)):
-                self._exchange_rounds(out, inp, starts, told)
+            if not (all_may and self._read_parts(out, told, at, addrs, bank)):
+                self._exchange_rounds(out, inp, starts, told, at)
 
     def _read_parts(
-        self,
-        out: torch.Tensor,
-        inp: torch.Tensor,
-        starts: list[int],
-        told: list[tuple[int, ...]],
-        addrs: list[int],
-        bank: _Bank,
+        self, out: torch.Tensor, told: list[tuple[int, ...]], at: list[int], addrs: list[int], bank: _Bank
     ) -> bool:
         """The rest of an all_to_all too large for one step, each rank reading its parts straight
-        out of the peers' inputs (``addrs``, from their heads; :mod:`.cma`): one copy per byte and
+        out of the peers' inputs (``addrs``, from their heads; :mod:`.cma`) to ``at`` in ``out``
+        (this rank's own part is there already): one copy per byte and
         one barrier, where the rounds take two copies and a barrier per slot-full. Each rank then
         votes in its head whether its reads succeeded, and after the barrier (no rank leaves, so
         no input changes, before every read is done) all see the same votes: True when every
@@ -326,15 +324,12 @@ class Exchanges(ChunkMover):
         seg = self._seg
         assert seg is not None
         size, me = self._size, self._rank
-        at = list(accumulate((told[p][me + 1] - told[p][me] for p in range(size)), initial=0))
         base = out.data_ptr()
         pieces = [
             (seg.pids[p], base + at[p], addrs[p] + told[p][me], at[p + 1] - at[p])
             for p in range(size)
             if p != me and at[p + 1] > at[p]
         ]
-        if at[me + 1] > at[me]:
-            self._copy(out[at[me] : at[me + 1]], inp[starts[me] : starts[me + 1]])
         ok = cma.read_pieces(pieces, self._helpers, self._parts, _SPLIT_BYTES)
         vote = self._heads.size - 8  # the head's last field
         _VOTE.pack_into(seg.mm, bank.at[me] + vote, 1 if ok else 2)
@@ -359,12 +354,18 @@ class Exchanges(ChunkMover):
         return CollectiveMismatchError("\n".join(lines))
 
     def _exchange_rounds(
-        self, out: torch.Tensor, inp: torch.Tensor, starts: list[int], told: list[tuple[int, ...]]
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        starts: list[int],
+        told: list[tuple[int, ...]],
+        at: list[int],
     ) -> None:
         """The rest of an all_to_all too large for one step (``told``: where each rank's parts
-        start, ``starts`` this rank's): in round ``k`` each rank puts bytes ``[k*c, (k+1)*c)`` of its
+        start, ``starts`` this rank's, ``at`` where each rank's part goes in ``out``; this rank's
+        own part is there already): in round ``k`` each rank puts bytes ``[k*c, (k+1)*c)`` of its
         part for each peer into its slot (``c``: a slot over the number of peers; a rank's own part
-        goes straight from ``inp`` to ``out``, so it needs no room), and in the next phase each rank
+        needs no room), and in the next phase each rank
         takes its pieces from every slot while the ranks put round ``k + 1`` into the other bank:
         one barrier per round. As many rounds as the largest part needs. Against a barrier after
         each put and each take (16 MB, 8 ranks on 2 cores, two runs each): 1.12-1.16x gloo's
@@ -376,9 +377,6 @@ class Exchanges(ChunkMover):
         peers = max(size - 1, 1)
         c = seg.chunk // peers // 64 * 64 or seg.chunk // peers  # cache lines, unless ranks are very many
         lens = [[h[q + 1] - h[q] for q in range(size)] for h in told]  # lens[p][q]: p sends q
-        at = list(accumulate((lens[p][me] for p in range(size)), initial=0))  # each rank's part in out
-        if lens[me][me]:
-            self._copy(out[at[me] : at[me + 1]], inp[starts[me] : starts[me + 1]])
         most = max(lens[p][q] for p in range(size) for q in range(size) if p != q)
 
         def put(k: int, bank: _Bank) -> None:
