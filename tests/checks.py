@@ -229,10 +229,11 @@ def check_all_reduce_nested_one_collective_per_dtype() -> None:
     assert od.all_reduce({"top": float(r)}, op="MAX") == {"top": float(w - 1)}
     on_root = od.reduce({"n": 1 + r}, dst=0)
     assert on_root == ({"n": w + sum(range(w))} if r == 0 else {"n": 1 + r})
-    tensor_metrics = {k: torch.tensor(float(i + r)) for i, k in enumerate(keys)}
+    tensor_metrics = {k: torch.tensor(float(keys.index(k) + r)) for k in order}
     with count_primitives() as counts:
         out = od.all_reduce(tensor_metrics)
     assert counts["all_reduce_"] == 1, counts
+    assert list(out) == order
     assert all(torch.equal(out[k], torch.tensor(float(i * w + sum(range(w))))) for i, k in enumerate(keys))
     grads = {k: torch.tensor(float(r), requires_grad=True) for k in ("b", "a")}  # stacked in one buffer
     out = od.all_reduce(grads, op="MEAN")

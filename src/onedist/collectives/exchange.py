@@ -12,7 +12,7 @@ import copy
 import numbers
 import struct
 from collections.abc import Mapping, MutableMapping, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -269,23 +269,82 @@ def gather_values(func: str, value: Any, group: GroupLike, async_op: bool, merge
     fast = (
         W.tensor_slot(value, ch.slot, size) if merge and ch.merged and type(value) is torch.Tensor else None
     )
-    packed: Optional[W.Packed]
-    if fast is not None:  # the same slot bytes as below, built without tensor ops
-        bufs, sent = fast
-        slots = bufs.recv
-        b.all_gather_into_(slots, bufs.send, ch.og, False)
-        result = gather_tensor(b, ch, ranks, me, value, fast, async_op)  # calls ch.fit
-        if result is not None:
-            W.release(bufs)
-            return result
-        # the general path below reads the same slots (and keeps them)
-        plan = bufs.plan
-        packed, inline, err = W.Packed(W.K_TENSOR, plan.meta, [sent], [plan.nbytes]), plan.inline, ""
-    else:
-        slot = torch.empty(ch.slot, dtype=U8)
-        packed, inline, err = pack_or_error(func, value, ch, slot)
-        slots = torch.empty(size * ch.slot, dtype=U8)
-        b.all_gather_into_(slots, slot, ch.og, False)
+    if fast is not None:  # the same slot bytes as pack_or_error's, built without tensor ops
+        b.all_gather_into_(fast[0].recv, fast[0].send, ch.og, False)
+        return _from_tensor_slots(_Gather(func, b, g, me, ranks, ch), value, fast, async_op)
+    slot = torch.empty(ch.slot, dtype=U8)
+    packed, inline, err = pack_or_error(func, value, ch, slot)
+    slots = torch.empty(size * ch.slot, dtype=U8)
+    b.all_gather_into_(slots, slot, ch.og, False)
+    call = _Gather(func, b, g, me, ranks, ch)
+    return _from_slots(call, value, slots, (packed, inline, err), async_op, merge)
+
+
+def gather_world_tensor(t: torch.Tensor) -> Any:
+    """``all_gather(t)`` of a CPU tensor on the default group, synchronous: the metric or batch
+    gather of every training loop. :func:`gather_values`' way without its group look-ups; when
+    every rank sent t's dtype and shape inline, nothing but the collective and one copy (each
+    microsecond between two small collectives costs the pair several on busy cores, issue 24)."""
+    b = world.backend
+    if b.is_stale():
+        b = current()
+    size = b.world_size
+    ch = channels(b, None, "all_gather", size)
+    fast = W.tensor_slot(t, ch.slot, size) if ch.merged else None
+    if fast is None:
+        return gather_values("all_gather", t, None, False, True)
+    bufs = fast[0]
+    b.all_gather_into_(bufs.recv, bufs.send, ch.og, False)
+    out = inline_result(bufs, ch)
+    if out is not None:
+        W.release(bufs)
+        return out
+    call = _Gather("all_gather", b, None, b.rank, tuple(range(size)), ch)
+    return _from_tensor_slots(call, t, fast, False)
+
+
+class _Gather(NamedTuple):
+    """A gather in progress: its function's name, backend, group handle, this rank's index in
+    the group, the group's global ranks and its routes."""
+
+    func: str
+    b: Backend
+    g: Any
+    me: int
+    ranks: Sequence[int]
+    ch: Channels
+
+
+def _from_tensor_slots(
+    c: _Gather, local: torch.Tensor, fast: tuple[W.SlotBuffers, torch.Tensor], async_op: bool
+) -> Any:
+    """The result of a gather whose round 1 sent :func:`W.tensor_slot`'s slot."""
+    bufs, sent = fast
+    result = gather_tensor(c.b, c.ch, c.ranks, c.me, local, fast, async_op)  # calls ch.fit
+    if result is not None:
+        W.release(bufs)
+        return result
+    # the general way reads the same slots (and keeps the buffers)
+    plan = bufs.plan
+    packed = W.Packed(W.K_TENSOR, plan.meta, [sent], [plan.nbytes])
+    return _from_slots(c, local, bufs.recv, (packed, plan.inline, ""), async_op, True)
+
+
+def _from_slots(
+    c: _Gather,
+    value: Any,
+    slots: torch.Tensor,
+    mine: tuple[Optional[W.Packed], int, str],
+    async_op: bool,
+    merge: bool,
+) -> Any:
+    """The general way from the gathered round-1 slots: errors, round 2, decoding.
+
+    ``mine``: this rank's packed value (None if it could not pack), how much of it went inline,
+    and its packing error."""
+    func, b, g, me, ranks, ch = c
+    packed, inline, err = mine
+    size = len(ranks)
     headers = W.parse_headers(slots, size)
     ch.fit(max(W.HEADER_BYTES + W.align(h.meta_len) + (h.tensor_len if ch.merged else 0) for h in headers))
     raise_slot_errors(func, slots, headers, ranks, me, err)
@@ -310,6 +369,24 @@ def gather_values(func: str, value: Any, group: GroupLike, async_op: bool, merge
     return finish()
 
 
+def inline_result(bufs: W.SlotBuffers, ch: Channels) -> Optional[torch.Tensor]:
+    """The concatenated result when every rank's slot holds this rank's header and meta (same
+    dtype and shape) and the data inline: one copy out of the slots; None otherwise."""
+    plan = bufs.plan
+    if plan.inline != W.INLINE_ALL:
+        return None
+    mv, head = bufs.recv_view, plan.head
+    for rank_head in bufs.heads:
+        if mv[rank_head] != head:
+            return None
+    ch.fit(plan.start + plan.nbytes)
+    # rank i's data sits at the same offset of its slot: one strided view over the slots (made
+    # with the buffers), cloned into a contiguous result
+    assert bufs.rows is not None
+    out = bufs.rows.clone(memory_format=torch.contiguous_format)
+    return out if out.dim() == len(bufs.out_shape) else out.view(bufs.out_shape)  # n > 1 rows per rank
+
+
 def gather_tensor(
     b: Backend,
     ch: Channels,
@@ -323,29 +400,20 @@ def gather_tensor(
     read straight from the round-1 slots; None otherwise (the general path then parses the same
     slots, and reports errors and mismatches).
 
-    Same shape, data inline (a metric, a small batch): one copy out of the slots. Data not
-    inline (first dimensions may differ): round 2 as the general path does it, with the same
-    sizes (so ranks on either path issue the same collectives), received into the result itself.
+    Same shape, data inline (a metric, a small batch): :func:`inline_result`. Data not inline
+    (first dimensions may differ): round 2 as the general path does it, with the same sizes (so
+    ranks on either path issue the same collectives), received into the result itself.
     """
     bufs = fast[0]
-    mv, plan = bufs.recv_view, bufs.plan
-    size, slot = len(ranks), len(plan.template)
-    head = plan.head  # status, sizes, dtype, shape
-    inline = plan.inline
-    if inline == W.INLINE_ALL:
-        for rank_head in bufs.heads:
-            if mv[rank_head] != head:
-                return None
-        ch.fit(plan.start + plan.nbytes)
-        # rank i's data sits at the same offset of its slot: one strided view over the slots
-        # (made with the buffers), cloned into a contiguous result
-        assert bufs.rows is not None
-        out = bufs.rows.clone(memory_format=torch.contiguous_format)
-        if out.dim() != len(bufs.out_shape):  # (size, n, ...) rows: n > 1 rows per rank
-            out = out.view(bufs.out_shape)
+    plan = bufs.plan
+    if plan.inline == W.INLINE_ALL:
+        out = inline_result(bufs, ch)
+        if out is None:
+            return None
         return AsyncResult([], lambda: out) if async_op else out
-    if inline != W.INLINE_META or local.dim() == 0:
+    if plan.inline != W.INLINE_META or local.dim() == 0:
         return None
+    mv, size, slot, head = bufs.recv_view, len(ranks), len(plan.template), plan.head
     # per rank: the header but its tensor length (bytes 32-40), and the meta but the first
     # dimension (8 bytes at dim0, after the dtype code and ndim), match this rank's
     lens, total_rows, dim0 = [], 0, W.HEADER_BYTES + 16

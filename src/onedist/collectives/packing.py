@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Iterator, Mapping
 from itertools import islice
 from operator import attrgetter
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -36,22 +36,32 @@ def sorted_keys(m: Mapping[Any, Any]) -> list[Any]:
 _LEAF_TYPES = (torch.Tensor, float, int)  # bool is an int
 
 
-def flat_dict(obj: Any) -> Optional[tuple[list[Any], list[Any], Optional[torch.dtype]]]:
-    """A plain dict of a step's metrics, as (sorted keys, values in that order, dtype): all
-    floats or all ints (dtype float64 / int64), or all tensors of one dtype (dtype None: the
-    caller stacks them, if they are on the CPU); None for anything else, packed the general way."""
+class FlatDict(NamedTuple):
+    """A plain dict of a step's metrics, as :func:`flat_dict` reads it."""
+
+    keys: list[Any]  #: sorted (the order every rank agrees on)
+    values: list[Any]  #: in that order
+    dtype: Optional[torch.dtype]  #: float64 / int64 for numbers; None for tensors
+    in_order: bool  #: the dict's own order is ``keys``' (a result built in it needs no reordering)
+
+
+def flat_dict(obj: Any) -> Optional[FlatDict]:
+    """A plain dict of a step's metrics: all floats or all ints (dtype float64 / int64), or all
+    tensors of one dtype (dtype None: the caller stacks them, if they are on the CPU); None for
+    anything else, packed the general way."""
     if type(obj) is not dict or not obj:
         return None
-    keys = sorted_keys(obj)
-    values = list(map(obj.__getitem__, keys))
+    keys, order = list(obj), sorted_keys(obj)
+    in_order = keys == order
+    values = list(obj.values()) if in_order else list(map(obj.__getitem__, order))
     types = set(map(type, values))
     if len(types) != 1:
         return None
     kind = types.pop()
     if kind is torch.Tensor:  # the caller checks that the stack is on the CPU
-        return (keys, values, None) if len(set(map(_get_dtype, values))) == 1 else None
+        return FlatDict(order, values, None, in_order) if len(set(map(_get_dtype, values))) == 1 else None
     dtype = _NUMBER_DTYPES.get(kind)
-    return None if dtype is None else (keys, values, dtype)
+    return None if dtype is None else FlatDict(order, values, dtype, in_order)
 
 
 _EXACT_LEAF_TYPES = frozenset({torch.Tensor, float, int, bool})
