@@ -1,6 +1,6 @@
 """onedist against what a torch user writes by hand, in the same processes, on one process group.
 
-    python benchmarks/bench_handwritten.py                  # 2 gloo ranks, 30 rounds
+    python benchmarks/bench_handwritten.py                  # 2 gloo ranks, 60 rounds
     python benchmarks/bench_handwritten.py --rounds 25 --json out.json
     python benchmarks/bench_handwritten.py --backend shm --cases dict
 
@@ -10,7 +10,11 @@ Every variant runs in the same spawned worker processes on the same default proc
 whose root may run ahead, the mean of the loop), the variants' order rotating from round to round; the ratio
 of a variant to ``raw`` is taken **per round** (both timed within milliseconds), and the report
 gives the median of those ratios. ``raw again (A/A)`` is the raw baseline run a second time:
-its ratio is the noise floor of the others (a quiet machine gives 0.95-1.05).
+its ratio is the noise floor of the others (a quiet machine gives 0.95-1.05). 60 rounds by
+default: on a busy 2-core machine a round's ratio of the small cases spreads over +-15 %, and
+with 30 rounds the median itself still moved by +-5 % from run to run (60: +-3 %). A variant
+more than 5x slower than raw (ignite's leaf-by-leaf dict) is timed over 3 calls a sample: its
+ratio is far from 1 either way, and its long samples would only stretch each round.
 
 The baselines (``raw``), as a torch user writes them by hand:
 
@@ -210,8 +214,10 @@ def _time(fn: Callable[[], Any], iters: int, per_call: bool) -> float:
     ``per_call``: each call timed on its own and the sample is their median (on a shared 2-core
     machine a neighbour's burst lands on a call or two, which a mean would carry into the
     ratio); else the mean of the loop, for a broadcast, whose root may run calls ahead of the
-    receivers.
+    receivers. One call untimed first: a sample's first call paid for the case or variant before
+    it (about 10 % on this machine's small cases, whichever variant came first in a round).
     """
+    fn()
     dist.barrier()
     clock = time.perf_counter
     if not per_call:
@@ -227,6 +233,19 @@ def _time(fn: Callable[[], Any], iters: int, per_call: bool) -> float:
     return statistics.median(times)
 
 
+def _calls_per_sample(cases: dict[str, tuple[Variants, int, int]]) -> dict[tuple[str, str], int]:
+    """Calls per sample of each (case, variant): the case's, or 3 for a variant more than 5x
+    slower than raw. Rank 0's timings decide for all (the ranks must make the same calls)."""
+    calls = {}
+    for case, (variants, iters, _) in cases.items():
+        raw = _time(variants["raw"], 3, False)
+        for name, fn in variants.items():
+            calls[case, name] = min(iters, 3) if _time(fn, 3, False) > 5 * raw else iters
+    box = [calls]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     rank, world = od.get_rank(), od.get_world_size()
@@ -240,13 +259,15 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
         for fn in variants.values():
             for _ in range(min(iters, 3)):
                 fn()
+    calls = _calls_per_sample(cases)
     samples: dict[str, dict[str, list[float]]] = {c: {v: [] for v in cases[c][0]} for c in cases}
     for rnd in range(args.rounds):
-        for case, (variants, iters, _) in cases.items():
+        for case, (variants, _, _) in cases.items():
             names = list(variants)
             shift = rnd % len(names)
             for name in names[shift:] + names[:shift]:
-                samples[case][name].append(_time(variants[name], iters, "broadcast" not in case))
+                n = calls[case, name]
+                samples[case][name].append(_time(variants[name], n, "broadcast" not in case))
     return {"samples": samples, "bytes": {c: cases[c][2] for c in cases}}
 
 
@@ -282,7 +303,7 @@ def main() -> None:
     )
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--cases", nargs="*", help="only the cases whose name contains one of these")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
