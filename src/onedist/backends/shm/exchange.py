@@ -29,13 +29,28 @@ from .segment import _SMALL_BYTES, NAME, _Bank, _round
 _VOTE = struct.Struct("<q")
 
 
+class Head:
+    """An all_to_all head: the int64 fields each rank writes at the start of its slot, and where
+    each sits in the unpacked tuple (see :meth:`Exchanges._exchange`)."""
+
+    __slots__ = ("addr", "expects", "layout", "may_read", "starts", "vote_at")
+
+    def __init__(self, size: int) -> None:
+        self.starts = slice(0, size + 1)  #: where its part for each rank starts, and the end
+        self.expects = slice(size + 1, 2 * size + 1)  #: the bytes it expects from each rank
+        self.addr = 2 * size + 1  #: its input tensor's address
+        self.may_read = 2 * size + 2  #: 1: it may read the peers' inputs directly (see cma)
+        self.layout = struct.Struct(f"<{2 * size + 4}q")
+        self.vote_at = self.layout.size - 8  #: byte offset of its vote on its direct reads
+
+
 class Exchanges(ChunkMover):
     """gather, scatter and all_to_all of :class:`~.group.ShmProcessGroup`, and the chunked gather
     (:meth:`_gather_chunks`) that its all_gather shares with gather."""
 
     _gloo: Any
     _mail: int
-    _heads: Any
+    _head: Head
     _cma: bool
 
     # ------------------------------------------------------------------ gather, scatter, all_to_all
@@ -250,8 +265,9 @@ class Exchanges(ChunkMover):
         _exchange_rounds)."""
         seg = self._seg
         assert seg is not None
-        size, me, mm = self._size, self._rank, seg.mm
-        heads = self._heads
+        me, mm = self._rank, seg.mm
+        fields = self._head
+        heads = fields.layout
         head = _round(heads.size, 64)
         room = seg.chunk - head
         starts = list(accumulate(in_sizes, initial=0))
@@ -275,12 +291,12 @@ class Exchanges(ChunkMover):
 
         def take(k: int, bank: _Bank) -> None:
             full = [heads.unpack_from(mm, at) for at in bank.at]
-            told.extend(f[: size + 1] for f in full)
-            where.extend(([f[2 * size + 1] for f in full], all(f[2 * size + 2] for f in full), bank))
+            told.extend(f[fields.starts] for f in full)
+            where.extend(([f[fields.addr] for f in full], all(f[fields.may_read] for f in full), bank))
             wrong = [
                 (p, q, told[p][q + 1] - told[p][q], expect)
                 for q, f in enumerate(full)
-                for p, expect in enumerate(f[size + 1 : 2 * size + 1])
+                for p, expect in enumerate(f[fields.expects])
                 if told[p][q + 1] - told[p][q] != expect
             ]
             if wrong:  # every rank sees it: all raise here, in step, and hand on the bank as at the end
@@ -331,7 +347,7 @@ class Exchanges(ChunkMover):
             if p != me and at[p + 1] > at[p]
         ]
         ok = cma.read_pieces(pieces, self._helpers, self._parts, _SPLIT_BYTES)
-        vote = self._heads.size - 8  # the head's last field
+        vote = self._head.vote_at
         _VOTE.pack_into(seg.mm, bank.at[me] + vote, 1 if ok else 2)
         self._barrier("all_to_all")
         if all(_VOTE.unpack_from(seg.mm, a + vote)[0] == 1 for a in bank.at):

@@ -9,7 +9,6 @@ the protocol (:mod:`.protocol`), the memory work (:mod:`.phases`), gather, scatt
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from .. import _pygroup
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
 from . import cma
-from .exchange import Exchanges
+from .exchange import Exchanges, Head
 from .hosts import TwoLevels, _host_map
 from .phases import _bytes_of, _helper_pool
 from .protocol import (
@@ -57,9 +56,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         self._gen = 0
         self._bank = 0  # the bank the next collective's first chunk goes through (see _phases)
         self._mail = 0  # the mailbox of the next small all_reduce (see _all_reduce_small)
-        # an all_to_all's head: where a rank's parts start (and end), what it expects from each, the
-        # address of its input, whether it may read the peers' inputs, whether it did (see _exchange)
-        self._heads = struct.Struct(f"<{2 * size + 4}q")
+        self._head = Head(size)  # an all_to_all's head (see _exchange)
         self._cma = cma.enabled()
         self._record = _CALL.pack(_KIND_BARRIER, -1, -1, 0, 0, 0)  # what this rank calls (see _begin)
         #: this group's ranks as ranks of the group that holds it (one host's part of a group over
