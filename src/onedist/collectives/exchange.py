@@ -269,15 +269,11 @@ def gather_values(func: str, value: Any, group: GroupLike, async_op: bool, merge
     fast = (
         W.tensor_slot(value, ch.slot, size) if merge and ch.merged and type(value) is torch.Tensor else None
     )
+    call = _Gather(func, b, g, me, ranks, ch)
     if fast is not None:  # the same slot bytes as pack_or_error's, built without tensor ops
         b.all_gather_into_(fast[0].recv, fast[0].send, ch.og, False)
-        return _from_tensor_slots(_Gather(func, b, g, me, ranks, ch), value, fast, async_op)
-    slot = torch.empty(ch.slot, dtype=U8)
-    packed, inline, err = pack_or_error(func, value, ch, slot)
-    slots = torch.empty(size * ch.slot, dtype=U8)
-    b.all_gather_into_(slots, slot, ch.og, False)
-    call = _Gather(func, b, g, me, ranks, ch)
-    return _from_slots(call, value, slots, (packed, inline, err), async_op, merge)
+        return _from_tensor_slots(call, value, fast, async_op)
+    return _gather_packed(call, value, async_op, merge)
 
 
 def gather_world_tensor(t: torch.Tensor) -> Any:
@@ -291,16 +287,17 @@ def gather_world_tensor(t: torch.Tensor) -> Any:
     size = b.world_size
     ch = channels(b, None, "all_gather", size)
     fast = W.tensor_slot(t, ch.slot, size) if ch.merged else None
-    if fast is None:
-        return gather_values("all_gather", t, None, False, True)
-    bufs = fast[0]
-    b.all_gather_into_(bufs.recv, bufs.send, ch.og, False)
-    out = inline_result(bufs, ch)
-    if out is not None:
-        W.release(bufs)
-        return out
+    if fast is not None:
+        bufs = fast[0]
+        b.all_gather_into_(bufs.recv, bufs.send, ch.og, False)
+        out = inline_result(bufs, ch)
+        if out is not None:
+            W.release(bufs)
+            return out
     call = _Gather("all_gather", b, None, b.rank, tuple(range(size)), ch)
-    return _from_tensor_slots(call, t, fast, False)
+    if fast is not None:
+        return _from_tensor_slots(call, t, fast, False)
+    return _gather_packed(call, t, False, True)  # a GPU tensor, a channel apart from the tensors'
 
 
 class _Gather(NamedTuple):
@@ -313,6 +310,15 @@ class _Gather(NamedTuple):
     me: int
     ranks: Sequence[int]
     ch: Channels
+
+
+def _gather_packed(c: _Gather, value: Any, async_op: bool, merge: bool) -> Any:
+    """The general way's round 1 (``value`` packed into a fresh slot), then :func:`_from_slots`."""
+    slot = torch.empty(c.ch.slot, dtype=U8)
+    packed, inline, err = pack_or_error(c.func, value, c.ch, slot)
+    slots = torch.empty(len(c.ranks) * c.ch.slot, dtype=U8)
+    c.b.all_gather_into_(slots, slot, c.ch.og, False)
+    return _from_slots(c, value, slots, (packed, inline, err), async_op, merge)
 
 
 def _from_tensor_slots(
