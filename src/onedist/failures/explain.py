@@ -104,6 +104,11 @@ def explain(name: str, e: BaseException, group: Any, started: float, seq: int = 
         # while too; a peer that died at once (the common crash) is not worth a pause.
         deadline = time.monotonic() + (_PEER_GONE_WAIT_S if waited >= 1.0 else 0.0)
         while True:
+            # the peer that broke the connections may have found the ranks' calls different: its
+            # verdict can reach the store just after the break (a TCP store's set is not answered)
+            verdict = read_verdict(store, seq, rank, world_size)
+            if verdict is not None:
+                return CollectiveMismatchError(verdict)
             failed = failed_reports(ranks, rank)
             if failed:
                 return _remote_failure(name, rank, site, failed)
@@ -132,6 +137,8 @@ def explain(name: str, e: BaseException, group: Any, started: float, seq: int = 
 
 def _remote_failure(name: str, rank: int, site: str, failed: dict[int, dict[str, Any]]) -> BaseException:
     r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
+    if report.get("type") == CollectiveMismatchError.__name__:  # one verdict, the same on every rank
+        return CollectiveMismatchError(report["message"])
     err = RemoteRankError(
         f"onedist.{name} (rank {rank}, at {site}): rank {r} failed, so this collective cannot complete:\n"
         f"{report['traceback'].rstrip()}",

@@ -107,6 +107,6 @@ def _decide(
             HINT,
         ]
     )
-    write_verdict(store, seq, report.get("group"), message)
+    write_verdict(store, seq, report.get("group"), message, rank)
     await_receipts(store, report.get("group") or range(world_size), rank, RECEIPT_WAIT_S)
     return message

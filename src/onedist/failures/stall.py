@@ -130,7 +130,7 @@ class StallCheck:
 
     def _decide(self, reports: dict[int, dict[str, Any]], message: str) -> str:
         seq = min(rep["seq"] for rep in reports.values())
-        write_verdict(self.store, seq, self.mine["group"] if self.mine else None, message)
+        write_verdict(self.store, seq, self.mine["group"] if self.mine else None, message, self.rank)
         self.decided = True
         return message
 
@@ -152,10 +152,21 @@ class StallCheck:
         return None if verdict is None else str(verdict["message"])
 
 
-def write_verdict(store: Any, seq: int, group: Any, message: str) -> None:
+def write_verdict(store: Any, seq: int, group: Any, message: str, rank: int) -> None:
     """Publish the mismatch report about call ``seq`` of ``group`` for every rank to read (the
-    peers' watchers break their calls on it, their guards raise it)."""
-    store.set(VERDICT_KEY, json.dumps({"seq": seq, "group": group, "message": message}))
+    peers' watchers break their calls on it, their guards raise it).
+
+    Returns once the store holds it: a TCP store's ``set`` is not answered, and the writer breaks
+    the group's connections next, so a peer whose call breaks could otherwise ask the store before
+    the server applied the write, find no verdict and report a vanished peer instead. A read on the
+    same connection is answered after the write. The writer keeps its own copy (its guard reads it
+    without the store) and leaves its own receipt (the store's host waits for every member's)."""
+    global _known
+    verdict = {"seq": seq, "group": group, "message": message}
+    store.set(VERDICT_KEY, json.dumps(verdict))
+    store.check([VERDICT_KEY])  # the round trip that orders the write before the break
+    _known = verdict
+    store.set(READ_KEY.format(rank), "1")
 
 
 def forget_stalls(store: Any, rank: int) -> None:

@@ -54,6 +54,10 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
             return  # the store is gone: the job is ending anyway
         if failed:
             r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
+            if report.get("type") == CollectiveMismatchError.__name__:  # the same verdict on every rank
+                message = report.get("message", "")
+                _end_main_thread(stop, main_ident, _mismatch_error_class(message), message, rank)
+                return
             message = (
                 f"onedist: rank {r} failed, so rank {rank} stops too:\n{report.get('traceback', '').rstrip()}"
             )
