@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import onedist as od
+from prereqs import mpirun_missing
 from test_run import _env
 
 MISUSE = str(Path(__file__).parent / "scripts" / "misuse.py")
@@ -216,7 +217,7 @@ def test_shm_names_a_mismatch_on_every_rank_at_once(scenario, launcher, tmp_path
         assert "rank 0: all_reduce(SUM)" in r["message"] and "rank 1: " in r["message"], r["message"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py")
+@pytest.mark.skipif(mpirun_missing() is not None, reason=str(mpirun_missing()))
 @pytest.mark.parametrize(
     "scenario, raised",
     [

@@ -22,7 +22,8 @@ def pytest_runtest_logreport(report: Any) -> None:
         "when": report.when,
         "outcome": "xfailed" if hasattr(report, "wasxfail") else report.outcome,
         "worker": getattr(worker, "id", "main"),
-        "longrepr": str(report.longrepr)[-4000:] if report.failed else "",
+        # a failure's text, or a skip's reason (the runners print why a part did not apply here)
+        "longrepr": str(report.longrepr)[-4000:] if report.failed or report.skipped else "",
     }
     with open(path, "a", encoding="utf-8") as out:
         out.write(json.dumps(line) + "\n")
