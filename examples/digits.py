@@ -9,6 +9,7 @@ The only distributed lines are onedist's; the same file runs on every backend an
     srun -n 2 python examples/digits.py                          # SLURM
     mpirun -np 2 python examples/digits.py                       # Open MPI
     python examples/digits.py --backend shm --nproc-per-node 4   # shared memory (one host)
+    python examples/digits.py --nproc-per-node 2 --accumulate 4 --precision bf16-mixed
     python examples/digits.py --backend nccl --nproc-per-node 4  # GPUs
     mpirun -np 3 python examples/digits.py --backend mpi         # MPI itself (mpi4py)
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py --backend horovod
@@ -91,18 +92,24 @@ def train_epoch(model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, e
     seen = 0
     steps = len(loader) if args.max_steps is None else min(len(loader), args.max_steps)
     first = args.step - (epoch - 1) * steps  # > 0 when this epoch resumes from a checkpoint
+    k = args.accumulate
     for i, (x, y) in enumerate(_progress(loader, epoch), start=first):  # reshuffles every epoch
         if i == args.max_steps:
             break
         x, y = x.to(od.device()), y.to(od.device())
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
+        # a window of k batches (fewer at the epoch's end): one gradient exchange, one optimizer step
+        window = min(k, steps - (i - i % k))
+        last = i % k == window - 1
+        with od.no_sync(model, enabled=not last):
+            loss = F.cross_entropy(model(x), y)
+            od.backward(loss / window)  # the gradient of the window's mean loss
+        if last:
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
         loss_sum += loss.detach().double().cpu() * len(y)
         seen += len(y)
-        args.step += 1
+        args.step += 1  # batches done (a checkpoint falls on a window's end: every % k == 0)
         if args.checkpoint_every and args.step % args.checkpoint_every == 0 and i + 1 < steps:
             save_state(model, optimizer, scheduler, loader, args)  # the epoch's end saves below
     return od.all_reduce({"loss": loss_sum, "seen": seen})  # one collective for both
@@ -127,12 +134,14 @@ def training(local_rank: int, args: argparse.Namespace) -> float:
     train_loader = od.auto_dataloader(train_set, batch_size=args.batch_size, shuffle=True)
     test_loader = od.auto_dataloader(test_set, batch_size=256, evaluation=True)
     # onedist's SyncBatchNorm runs on any device (auto_model's sync_bn=True is torch's, CUDA only)
-    model = od.auto_model(od.convert_sync_batchnorm(Net()) if args.sync_bn else Net())
+    net = od.convert_sync_batchnorm(Net()) if args.sync_bn else Net()
+    model = od.auto_model(net, precision=args.precision)
     optimizer = od.auto_optim(torch.optim.AdamW(model.parameters(), lr=args.lr))
+    optimizer_steps = -(-len(train_loader) // args.accumulate)  # per epoch
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=args.lr, epochs=args.epochs, steps_per_epoch=len(train_loader)
+        optimizer, max_lr=args.lr, epochs=args.epochs, steps_per_epoch=optimizer_steps
     )
-    args.step = 0  # optimizer steps done
+    args.step = 0  # batches done
     if args.checkpoint_dir:  # 0 on a fresh start; after a restart, the newest checkpoint's step
         sampler = train_loader.sampler if isinstance(train_loader.sampler, od.DistributedSampler) else None
         args.step = od.resume(
@@ -143,7 +152,8 @@ def training(local_rank: int, args: argparse.Namespace) -> float:
             print(f"resumed from step {args.step} (restart {od.restart_count()})", flush=True)
         od.show_config()
         print(
-            f"train {len(train_set)} / test {len(test_set)} samples, global batch {args.batch_size}",
+            f"train {len(train_set)} / test {len(test_set)} samples, global batch {args.batch_size}"
+            f" x {args.accumulate} accumulated, precision {args.precision}",
             flush=True,
         )
     accuracy = None
@@ -187,6 +197,12 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics over ranks")
+    parser.add_argument(
+        "--accumulate", type=int, default=1, help="batches per optimizer step (gradient accumulation)"
+    )
+    parser.add_argument(
+        "--precision", default="32", help="32, bf16-mixed, or 16-mixed (CUDA): auto_model's precision"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=None, help="stop each epoch after this many steps")
     parser.add_argument("--target", type=float, default=0.95, help="exit 1 below this final test accuracy")
@@ -203,6 +219,13 @@ def main() -> int:
         parser.error("--max-steps cannot be combined with --checkpoint-dir (a cut epoch cannot be resumed)")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every={args.checkpoint_every} is not allowed; allowed: an int >= 0")
+    if args.accumulate < 1:
+        parser.error(f"--accumulate={args.accumulate} is not allowed; allowed: an int >= 1")
+    if args.checkpoint_every % args.accumulate:
+        parser.error(
+            f"--checkpoint-every={args.checkpoint_every} is not allowed with --accumulate={args.accumulate}; "
+            "allowed: a multiple of --accumulate (a checkpoint falls between two windows)"
+        )
     backend = None if args.backend in ("none", "serial") else args.backend
     with od.Parallel(backend=backend, nproc_per_node=args.nproc_per_node) as parallel:
         accuracy = parallel.run(training, args)

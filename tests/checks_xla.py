@@ -45,6 +45,7 @@ import pytest
 import torch
 
 import checks
+import checks_loop
 import onedist as od
 
 _TURN_WAIT_S = 120.0
@@ -313,11 +314,25 @@ def check_digits_example_trains() -> dict[str, Any]:
         checkpoint_dir=None,
         checkpoint_every=0,
         save_final=None,
+        accumulate=1,
+        precision="32",
     )
     accuracy = digits.training(od.get_local_rank(), args)
     _materialize()
     params = torch.cat([p.detach().cpu().flatten() for p in _models[od.get_rank()].parameters()])
     return {"accuracy": accuracy, "params_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest()}
+
+
+def check_loop_no_sync() -> dict[str, Any]:
+    return checks_loop.check_accumulation_equals_the_big_batch(False)
+
+
+def check_loop_accumulate() -> dict[str, Any]:
+    return checks_loop.check_accumulation_equals_the_big_batch(True)
+
+
+def check_loop_bf16_mixed() -> dict[str, Any]:
+    return checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16()
 
 
 # checks written once for gloo (tests/checks.py) that run unchanged here: they use CPU values,
@@ -345,6 +360,9 @@ LOCAL = (
     "check_groups_world_and_single_rank",
     "check_p2p_raises_clearly",
     "check_training_equals_one_process",
+    "check_loop_no_sync",
+    "check_loop_accumulate",
+    "check_loop_bf16_mixed",
     "check_digits_example_trains",
 )
 

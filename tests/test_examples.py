@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from onedist.backends.shm import supported
 from test_run import _env
 
 DIGITS = str(Path(__file__).parent.parent / "examples" / "digits.py")
@@ -17,7 +18,21 @@ pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in
 
 
 @pytest.mark.launcher
-@pytest.mark.parametrize("args, world", [(["--backend", "none"], 1), (["--nproc-per-node", "2"], 2)])
+@pytest.mark.parametrize(
+    "args, world",
+    [
+        (["--backend", "none"], 1),
+        (["--nproc-per-node", "2"], 2),
+        # the training loop's options: bfloat16 autocast, and windows of 2 batches on shm
+        (["--nproc-per-node", "2", "--backend", "gloo", "--precision", "bf16-mixed"], 2),
+        pytest.param(
+            ["--nproc-per-node", "2", "--backend", "shm", "--precision", "bf16-mixed", "--accumulate", "2"],
+            2,
+            marks=pytest.mark.skipif(not supported(), reason="the shm backend needs Linux on x86-64"),
+        ),
+    ],
+    ids=["serial", "gloo", "gloo-bf16", "shm-bf16-accumulate2"],
+)
 def test_digits_trains_to_95_percent(args, world):
     proc = subprocess.run(
         [sys.executable, DIGITS, *args], capture_output=True, text=True, timeout=300, env=_env()

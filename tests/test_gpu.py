@@ -210,3 +210,42 @@ def test_nccl_two_ranks_on_one_gpu_is_a_clear_error() -> None:
     with pytest.raises(Exception, match=r"(?s)one GPU.*nproc_per_node"):
         with od.Parallel(backend="nccl", nproc_per_node=2, timeout=60) as parallel:
             parallel.run(_two_on_one)
+
+
+def _precision_16_mixed(local_rank: int) -> dict:
+    """auto_model(precision="16-mixed") + od.backward + auto_optim's scaled step, against the same
+    steps written by hand (autocast + GradScaler); then a step on an inf loss is skipped."""
+    x, y = _data()
+    dev = od.device()
+    model = od.auto_model(_net(), precision="16-mixed")
+    opt = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref = _net().to(dev)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    for step in range(5):
+        xb, yb = x[step * 8 :][:8].to(dev), y[step * 8 :][:8].to(dev)
+        out = model(xb)
+        assert out.dtype == torch.float32  # outputs come back as float32
+        od.backward(torch.nn.functional.cross_entropy(out, yb))
+        opt.step()
+        opt.zero_grad()
+        _step(ref, ref_opt, scaler, xb, yb)
+    diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = torch.full((8, 16), float("inf"), device=dev)
+    od.backward(model(bad).sum())  # inf/NaN gradients: the scaled step is skipped
+    opt.step()
+    opt.zero_grad()
+    skipped = all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    od.backward(torch.nn.functional.cross_entropy(model(x[:8].to(dev)), y[:8].to(dev)))
+    opt.step()
+    moved = not all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    return {"max_diff": diff, "skipped_inf_step": skipped, "next_step_moved": moved}
+
+
+def test_16_mixed_scales_unscales_and_skips_an_inf_step_on_gpu() -> None:
+    """precision="16-mixed" on nccl: the same parameters as autocast + GradScaler by hand; a step
+    whose gradients are inf is skipped (the parameters stay) and the next one trains."""
+    with od.Parallel(backend="nccl", nproc_per_node=1) as parallel:
+        res = parallel.run(_precision_16_mixed)
+    assert res["max_diff"] < 1e-6 and res["skipped_inf_step"] and res["next_step_moved"], res

@@ -18,6 +18,7 @@ import pytest
 
 import checks
 import checks_horovod as ch
+import checks_loop
 import onedist as od
 from launchpool import LaunchPool
 from onedist.backends.horovod import installed
@@ -101,6 +102,17 @@ def test_auto_model_broadcasts_rank_0_parameters_and_buffers(hvd):
 def test_distributed_optimizer_training_equals_one_process(hvd, kind, batchnorm):
     worst = hvd(ch.check_training_equals_one_process, kind, batchnorm)
     assert max(worst) <= 1e-5
+
+
+@pytest.mark.launcher
+def test_training_loop_accumulation_and_bf16_mixed(hvd):
+    """od.no_sync holds back hvd.DistributedOptimizer's allreduces: the K-fold batch's weights with
+    one exchange per parameter per window (as one plain step); bf16-mixed computes in bfloat16."""
+    for counted_by_onedist in (False, True):
+        out = hvd(checks_loop.check_accumulation_equals_the_big_batch, counted_by_onedist)
+        assert len({o["exchanges_per_window"] for o in out}) == 1 and out[0]["exchanges_per_window"] > 0, out
+    hvd(checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16)
+    hvd(checks_loop.check_precision_arguments)
 
 
 @pytest.mark.launcher

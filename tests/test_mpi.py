@@ -9,10 +9,8 @@ ends the job), all under Open MPI's ``mpirun``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -20,15 +18,16 @@ import time
 import pytest
 
 import checks
+import checks_loop
 import checks_pg
 import onedist as od
 from launchpool import LaunchPool
+from prereqs import mpirun_missing
 from test_shm import CORE_CHECKS
 
 pytestmark = [
     pytest.mark.launcher,
-    pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun"),
-    pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py"),
+    pytest.mark.skipif(mpirun_missing() is not None, reason=str(mpirun_missing())),
 ]
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
@@ -103,6 +102,16 @@ def test_fsdp2_and_functional_collectives_equal_gloo():
     assert (
         max(mpi_world(2).run(checks_pg.check_fsdp2_and_functional_collectives_equal_gloo, timeout=120)) < 1e-5
     )
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_training_loop_accumulation_and_bf16_mixed(n):
+    """od.no_sync / od.accumulate give the K-fold batch's weights with one exchange per window, and
+    bf16-mixed computes in bfloat16 (the checks every backend runs, tests/checks_loop.py)."""
+    for counted_by_onedist in (False, True):
+        out = mpi_world(n).run(checks_loop.check_accumulation_equals_the_big_batch, counted_by_onedist)
+        assert {o["exchanges_per_window"] for o in out} == {1}, out
+    mpi_world(n).run(checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16)
 
 
 def test_ddp_equals_ddp_on_gloo():

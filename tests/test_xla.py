@@ -37,6 +37,7 @@ else:
 
 import torch
 
+import checks_loop
 import onedist as od
 
 HERE = Path(__file__).resolve().parent
@@ -398,6 +399,24 @@ def test_ws2_helpers_and_argument_errors(ws2):
 def test_ws2_auto_model_auto_optim_device_loader_train_like_one_process(ws2):
     out = _checks(ws2, "check_training_equals_one_process")
     assert out[0] == out[1]  # identical parameters on both devices (and equal to one CPU process)
+
+
+def test_ws2_training_loop_accumulation_and_bf16_mixed(ws2):
+    """od.no_sync / od.accumulate: the K-fold batch's weights, one gradient all_reduce per window
+    (at the step, as one plain step); bf16-mixed computes in bfloat16 (tests/checks_loop.py)."""
+    out = _checks(ws2, "check_loop_no_sync", "check_loop_accumulate", "check_loop_bf16_mixed")
+    for o in out:
+        for name in ("check_loop_no_sync", "check_loop_accumulate"):
+            assert o[name]["relative_difference"] <= 1e-6 and o[name]["exchanges_per_window"] == 1, o
+
+
+def test_ws1_training_loop_accumulation_and_bf16_mixed(xla1):
+    for counted_by_onedist in (False, True):
+        out = checks_loop.check_accumulation_equals_the_big_batch(counted_by_onedist)
+        assert out["exchanges_per_window"] == 0, out
+    checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16()
+    checks_loop.check_no_sync_and_accumulate_arguments()
+    checks_loop.check_precision_arguments()
 
 
 def test_ws2_worker_failure_names_rank_and_traceback(ws2):

@@ -97,6 +97,11 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     from .parallel import (
         Parallel as Parallel,
     )
+    from .training.accumulation import (
+        Window as Window,
+        accumulate as accumulate,
+        no_sync as no_sync,
+    )
     from .training.auto import (
         auto_dataloader as auto_dataloader,
         auto_model as auto_model,
@@ -110,6 +115,9 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     )
     from .training.evaluation import (
         all_gather_eval as all_gather_eval,
+    )
+    from .training.precision import (
+        backward as backward,
     )
     from .training.resume import (
         checkpoint_path as checkpoint_path,
@@ -185,6 +193,10 @@ _LAZY = {
     "spawn": "launchers.spawn",
     "setup_logger": "log",
     "Parallel": "parallel",
+    "Window": "training.accumulation",
+    "accumulate": "training.accumulation",
+    "no_sync": "training.accumulation",
+    "backward": "training.precision",
     "auto_dataloader": "training.auto",
     "auto_model": "training.auto",
     "auto_optim": "training.auto",

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import sys
+import weakref
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -30,6 +34,7 @@ class HorovodTraining(Backend):
     on its broadcast."""
 
     _hvd: Any
+    exchangers: weakref.WeakSet[Any]
 
     # ------------------------------------------------------------------ training objects
     model_parallelism = "own"
@@ -95,7 +100,40 @@ class HorovodTraining(Backend):
         if state["state"]:
             wrapped.load_state_dict(state)  # hvd.DistributedOptimizer starts from an empty state
         self.broadcast_optimizer_state_(wrapped, src=0)
+        self.exchangers.add(wrapped)
         return wrapped
+
+    @contextlib.contextmanager
+    def skip_gradient_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Hold back the allreduce that ``hvd.DistributedOptimizer``'s hook starts when a parameter's
+        gradient is ready, for the backward passes inside; the first pass after exchanges the sum.
+
+        Horovod counts backward passes per parameter (``backward_passes_per_step``): inside, the
+        count never reaches zero; after, it is one, so the next pass reaches zero and starts the
+        allreduce, and ``step()`` waits for it (a ``step()`` without that pass exchanges once, in
+        ``synchronize()``). Parameters that no DistributedOptimizer holds exchange nothing."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        held = []
+        for optimizer in list(self.exchangers):
+            delays = getattr(optimizer, "_allreduce_delay", None)
+            if delays is None or hasattr(optimizer, "_starting_models"):  # Adasum: a delta per step
+                raise bad_value(
+                    "no_sync",
+                    "model",
+                    type(model).__name__,
+                    "a model whose optimizer is hvd.DistributedOptimizer with op 'average' or 'sum'",
+                    hint="Adasum combines each step's parameter deltas, not gradients: accumulate with "
+                    "auto_optim(..., backward_passes_per_step=k) instead",
+                )
+            mine = [p for p in params if p in delays]
+            held += [(delays, p) for p in mine]
+        for delays, p in held:
+            delays[p] = sys.maxsize
+        try:
+            yield
+        finally:
+            for delays, p in held:
+                delays[p] = 1
 
     def broadcast_optimizer_state_(self, optimizer: torch.optim.Optimizer, src: int) -> None:
         """Load rank ``src``'s ``optimizer.state_dict()`` (state and hyperparameters) on every rank.

@@ -10,6 +10,7 @@ Groups: ``group=None`` is the whole world; anything else is the handle that
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Any, ClassVar, NamedTuple, Optional, Protocol
@@ -185,6 +186,12 @@ class Backend(ABC):
                 "auto_optim", name, kwargs[name], f"no keyword arguments with backend {self.backend!r}"
             )
         return optimizer
+
+    def skip_gradient_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """A context in which backward passes through ``model`` exchange no gradients
+        (:func:`onedist.no_sync` for a model that is neither DDP nor FSDP). Default: nothing to
+        skip (one process, an unwrapped model, or a backend that exchanges at ``step()``)."""
+        return contextlib.nullcontext()
 
     def side_store(self) -> Any:
         """A key-value store every rank reaches outside the collectives (failure reports), or None."""

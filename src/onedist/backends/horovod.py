@@ -46,6 +46,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
@@ -236,6 +237,8 @@ class HorovodBackend(HorovodTraining, StoreMessages):
         self._local_group: Any = None
         self._local_group_made = False
         self._gpu_ops = torch.cuda.is_available() and bool(hvd.nccl_built())
+        #: the hvd.DistributedOptimizers auto_optim made: their hooks exchange the gradients
+        self.exchangers: weakref.WeakSet[Any] = weakref.WeakSet()
         dev = self.device()
         if dev.type == "cuda":
             torch.cuda.set_device(dev)

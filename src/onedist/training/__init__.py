@@ -2,6 +2,9 @@
 
 * ``auto.py``: :func:`~onedist.auto_model`, :func:`~onedist.auto_optim`,
   :func:`~onedist.auto_dataloader`, :func:`~onedist.unwrap` (the backend picks the wrapper);
+* ``accumulation.py``: :func:`~onedist.no_sync`, :func:`~onedist.accumulate` (gradient
+  accumulation, the exchange skipped the way each backend needs);
+* ``precision.py``: ``auto_model(precision=...)``'s autocast and GradScaler, :func:`~onedist.backward`;
 * ``samplers.py``: the distributed samplers;
 * ``syncbn.py``: onedist's SyncBatchNorm (CPU and any backend), and the conversion;
 * ``evaluation.py``: :func:`~onedist.all_gather_eval`, exact distributed evaluation;

@@ -28,8 +28,10 @@ from torch.utils.data import (
     Sampler,
 )
 
+from ..backends.base import Backend
 from ..errors import bad_type, bad_value
 from .ddp import averager_for, check_options, wrap_ddp
+from .precision import apply_precision, check_precision, scaled_optimizer
 from .samplers import DistributedEvalSampler, DistributedProxySampler, DistributedSampler
 
 __all__ = ["auto_dataloader", "auto_model", "auto_optim", "unwrap"]
@@ -39,7 +41,9 @@ logger = logging.getLogger("onedist")
 _WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
 
 
-def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> torch.nn.Module:
+def auto_model(
+    model: torch.nn.Module, sync_bn: bool = False, *, precision: str = "32", **kwargs: Any
+) -> torch.nn.Module:
     """Put ``model`` on :func:`onedist.device` and wrap it for the active backend.
 
     * world size > 1 with torch.distributed: ``DistributedDataParallel`` (``device_ids`` set from
@@ -56,6 +60,13 @@ def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> 
             ``od.convert_sync_batchnorm(model)`` before ``auto_model`` gives onedist's
             :class:`~onedist.SyncBatchNorm`, which works on any device (Horovod uses it for
             ``sync_bn=True``).
+        precision: ``"32"`` (default), ``"bf16-mixed"`` (the forward pass under bfloat16 autocast:
+            CPU, CUDA, XLA) or ``"16-mixed"`` (float16 autocast with a GradScaler: CUDA only;
+            :func:`onedist.backward` scales the loss (and updates the scale after the last
+            iteration's steps), :func:`auto_optim`'s optimizer unscales and skips steps with
+            inf/NaN gradients). Parameters, gradients and
+            optimizer state stay float32; the model's floating outputs come back as float32.
+            What the device or backend cannot do raises, naming what it can.
         **kwargs: ``DistributedDataParallel`` keyword arguments, passed through
             (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
             ``bucket_cap_mb``, ``broadcast_buffers``, ...; checked, and unused with one process), and:
@@ -95,15 +106,24 @@ def auto_model(model: torch.nn.Module, sync_bn: bool = False, **kwargs: Any) -> 
         )
     if not isinstance(sync_bn, bool):
         raise bad_type("auto_model", "sync_bn", sync_bn, "a bool")
+    b = current()
+    precision = check_precision(precision, b.device(), b.backend)
     hooks, ddp_kwargs = check_options(kwargs)
     model.to(device())
-    b = current()
+    return apply_precision(_wrap(model, b, sync_bn, hooks, ddp_kwargs), precision, b.device())
+
+
+def _wrap(
+    model: torch.nn.Module, b: Backend, sync_bn: bool, hooks: dict[str, Any], ddp_kwargs: dict[str, Any]
+) -> torch.nn.Module:
+    """auto_model's wrapping of ``model`` (on its device) for backend ``b``."""
     if sync_bn and b.sync_bn_by_onedist:
         from .syncbn import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model)
     if b.model_parallelism == "own":
-        return b.prepare_model(model, sync_bn, hooks, ddp_kwargs)
+        prepared: torch.nn.Module = b.prepare_model(model, sync_bn, hooks, ddp_kwargs)
+        return prepared
     if b.world_size == 1:  # the options were checked, and do nothing: the script runs unchanged
         if sync_bn:
             logger.info(
@@ -140,11 +160,11 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
     b = current()
     optimizer = b.wrap_optimizer(optimizer, **kwargs)
     averager = averager_for(optimizer) if b.model_parallelism == "ddp" else None
-    if averager is None:
-        return optimizer
-    from torch.distributed.optim import PostLocalSGDOptimizer
+    if averager is not None:
+        from torch.distributed.optim import PostLocalSGDOptimizer
 
-    return PostLocalSGDOptimizer(optimizer, averager)
+        optimizer = PostLocalSGDOptimizer(optimizer, averager)
+    return scaled_optimizer(optimizer)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
