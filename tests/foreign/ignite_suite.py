@@ -153,18 +153,23 @@ def stale_exempt(control: Outcomes) -> tuple[list[str], list[str]]:
         if any(outcome == "passed" for outcome, _ in outcomes):
             continue
         if outcomes and all(outcome == "skipped" for outcome, _ in outcomes):
-            reason = outcomes[0][1].rsplit("Skipped: ", 1)[-1].strip(" ')\n") or "skipped"
+            reasons = sorted({_skip_reason(text) for _, text in outcomes})
             unchecked.append(
-                f"EXEMPT entry not checked here, its tests skip on ignite ({reason}): {function}"
+                f"EXEMPT entry not checked here, its tests skip on ignite ({'; '.join(reasons)}): {function}"
             )
         else:
             stale.append(f"EXEMPT but passes on ignite nowhere (stale entry): {function}")
     return stale, unchecked
 
 
+def _skip_reason(text: str) -> str:
+    """The reason in a skip report's text (``(file, line, 'Skipped: reason')``)."""
+    return text.rsplit("Skipped: ", 1)[-1].strip(" ')\"\n") or "skipped"
+
+
 def _names(nodeid: str, function: str) -> bool:
-    """Whether ``nodeid`` is a test of ``function`` (any parameters)."""
-    return nodeid == function or nodeid.startswith(function + "[")
+    """Whether ``nodeid`` is a test of ``function`` (any parameters), or its file skipped whole."""
+    return nodeid == function or nodeid.startswith(function + "[") or function.startswith(nodeid + "::")
 
 
 def main() -> int:

@@ -27,3 +27,15 @@ def pytest_runtest_logreport(report: Any) -> None:
     }
     with open(path, "a", encoding="utf-8") as out:
         out.write(json.dumps(line) + "\n")
+
+
+def pytest_collectreport(report: Any) -> None:
+    """A module skipped as a whole (``pytest.skip(..., allow_module_level=True)``, as ignite's Horovod
+    tests do without Horovod): one record for the file, with the reason."""
+    path = os.environ.get("ONEDIST_OUTCOMES")
+    if not path or not report.skipped:
+        return
+    line = {"nodeid": report.nodeid, "when": "collect", "outcome": "skipped", "worker": "main"}
+    line["longrepr"] = str(report.longrepr)[-4000:]
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps(line) + "\n")
