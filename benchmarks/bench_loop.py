@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from bench_training import _data, _mlp
+from bench_training import _data, _mlp, interleaved_rates
 
 import onedist as od
 
@@ -84,17 +81,7 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, float]:
         variants[name] = _loop(model, opt, batches, k, "onedist")
     for fn in variants.values():  # warm-up: buckets, buffers, autocast's caches
         fn(2 * args.k)
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for rep in range(args.reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            variants[name](args.steps)
-            dist.barrier()
-            samples[name].append(args.steps / (time.perf_counter() - t0))
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return interleaved_rates(variants, args.steps, args.reps)
 
 
 def main() -> None:

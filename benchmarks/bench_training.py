@@ -79,6 +79,22 @@ def _stepper(
     return run
 
 
+def interleaved_rates(variants: dict[str, Callable[[int], None]], steps: int, reps: int) -> dict[str, float]:
+    """Each variant's median rate (``steps`` per second) over ``reps`` repetitions, interleaved in a
+    rotating order, every rank starting each one together."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            variants[name](steps)
+            dist.barrier()
+            samples[name].append(steps / (time.perf_counter() - t0))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     world = od.get_world_size()
@@ -126,17 +142,7 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
 
     for fn in variants.values():  # warm-up: first steps allocate buckets and buffers
         fn(5)
-    samples: dict[str, list[float]] = {k: [] for k in variants}
-    names = list(variants)
-    for rep in range(args.reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            variants[name](args.steps)
-            dist.barrier()
-            samples[name].append(args.steps / (time.perf_counter() - t0))
-    medians = {k: statistics.median(v) for k, v in samples.items()}
+    medians = interleaved_rates(variants, args.steps, args.reps)
     raw = medians["raw DDP"]
     return {k: {"steps/s": v, "ratio_to_raw": v / raw} for k, v in medians.items()}
 

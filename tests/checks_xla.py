@@ -316,6 +316,7 @@ def check_digits_example_trains() -> dict[str, Any]:
         save_final=None,
         accumulate=1,
         precision="32",
+        sharding=None,
     )
     accuracy = digits.training(od.get_local_rank(), args)
     _materialize()

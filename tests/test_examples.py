@@ -30,8 +30,9 @@ pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in
             2,
             marks=pytest.mark.skipif(not supported(), reason="the shm backend needs Linux on x86-64"),
         ),
+        (["--nproc-per-node", "2", "--backend", "gloo", "--sharding", "fsdp"], 2),  # FSDP2
     ],
-    ids=["serial", "gloo", "gloo-bf16", "shm-bf16-accumulate2"],
+    ids=["serial", "gloo", "gloo-bf16", "shm-bf16-accumulate2", "gloo-fsdp"],
 )
 def test_digits_trains_to_95_percent(args, world):
     proc = subprocess.run(

@@ -19,6 +19,7 @@ import pytest
 import checks
 import checks_horovod as ch
 import checks_loop
+import checks_sharding
 import onedist as od
 from launchpool import LaunchPool
 from onedist.backends.horovod import installed
@@ -113,6 +114,7 @@ def test_training_loop_accumulation_and_bf16_mixed(hvd):
         assert len({o["exchanges_per_window"] for o in out}) == 1 and out[0]["exchanges_per_window"] > 0, out
     hvd(checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16)
     hvd(checks_loop.check_precision_arguments)
+    hvd(checks_sharding.check_sharding_is_refused_where_torch_distributed_does_not_train)
 
 
 @pytest.mark.launcher

@@ -20,6 +20,7 @@ import pytest
 import checks
 import checks_loop
 import checks_pg
+import checks_sharding
 import onedist as od
 from launchpool import LaunchPool
 from prereqs import mpirun_missing
@@ -112,6 +113,19 @@ def test_training_loop_accumulation_and_bf16_mixed(n):
         out = mpi_world(n).run(checks_loop.check_accumulation_equals_the_big_batch, counted_by_onedist)
         assert {o["exchanges_per_window"] for o in out} == {1}, out
     mpi_world(n).run(checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes(n, tmp_path):
+    """auto_model(sharding="fsdp"), od.clip_grad_norm_, od.full_state_dict (tests/checks_sharding.py)."""
+    for clip in (False, True):
+        mpi_world(n).run(
+            checks_sharding.check_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes, clip, timeout=120
+        )
+    mpi_world(n).run(checks_sharding.check_sharding_arguments)
+    mpi_world(n).run(
+        checks_sharding.check_full_state_dict_exports_and_checkpoints_refuse_shards, str(tmp_path)
+    )
 
 
 def test_ddp_equals_ddp_on_gloo():

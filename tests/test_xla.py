@@ -38,6 +38,7 @@ else:
 import torch
 
 import checks_loop
+import checks_sharding
 import onedist as od
 
 HERE = Path(__file__).resolve().parent
@@ -417,6 +418,7 @@ def test_ws1_training_loop_accumulation_and_bf16_mixed(xla1):
     checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16()
     checks_loop.check_no_sync_and_accumulate_arguments()
     checks_loop.check_precision_arguments()
+    checks_sharding.check_sharding_is_refused_where_torch_distributed_does_not_train()
 
 
 def test_ws2_worker_failure_names_rank_and_traceback(ws2):

@@ -113,6 +113,9 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
         load_checkpoint as load_checkpoint,
         save_checkpoint as save_checkpoint,
     )
+    from .training.clipping import (
+        clip_grad_norm_ as clip_grad_norm_,
+    )
     from .training.evaluation import (
         all_gather_eval as all_gather_eval,
     )
@@ -128,6 +131,9 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
         DistributedEvalSampler as DistributedEvalSampler,
         DistributedProxySampler as DistributedProxySampler,
         DistributedSampler as DistributedSampler,
+    )
+    from .training.sharding import (
+        full_state_dict as full_state_dict,
     )
     from .training.syncbn import (
         SyncBatchNorm as SyncBatchNorm,
@@ -207,6 +213,8 @@ _LAZY = {
     "checkpoint_path": "training.resume",
     "resume": "training.resume",
     "save_training_state": "training.resume",
+    "clip_grad_norm_": "training.clipping",
+    "full_state_dict": "training.sharding",
     "all_gather_eval": "training.evaluation",
     "DistributedEvalSampler": "training.samplers",
     "DistributedProxySampler": "training.samplers",

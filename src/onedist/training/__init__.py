@@ -5,6 +5,8 @@
 * ``accumulation.py``: :func:`~onedist.no_sync`, :func:`~onedist.accumulate` (gradient
   accumulation, the exchange skipped the way each backend needs);
 * ``precision.py``: ``auto_model(precision=...)``'s autocast and GradScaler, :func:`~onedist.backward`;
+* ``sharding.py``: ``auto_model(sharding="fsdp")``, FSDP2 over the world's mesh;
+* ``clipping.py``: :func:`~onedist.clip_grad_norm_`, for sharded and unsharded models;
 * ``samplers.py``: the distributed samplers;
 * ``syncbn.py``: onedist's SyncBatchNorm (CPU and any backend), and the conversion;
 * ``evaluation.py``: :func:`~onedist.all_gather_eval`, exact distributed evaluation;

@@ -33,16 +33,21 @@ from ..errors import bad_type, bad_value
 from .ddp import averager_for, check_options, wrap_ddp
 from .precision import apply_precision, check_precision, scaled_optimizer
 from .samplers import DistributedEvalSampler, DistributedProxySampler, DistributedSampler
+from .sharding import check_sharding, shard
+from .wrappers import WRAPPERS, unwrap
 
 __all__ = ["auto_dataloader", "auto_model", "auto_optim", "unwrap"]
 
 logger = logging.getLogger("onedist")
 
-_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-
 
 def auto_model(
-    model: torch.nn.Module, sync_bn: bool = False, *, precision: str = "32", **kwargs: Any
+    model: torch.nn.Module,
+    sync_bn: bool = False,
+    *,
+    precision: str = "32",
+    sharding: Optional[str] = None,
+    **kwargs: Any,
 ) -> torch.nn.Module:
     """Put ``model`` on :func:`onedist.device` and wrap it for the active backend.
 
@@ -60,13 +65,16 @@ def auto_model(
             ``od.convert_sync_batchnorm(model)`` before ``auto_model`` gives onedist's
             :class:`~onedist.SyncBatchNorm`, which works on any device (Horovod uses it for
             ``sync_bn=True``).
-        precision: ``"32"`` (default), ``"bf16-mixed"`` (the forward pass under bfloat16 autocast:
-            CPU, CUDA, XLA) or ``"16-mixed"`` (float16 autocast with a GradScaler: CUDA only;
-            :func:`onedist.backward` scales the loss (and updates the scale after the last
-            iteration's steps), :func:`auto_optim`'s optimizer unscales and skips steps with
-            inf/NaN gradients). Parameters, gradients and
-            optimizer state stay float32; the model's floating outputs come back as float32.
-            What the device or backend cannot do raises, naming what it can.
+        precision: ``"32"`` (default), ``"bf16-mixed"`` (forward under bfloat16 autocast: CPU,
+            CUDA, XLA) or ``"16-mixed"`` (float16 autocast, CUDA; :func:`onedist.backward` scales
+            the loss, :func:`auto_optim`'s optimizer unscales and skips inf/NaN steps). State
+            stays float32, outputs come back float32; what the device cannot do raises.
+        sharding: None (default: DDP) or ``"fsdp"``: FSDP2 (``fully_shard``) over the world, each
+            rank holding 1/N of the parameters, gradients and optimizer state; the blocks of
+            every ``nn.ModuleList`` are units of their own, then the root. Its keyword arguments:
+            ``policy`` (a set of module classes, or a function ``(module) -> bool``, choosing the
+            units), ``reshard_after_forward``, ``mesh`` (a DeviceMesh). torch.distributed
+            backends only (gloo, nccl, shm, mpi); with one process the model is returned as is.
         **kwargs: ``DistributedDataParallel`` keyword arguments, passed through
             (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
             ``bucket_cap_mb``, ``broadcast_buffers``, ...; checked, and unused with one process), and:
@@ -94,9 +102,23 @@ def auto_model(
     """
     from ..context import current, device
 
+    _check_model(model, sync_bn)
+    b = current()
+    precision = check_precision(precision, b.device(), b.backend)
+    if check_sharding(sharding, b, precision, sync_bn, kwargs):
+        model.to(device())
+        if b.world_size > 1:  # FSDP2's own mixed precision: no autocast on top
+            return shard(model, precision, kwargs)
+        return apply_precision(model, precision, b.device())  # one process: nothing to shard
+    hooks, ddp_kwargs = check_options(kwargs)
+    model.to(device())
+    return apply_precision(_wrap(model, b, sync_bn, hooks, ddp_kwargs), precision, b.device())
+
+
+def _check_model(model: Any, sync_bn: Any) -> None:
     if not isinstance(model, torch.nn.Module):
         raise bad_type("auto_model", "model", model, "a torch.nn.Module")
-    if isinstance(model, _WRAPPERS):
+    if isinstance(model, WRAPPERS):
         raise bad_type(
             "auto_model",
             "model",
@@ -106,11 +128,6 @@ def auto_model(
         )
     if not isinstance(sync_bn, bool):
         raise bad_type("auto_model", "sync_bn", sync_bn, "a bool")
-    b = current()
-    precision = check_precision(precision, b.device(), b.backend)
-    hooks, ddp_kwargs = check_options(kwargs)
-    model.to(device())
-    return apply_precision(_wrap(model, b, sync_bn, hooks, ddp_kwargs), precision, b.device())
 
 
 def _wrap(
@@ -165,27 +182,6 @@ def auto_optim(optimizer: torch.optim.Optimizer, **kwargs: Any) -> torch.optim.O
 
         optimizer = PostLocalSGDOptimizer(optimizer, averager)
     return scaled_optimizer(optimizer)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP / DataParallel / ``torch.compile`` wrappers (``model`` if none).
-
-    Example:
-        >>> import torch, onedist as od
-        >>> inner = torch.nn.Linear(2, 2)
-        >>> od.unwrap(torch.nn.DataParallel(inner)) is inner
-        True
-    """
-    seen = 0
-    while seen < 16:
-        if isinstance(model, _WRAPPERS):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, torch.nn.Module):  # torch.compile
-            model = model._orig_mod
-        else:
-            return model
-        seen += 1
-    return model
 
 
 def auto_dataloader(dataset: Any, *, evaluation: bool = False, **kwargs: Any) -> Any:

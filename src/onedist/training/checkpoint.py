@@ -22,6 +22,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..errors import OnedistError, RemoteRankError, bad_type, bad_value
+from .sharding import refuse_sharded
 
 __all__ = ["CheckpointNotFoundError", "load_checkpoint", "save_checkpoint"]
 
@@ -68,6 +69,7 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
     from ..context import current
 
     b = current()
+    refuse_sharded("save_checkpoint", obj)  # on every rank, before any rank writes
     if not isinstance(rank, int) or isinstance(rank, bool):
         raise bad_type("save_checkpoint", "rank", rank, "an int (the global rank that writes)")
     if not 0 <= rank < b.world_size:
@@ -103,7 +105,7 @@ def _check_path(func: str, path: Any) -> Path:
 
 def _state_of(value: Any) -> Any:
     """``value`` with every object that has a ``state_dict()`` replaced by it (containers searched)."""
-    from .auto import unwrap
+    from .wrappers import unwrap
 
     if isinstance(value, torch.nn.Module):
         return unwrap(value).state_dict()
@@ -205,6 +207,7 @@ def load_checkpoint(
     from ..context import current, device
 
     b = current()
+    refuse_sharded("load_checkpoint", to)  # on every rank, before any rank reads
     target = _check_path("load_checkpoint", path)
     if not isinstance(weights_only, bool):
         raise bad_type("load_checkpoint", "weights_only", weights_only, "a bool")
@@ -247,7 +250,7 @@ def _load_here(target: Path, rank: int, location: Any, weights_only: bool, to: A
 
 
 def _load_into(live: Any, saved: Any, where: str) -> None:
-    from .auto import unwrap
+    from .wrappers import unwrap
 
     if isinstance(live, torch.nn.Module):
         module = unwrap(live)

@@ -27,7 +27,14 @@ import torch
 
 from ..errors import bad_type, bad_value
 
-__all__ = ["PRECISIONS", "apply_precision", "backward", "check_precision", "scaled_optimizer"]
+__all__ = [
+    "PRECISIONS",
+    "active_scaler",
+    "apply_precision",
+    "backward",
+    "check_precision",
+    "scaled_optimizer",
+]
 
 #: what ``auto_model(precision=...)`` accepts (``32`` and ``"32-true"`` mean ``"32"``)
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
@@ -106,6 +113,11 @@ def _to_float32(value: Any) -> Any:
     if isinstance(value, dict):
         return type(value)((k, _to_float32(v)) for k, v in value.items())
     return value
+
+
+def active_scaler() -> Optional[Any]:
+    """The process's GradScaler (``"16-mixed"``), or None."""
+    return _scaler
 
 
 def backward(loss: torch.Tensor, **kwargs: Any) -> None:

@@ -1,0 +1,176 @@
+"""``auto_model(model, sharding="fsdp")``: FSDP2 (``fully_shard``) over a DeviceMesh of the world.
+
+Each rank keeps 1/N of every sharded parameter, its gradient and (through the optimizer, which
+sees the shards) its optimizer state; the full parameters of a unit are gathered for its forward
+and backward pass and freed after. Which modules are units of their own (gathered one at a time)
+is the policy's:
+
+* default: every block of every ``nn.ModuleList`` in the model (the repeated layers: a
+  transformer's blocks, as torchtitan shards them), then the root for the rest; a model without
+  a ModuleList is one unit (the root);
+* ``policy=``: a set of module classes (every instance is a unit), or a function
+  ``(module) -> bool`` asked for every submodule.
+
+Works where torch.distributed runs the training (gloo, nccl, shm, mpi); with one process there is
+nothing to shard and the model is returned as DDP would be (itself). ``precision="bf16-mixed"``
+becomes FSDP2's mixed-precision policy (parameters gathered in bfloat16, gradients reduced in
+float32, outputs float32).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..errors import bad_type, bad_value
+
+__all__ = ["SHARDINGS", "check_sharding", "full_state_dict", "is_sharded", "refuse_sharded", "shard"]
+
+#: what ``auto_model(sharding=...)`` accepts
+SHARDINGS = (None, "fsdp")
+#: auto_model's keyword arguments with ``sharding="fsdp"``
+_FSDP_OPTIONS = ("policy", "reshard_after_forward", "mesh")
+
+
+def check_sharding(
+    sharding: Any, backend: Any, precision: str, sync_bn: bool, options: dict[str, Any]
+) -> Optional[str]:
+    """``sharding`` checked against the backend, the precision and the other options."""
+    if sharding is not None and not isinstance(sharding, str):
+        raise bad_type("auto_model", "sharding", sharding, "None or 'fsdp'")
+    if sharding in (None, "none"):
+        return None
+    if sharding not in SHARDINGS:
+        raise bad_value("auto_model", "sharding", sharding, SHARDINGS)
+    if backend.model_parallelism != "ddp":
+        raise bad_value(
+            "auto_model",
+            "sharding",
+            sharding,
+            f"None with backend {backend.backend!r} (FSDP runs on torch.distributed: gloo, nccl, shm, mpi)",
+        )
+    if precision == "16-mixed":
+        raise bad_value(
+            "auto_model", "precision", precision, "'32' or 'bf16-mixed' with sharding='fsdp'", hint=None
+        )
+    if sync_bn:
+        raise bad_value(
+            "auto_model",
+            "sync_bn",
+            sync_bn,
+            "False with sharding='fsdp'",
+            hint="od.convert_sync_batchnorm(model) before auto_model gives onedist's SyncBatchNorm",
+        )
+    for name, value in options.items():
+        if name not in _FSDP_OPTIONS:
+            raise bad_value("auto_model", name, value, "with sharding='fsdp': " + ", ".join(_FSDP_OPTIONS))
+    return "fsdp"
+
+
+def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> torch.nn.Module:
+    """FSDP2 units of ``model`` (the policy's, then the root) over the world's mesh."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = options.get("mesh") or _world_mesh(next(iter(model.parameters()), torch.empty(0)).device)
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if "reshard_after_forward" in options:
+        kwargs["reshard_after_forward"] = options["reshard_after_forward"]
+    if precision == "bf16-mixed":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
+        )
+    units = _units(model, options.get("policy"))
+    for unit in reversed(units):  # inner units first: an outer unit then skips their parameters
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _world_mesh(device: torch.device) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dist.group.WORLD
+    assert world is not None  # world size > 1: initialize made the default group
+    return DeviceMesh.from_group(world, device.type)
+
+
+def _units(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
+    """The submodules that are units of their own, outer before inner."""
+    if policy is None:  # the repeated blocks
+        return [block for m in model.modules() if isinstance(m, torch.nn.ModuleList) for block in m]
+    if (
+        isinstance(policy, (set, frozenset, list, tuple))
+        and policy
+        and all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in policy)
+    ):
+        classes = tuple(policy)
+        return [m for m in model.modules() if m is not model and isinstance(m, classes)]
+    if callable(policy) and not isinstance(policy, type):
+        return [m for m in model.modules() if m is not model and policy(m)]
+    raise bad_type(
+        "auto_model",
+        "policy",
+        policy,
+        "None, a set of torch.nn.Module classes, or a function (module) -> bool",
+    )
+
+
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` (or the model inside its wrappers) is an FSDP2 module."""
+    from .wrappers import unwrap
+
+    return isinstance(module, torch.nn.Module) and hasattr(unwrap(module), "set_requires_gradient_sync")
+
+
+def refuse_sharded(func: str, obj: Any) -> None:
+    """Raise on every rank when ``obj`` (searched through dicts, lists and tuples) holds a sharded
+    model: a checkpoint of one rank's state dict would hold that rank's shards only."""
+    if isinstance(obj, dict):
+        values: Any = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        values = obj
+    else:
+        values = (obj,)
+    for value in values:
+        if isinstance(value, (dict, list, tuple)):
+            refuse_sharded(func, value)
+        elif is_sharded(value):
+            raise bad_value(
+                func,
+                "model",
+                type(value).__name__,
+                "a model that is not sharded: sharded checkpoints (torch.distributed.checkpoint) are "
+                "not built yet, and one rank's state dict of an FSDP model holds its shards only",
+                hint="export the whole model with state = od.full_state_dict(model) (every rank calls "
+                "it; rank 0 gets the state dict) and save that",
+            )
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The whole model's ordinary state dict, on CPU, on rank 0 (an empty dict on the other ranks):
+    for exporting a model trained with ``sharding="fsdp"`` (gathered one tensor at a time), or any
+    other model (:func:`~onedist.unwrap`'s state). Every rank must call it.
+
+    Example:
+        >>> import torch, onedist as od
+        >>> model = od.auto_model(torch.nn.Linear(4, 2), sharding="fsdp")  # one process: not sharded
+        >>> sorted(od.full_state_dict(model))
+        ['bias', 'weight']
+    """
+    from ..context import current
+    from .wrappers import unwrap
+
+    if not isinstance(model, torch.nn.Module):
+        raise bad_type("full_state_dict", "model", model, "a torch.nn.Module (the model auto_model returned)")
+    rank = current().rank
+    if not is_sharded(model):
+        if rank != 0:
+            return {}
+        return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only, on the CPU
+    state: dict[str, Any] = get_model_state_dict(unwrap(model), options=options)
+    return state if rank == 0 else {}

@@ -1,0 +1,217 @@
+"""auto_model(sharding="fsdp") checks, run on every rank of a torch.distributed backend (gloo and shm
+pools, mpi4py under mpirun) and serially: FSDP2 trains to DDP's weights, holds 1/N of DDP's bytes,
+and od.clip_grad_norm_ clips both alike."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+import onedist as od
+
+WIDTH = 24  # every sharded dimension divides by 2 and 3: the shards are even
+BATCH = 6  # global batch, over all ranks
+STEPS = 20
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.linear(x))
+
+
+class Net(torch.nn.Module):
+    """A few repeated blocks in a ModuleList (the default policy's units), as a transformer has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(12, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+        self.head = torch.nn.Linear(WIDTH, 6)
+        g = torch.Generator().manual_seed(7)  # the same weights in every process and call
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_((torch.rand(p.shape, generator=g) - 0.5) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of step ``step``'s global batch."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 6, generator=g)
+    per = BATCH // od.get_world_size()
+    part = slice(od.get_rank() * per, (od.get_rank() + 1) * per)
+    return x[part].to(od.device()), y[part].to(od.device())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+
+
+def _bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """This rank's bytes of parameters, gradients and optimizer state, from their storages."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [
+        v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
+    storages = {}
+    for t in tensors:
+        local = _local(t)
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _train(sharding: Any, clip: bool) -> tuple[torch.Tensor, list[float], int, str]:
+    model = od.auto_model(Net(), sharding=sharding)
+    # torch's AdamW with its defaults (lr 1e-3): Adam's first steps move a weight by ~lr whatever
+    # its gradient's size, so a gradient element near 0, where DDP's (sum of g/N) and FSDP's
+    # (sum of g, then /N) float32 roundings differ by O(1) relatively, moves by up to lr apart
+    optimizer = od.auto_optim(torch.optim.AdamW(model.parameters()))
+    norms = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        od.backward(torch.nn.functional.mse_loss(model(x), y))
+        if clip:
+            norms.append(float(od.clip_grad_norm_(model, max_norm=0.05)))
+        optimizer.step()
+        if step == STEPS - 1:
+            held = _bytes(model, optimizer)  # with the gradients still there
+        optimizer.zero_grad()
+    flat = torch.cat(
+        [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten() for p in model.parameters()]
+    )
+    return flat.cpu(), norms, held, type(od.unwrap(model)).__name__
+
+
+def check_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes(clip: bool) -> dict[str, Any]:
+    """AdamW, 20 steps, float32: FSDP2's weights == DDP's (relative difference <= 1e-5); this rank
+    holds <= 1/N of DDP's parameter + gradient + optimizer-state bytes, + 10 %; with clipping, the
+    same total norms."""
+    ddp, ddp_norms, ddp_bytes, _ = _train(None, clip)
+    fsdp, fsdp_norms, fsdp_bytes, kind = _train("fsdp", clip)
+    ws = od.get_world_size()
+    assert (kind == "FSDPNet") == (ws > 1), kind  # fully_shard changes the class; one process: no FSDP
+    diff = float((fsdp - ddp).norm() / ddp.norm())
+    assert diff <= 1e-5, diff
+    moved = float((ddp - torch.cat([p.detach().flatten() for p in Net().parameters()])).norm() / ddp.norm())
+    assert moved > 1000 * diff, (moved, diff)  # training moved the weights far more than they differ
+    assert fsdp_bytes <= ddp_bytes / ws * 1.1, (fsdp_bytes, ddp_bytes, ws)
+    if clip:
+        assert all(n > 0.05 for n in ddp_norms[:3]), ddp_norms  # it did clip
+        worst = max(abs(a - b) / b for a, b in zip(fsdp_norms, ddp_norms))
+        assert worst <= 1e-5, worst
+    return {"relative_difference": diff, "bytes": fsdp_bytes, "ddp_bytes": ddp_bytes}
+
+
+def check_sharding_arguments() -> None:
+    """Bad sharding arguments raise naming the argument, the value and what is allowed."""
+    cases = [
+        ({"sharding": "zero3"}, r"sharding='zero3' is not allowed; allowed: None, 'fsdp'"),
+        ({"sharding": 3}, "sharding has type int"),
+        (
+            {"sharding": "fsdp", "find_unused_parameters": True},
+            "with sharding='fsdp': policy, reshard_after_forward",
+        ),
+        (
+            {"sharding": "fsdp", "sync_bn": True},
+            "sync_bn=True is not allowed; allowed: False with sharding='fsdp'",
+        ),
+    ]
+    for kwargs, pattern in cases:
+        try:
+            od.auto_model(Net(), **kwargs)
+        except (od.OnedistValueError, od.OnedistTypeError) as e:
+            assert re.search(pattern, str(e)), (pattern, str(e))
+        else:
+            raise AssertionError(f"no error for {kwargs}")
+    if od.get_world_size() > 1:  # the policy is only looked at where there is something to shard
+        try:
+            od.auto_model(Net(), sharding="fsdp", policy=5)
+        except od.OnedistTypeError as e:
+            assert "policy has type int" in str(e), e
+        else:
+            raise AssertionError("policy=5 did not raise")
+    try:
+        od.clip_grad_norm_(Net(), max_norm=0)
+    except od.OnedistValueError as e:
+        assert "max_norm=0 is not allowed; allowed: a number > 0" in str(e), e
+    else:
+        raise AssertionError("max_norm=0 did not raise")
+
+
+def check_sharding_is_refused_where_torch_distributed_does_not_train() -> None:
+    """Horovod and XLA: sharding="fsdp" raises at once, naming the backends that shard, and
+    od.clip_grad_norm_ (their gradients are averaged inside the step) raises too."""
+    backend = od.backend()
+    try:
+        od.auto_model(Net(), sharding="fsdp")
+    except od.OnedistValueError as e:
+        assert f"sharding='fsdp' is not allowed; allowed: None with backend {backend!r}" in str(e), e
+        assert "gloo, nccl, shm, mpi" in str(e), e
+    else:
+        raise AssertionError(f"sharding='fsdp' did not raise on {backend}")
+    if od.get_world_size() > 1:
+        model = od.auto_model(Net())
+        try:
+            od.clip_grad_norm_(model, max_norm=1.0)
+        except od.OnedistValueError as e:
+            assert "averages the gradients inside optimizer.step()" in str(e), e
+        else:
+            raise AssertionError(f"clip_grad_norm_ did not raise on {backend}")
+
+
+def check_full_state_dict_exports_and_checkpoints_refuse_shards(tmpdir: str) -> None:
+    """od.full_state_dict gives rank 0 the whole model (a sharded one gathered), equal to DDP's;
+    save_checkpoint and load_checkpoint refuse a sharded model on every rank (one rank's state dict
+    holds its shards only); the exported dict saves, loads and fills an ordinary model."""
+    import os
+
+    models = []
+    for sharding in (None, "fsdp"):
+        model = od.auto_model(Net(), sharding=sharding)
+        optimizer = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in range(3):
+            x, y = _batch(step)
+            od.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        models.append(model)
+    ddp_state, fsdp_state = (od.full_state_dict(m) for m in models)
+    if od.get_rank() == 0:
+        assert list(fsdp_state) == list(ddp_state) == list(Net().state_dict()), list(fsdp_state)
+        assert all(t.device.type == "cpu" and type(t) is torch.Tensor for t in fsdp_state.values())
+        worst = max(float((fsdp_state[k] - v).abs().max()) for k, v in ddp_state.items())
+        assert worst < 1e-6, worst
+    else:
+        assert fsdp_state == {} and ddp_state == {}
+    path = os.path.join(tmpdir, "model.pt")
+    sharded = od.get_world_size() > 1
+    for call in (
+        lambda: od.save_checkpoint({"model": models[1], "step": 3}, path),
+        lambda: od.load_checkpoint(path, to={"model": models[1]}),
+    ):
+        try:
+            call()
+        except od.OnedistValueError as e:
+            assert sharded and "sharded checkpoints (torch.distributed.checkpoint) are not built yet" in str(
+                e
+            ), e
+            assert "od.full_state_dict(model)" in str(e), e
+        else:
+            assert not sharded, "a sharded model was saved or loaded"
+    od.save_checkpoint({"model": fsdp_state, "step": 3}, path)  # only rank 0's (the writer's) is used
+    fresh = Net()
+    fresh.load_state_dict(od.load_checkpoint(path, map_location="cpu")["model"])
+    full = torch.cat([p.detach().flatten() for p in fresh.parameters()])
+    trained = od.all_gather(full)  # every rank loaded the same: rank 0's export
+    assert torch.equal(trained.view(od.get_world_size(), -1)[0], full)

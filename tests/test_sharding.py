@@ -1,0 +1,35 @@
+"""auto_model(sharding="fsdp") (FSDP2) and od.clip_grad_norm_, serially and on gloo and shm pools of
+2 and 3 ranks; mpi4py under mpirun runs the same checks in test_mpi.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import checks_sharding
+from conftest import Runner
+from onedist.backends.shm import supported
+
+WORLDS = [("serial", "gloo"), (2, "gloo"), (3, "gloo")]
+if supported():
+    WORLDS += [(2, "shm"), (3, "shm")]
+
+
+@pytest.fixture(params=WORLDS, ids=lambda p: "serial" if p[0] == "serial" else f"{p[1]}-ws{p[0]}")
+def run(request: pytest.FixtureRequest) -> Runner:
+    world, backend = request.param
+    return Runner(world, backend)
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
+def test_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes(run, clip):
+    out = run(checks_sharding.check_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes, clip, timeout=120)
+    assert all(o["relative_difference"] <= 1e-5 for o in out), out
+    assert all(o["bytes"] <= o["ddp_bytes"] / run.world_size * 1.1 for o in out), out
+
+
+def test_bad_sharding_arguments_raise_naming_them(run):
+    run(checks_sharding.check_sharding_arguments)
+
+
+def test_full_state_dict_exports_and_checkpoints_refuse_shards(run, tmp_path):
+    run(checks_sharding.check_full_state_dict_exports_and_checkpoints_refuse_shards, str(tmp_path))
