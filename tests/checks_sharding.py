@@ -215,3 +215,45 @@ def check_full_state_dict_exports_and_checkpoints_refuse_shards(tmpdir: str) -> 
     full = torch.cat([p.detach().flatten() for p in fresh.parameters()])
     trained = od.all_gather(full)  # every rank loaded the same: rank 0's export
     assert torch.equal(trained.view(od.get_world_size(), -1)[0], full)
+
+
+def check_accumulation_on_a_sharded_model() -> dict[str, Any]:
+    """od.accumulate (od.no_sync underneath) on an FSDP2 model: DDP's weights, and the gradients
+    reduce-scattered once per window of 2 micro-batches: as often as in one plain step."""
+    import torch.distributed as dist
+
+    calls = [0]
+    plain = dist.reduce_scatter_single
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return plain(*args, **kwargs)
+
+    def train(sharding: Any, every: int) -> tuple[torch.Tensor, list[int]]:
+        model = od.auto_model(Net(), sharding=sharding)
+        optimizer = od.auto_optim(torch.optim.AdamW(model.parameters()))
+        per_window = []
+        for step in range(8):
+            x, y = _batch(step)
+            before = calls[0]
+            for part in torch.arange(len(x)).chunk(every):
+                with od.accumulate(model, every=every) as window:
+                    od.backward(torch.nn.functional.mse_loss(model(x[part]), y[part]) / window.size)
+            per_window.append(calls[0] - before)
+            optimizer.step()
+            optimizer.zero_grad()
+        whole = (getattr(p, "full_tensor", lambda p=p: p)() for p in model.parameters())
+        return torch.cat([p.detach().flatten() for p in whole]), per_window
+
+    dist.reduce_scatter_single = counted
+    try:
+        ddp, _ = train(None, 2)
+        fsdp, fsdp_windows = train("fsdp", 2)
+        _, plain_steps = train("fsdp", 1)
+    finally:
+        dist.reduce_scatter_single = plain
+    diff = float((fsdp - ddp).norm() / ddp.norm())
+    assert diff <= 1e-5, diff
+    assert fsdp_windows == plain_steps, (fsdp_windows, plain_steps)
+    assert (plain_steps[0] > 0) == (od.get_world_size() > 1), plain_steps
+    return {"relative_difference": diff, "reduce_scatters_per_window": fsdp_windows[0]}

@@ -123,6 +123,7 @@ def test_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes(n, tmp_path):
             checks_sharding.check_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes, clip, timeout=120
         )
     mpi_world(n).run(checks_sharding.check_sharding_arguments)
+    mpi_world(n).run(checks_sharding.check_accumulation_on_a_sharded_model, timeout=120)
     mpi_world(n).run(
         checks_sharding.check_full_state_dict_exports_and_checkpoints_refuse_shards, str(tmp_path)
     )

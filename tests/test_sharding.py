@@ -33,3 +33,8 @@ def test_bad_sharding_arguments_raise_naming_them(run):
 
 def test_full_state_dict_exports_and_checkpoints_refuse_shards(run, tmp_path):
     run(checks_sharding.check_full_state_dict_exports_and_checkpoints_refuse_shards, str(tmp_path))
+
+
+def test_accumulation_on_a_sharded_model_reduce_scatters_once_per_window(run):
+    out = run(checks_sharding.check_accumulation_on_a_sharded_model, timeout=120)
+    assert all(o["relative_difference"] <= 1e-5 for o in out), out
