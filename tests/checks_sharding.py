@@ -257,3 +257,30 @@ def check_accumulation_on_a_sharded_model() -> dict[str, Any]:
     assert fsdp_windows == plain_steps, (fsdp_windows, plain_steps)
     assert (plain_steps[0] > 0) == (od.get_world_size() > 1), plain_steps
     return {"relative_difference": diff, "reduce_scatters_per_window": fsdp_windows[0]}
+
+
+def check_every_rank_starts_from_rank_0s_weights() -> None:
+    """Ranks that built different weights train rank 0's, as under DDP (fully_shard alone would
+    keep each rank's own slice, a mix of the ranks' models)."""
+    net = Net()
+    expected = torch.cat([p.detach().flatten() for p in net.parameters()])
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(od.get_rank())  # different on every rank but 0
+    model = od.auto_model(net, sharding="fsdp")
+    whole = (getattr(p, "full_tensor", lambda p=p: p)() for p in model.parameters())
+    got = torch.cat([p.detach().flatten() for p in whole])
+    if od.get_world_size() > 1:
+        assert torch.equal(got, expected), float((got - expected).abs().max())
+
+
+def check_resume_refuses_a_sharded_model_at_once(tmpdir: str) -> None:
+    """od.resume raises on every rank for a sharded model, also with no checkpoint to load yet
+    (it would otherwise return 0 and fail only at the first save)."""
+    model = od.auto_model(Net(), sharding="fsdp")
+    try:
+        od.resume(tmpdir, model=model)
+    except od.OnedistValueError as e:
+        assert od.get_world_size() > 1 and "onedist.resume: model=" in str(e), e
+    else:
+        assert od.get_world_size() == 1, "od.resume took a sharded model"

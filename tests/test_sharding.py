@@ -38,3 +38,11 @@ def test_full_state_dict_exports_and_checkpoints_refuse_shards(run, tmp_path):
 def test_accumulation_on_a_sharded_model_reduce_scatters_once_per_window(run):
     out = run(checks_sharding.check_accumulation_on_a_sharded_model, timeout=120)
     assert all(o["relative_difference"] <= 1e-5 for o in out), out
+
+
+def test_every_rank_starts_from_rank_0s_weights(run):
+    run(checks_sharding.check_every_rank_starts_from_rank_0s_weights)
+
+
+def test_resume_refuses_a_sharded_model_at_once(run, tmp_path):
+    run(checks_sharding.check_resume_refuses_a_sharded_model_at_once, str(tmp_path / "none-yet"))

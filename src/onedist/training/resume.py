@@ -27,6 +27,7 @@ import torch
 
 from ..errors import bad_type, bad_value
 from .checkpoint import PathLike, load_checkpoint, save_checkpoint
+from .sharding import refuse_sharded
 
 __all__ = ["checkpoint_path", "remove_stale_temp_files", "resume", "save_training_state"]
 
@@ -288,6 +289,8 @@ def _check_objects(func: str, **objects: Any) -> None:
                 )
         elif name == "model" and not isinstance(value, torch.nn.Module):
             raise bad_type(func, "model", value, "a torch.nn.Module (DDP-wrapped or not) or None")
+        elif name == "model":
+            refuse_sharded(func, value)  # at once, also where no checkpoint exists yet
         elif not callable(getattr(value, "state_dict", None)) or not callable(
             getattr(value, "load_state_dict", None)
         ):

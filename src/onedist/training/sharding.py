@@ -80,11 +80,22 @@ def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> to
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
+    _from_rank_0(model)
     units = _units(model, options.get("policy"))
     for unit in reversed(units):  # inner units first: an outer unit then skips their parameters
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _from_rank_0(model: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP starts (fully_shard keeps each rank's
+    own values: ranks that built the model from different seeds would train a mix of them)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
 
 
 def _world_mesh(device: torch.device) -> Any:
