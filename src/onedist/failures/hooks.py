@@ -7,7 +7,7 @@ import socket
 import sys
 import time
 from types import TracebackType
-from typing import Optional
+from typing import Any, Optional
 
 from ..errors import RemoteRankError, format_user_traceback
 from ..state import world
@@ -21,7 +21,12 @@ def let_failed_rank_exit_first(exc: BaseException) -> None:
     torchrun without error files) name the rank that failed, not this one."""
     if not isinstance(exc, RemoteRankError):
         return
-    report = getattr(exc, "report", None) or {}
+    wait_until_gone(getattr(exc, "report", None) or {})
+
+
+def wait_until_gone(report: dict[str, Any]) -> None:
+    """Wait, up to 2 s, until the process of a failure report (its pid, on this host) is gone; half
+    a second for one on another host."""
     pid, host = report.get("pid"), report.get("host")
     deadline = time.monotonic() + 2.0
     if isinstance(pid, int) and host == socket.gethostname():

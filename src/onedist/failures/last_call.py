@@ -55,7 +55,7 @@ def last_call_verdict(
     store.set(DONE_KEY.format(rank), str(last_seq))
     peers = [r for r in range(world_size) if r != rank]
     deadline = last_started + after + _SLACK_S
-    first_seen: dict[int, tuple[Any, float]] = {}  # rank -> (its report's id, when first seen)
+    first_seen: dict[int, tuple[Any, int, float]] = {}  # rank -> (its report's id, beat, when first seen)
     pause = 0.01
     failed_before = int(store.add(FAILED_COUNT, 0))
     while True:
@@ -64,10 +64,11 @@ def last_call_verdict(
             return None  # every peer is done, or one failed (its error is what the job reports)
         now = time.monotonic()
         for r, report in blocked.items():
-            seen = first_seen.setdefault(r, (report["id"], now))
+            beat = report.get("beat", 0)  # its watcher's looks since it published (stall.py)
+            seen = first_seen.setdefault(r, (report["id"], beat, now))
             if seen[0] != report["id"]:
-                first_seen[r] = (report["id"], now)
-            elif now - seen[1] >= _CONFIRM_S:
+                first_seen[r] = (report["id"], beat, now)
+            elif now - seen[2] >= _CONFIRM_S and beat > seen[1]:  # still there, and current
                 return _decide(store, rank, world_size, last_seq, report, after)
         if now > deadline and (not blocked or now > deadline + 2 * _CONFIRM_S):
             return None  # the peers not done are busy elsewhere (or left and came back)

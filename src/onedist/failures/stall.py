@@ -11,7 +11,9 @@ once a second (a rank that leaves the call clears its report). Two cases can nev
   that skipped one): reported at once;
 - every member blocked, at **different numbers**: a rank returned from a call its peers are still
   blocked in (gloo returns an all_reduce of fewer elements early, with a wrong result) and waits
-  for them in the next one; reported when two samples a second apart agree.
+  for them in the next one; reported when two samples a second apart agree and every peer's
+  watcher has looked again in between (a new "beat" in its report: a watcher starved on a busy
+  machine could otherwise leave a report behind that its main thread has already left).
 
 The rank that sees it writes the verdict to the store and breaks the group's connections
 (``Backend.break_pending``), so the call in flight raises on every rank, and the guard turns that
@@ -60,6 +62,7 @@ class StallCheck:
         self.mine: Optional[dict[str, Any]] = None
         self.published = 0  # how many reports this rank published (each report's id)
         self.apart: Optional[tuple[Any, ...]] = None  # the different numbers seen at the last sample
+        self.beats: dict[int, int] = {}  # the peers' beats when those numbers were first seen
         self.decided = False  # this rank wrote the verdict
 
     def sample(self) -> Optional[str]:
@@ -80,7 +83,9 @@ class StallCheck:
             if self.mine is None:
                 self.call = None
                 return None
-            self.store.set(BLOCKED_KEY.format(self.rank), json.dumps(self.mine))
+        else:  # still blocked in it: a new beat tells the peers that this report is current
+            self.mine["beat"] = self.mine.get("beat", 0) + 1
+        self.store.set(BLOCKED_KEY.format(self.rank), json.dumps(self.mine))
         return self._verdict_of_peer() or self._compare()
 
     def _blocked(self) -> Any:
@@ -123,8 +128,13 @@ class StallCheck:
         if len(reports) < len(self.mine["group"]) or len({rep["seq"] for rep in reports.values()}) == 1:
             self.apart = None
             return None
+        beats = {r: rep.get("beat", 0) for r, rep in reports.items() if r != self.rank}
         if apart != self.apart:  # every member blocked, at different numbers: confirm a second later
-            self.apart = apart
+            self.apart, self.beats = apart, beats
+            return None
+        if any(beat <= self.beats.get(r, 0) for r, beat in beats.items()):
+            # a peer's watcher has not looked again since (starved on a busy machine): its report
+            # may be one its main thread has already left; wait for a new beat from every peer
             return None
         return self._decide(reports, _report_apart(reports, self.after))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -10,6 +11,7 @@ from typing import Any, Optional
 from ..errors import CollectiveMismatchError, RemoteRankError
 from ..state import world
 from .channel import FAILED_COUNT, ServerProbe, failed_reports, rank_and_world, side_store
+from .hooks import wait_until_gone
 from .stall import StallCheck, forget_stalls
 from .stderr import release_stderr
 
@@ -61,7 +63,11 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
             message = (
                 f"onedist: rank {r} failed, so rank {rank} stops too:\n{report.get('traceback', '').rstrip()}"
             )
-            _end_main_thread(stop, main_ident, _remote_error_class(message, r), message, rank)
+            # if it must end this process, let the failed rank exit first: launchers blame the first
+            gone = functools.partial(wait_until_gone, report)
+            _end_main_thread(
+                stop, main_ident, _remote_error_class(message, r), message, rank, before_exit=gone
+            )
             return
         if verdict is not None and stall is not None:
             check, stall = stall, None  # one verdict per group: its connections are gone after it
@@ -111,10 +117,17 @@ def _break_pending(stop: Any) -> bool:
 
 
 def _end_main_thread(
-    stop: Any, main_ident: int, error: type[BaseException], message: str, rank: int, then: Any = None
+    stop: Any,
+    main_ident: int,
+    error: type[BaseException],
+    message: str,
+    rank: int,
+    then: Any = None,
+    before_exit: Any = None,
 ) -> None:
     """Raise ``error`` in the main thread (after which ``then()`` may break the call it waits in);
-    end the process if it is still blocked outside Python after the grace period."""
+    end the process if it is still blocked outside Python after the grace period (after
+    ``before_exit()``)."""
     import ctypes
 
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main_ident), ctypes.py_object(error))
@@ -122,6 +135,8 @@ def _end_main_thread(
         then()
     if stop.wait(_WATCH_GRACE_S):
         return
+    if before_exit is not None:
+        before_exit()
     try:
         release_stderr()
         sys.stderr.write(message + f"\n(rank {rank} was blocked outside Python; ending it)\n")
