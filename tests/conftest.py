@@ -71,6 +71,21 @@ def multi(request: pytest.FixtureRequest) -> Runner:
     return Runner(request.param)
 
 
+def _training_worlds() -> list[tuple[Any, str]]:
+    from onedist.backends.shm import supported
+
+    worlds: list[tuple[Any, str]] = [("serial", "gloo"), (1, "gloo"), (2, "gloo"), (3, "gloo")]
+    return worlds + ([(2, "shm"), (3, "shm")] if supported() else [])
+
+
+@pytest.fixture(params=_training_worlds(), ids=lambda p: "serial" if p[0] == "serial" else f"{p[1]}-ws{p[0]}")
+def training_world(request: pytest.FixtureRequest) -> Runner:
+    """The training layer's checks: serially, gloo at 1-3 ranks, shm at 2 and 3 (the global
+    batches of checks_loop and checks_sharding divide by 1, 2 and 3)."""
+    world, backend = request.param
+    return Runner(world, backend)
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ():
     before = dict(os.environ)

@@ -8,39 +8,27 @@ from __future__ import annotations
 import pytest
 
 import checks_loop
-from conftest import Runner
-from onedist.backends.shm import supported
-
-WORLDS = [("serial", "gloo"), (1, "gloo"), (2, "gloo"), (3, "gloo")]
-if supported():
-    WORLDS += [(2, "shm"), (3, "shm")]
-
-
-@pytest.fixture(params=WORLDS, ids=lambda p: "serial" if p[0] == "serial" else f"{p[1]}-ws{p[0]}")
-def run(request: pytest.FixtureRequest) -> Runner:
-    world, backend = request.param
-    return Runner(world, backend)
 
 
 @pytest.mark.parametrize("counted_by", ["no_sync", "accumulate"])
-def test_accumulating_k_micro_batches_equals_one_step_on_the_k_fold_batch(run, counted_by):
-    out = run(checks_loop.check_accumulation_equals_the_big_batch, counted_by == "accumulate")
+def test_accumulating_k_micro_batches_equals_one_step_on_the_k_fold_batch(training_world, counted_by):
+    out = training_world(checks_loop.check_accumulation_equals_the_big_batch, counted_by == "accumulate")
     assert all(o["relative_difference"] <= 1e-6 for o in out), out
     # one exchange per window: as many as one plain step (DDP's one bucket here), none alone
-    assert {o["exchanges_per_window"] for o in out} == {1 if run.world_size > 1 else 0}, out
+    assert {o["exchanges_per_window"] for o in out} == {1 if training_world.world_size > 1 else 0}, out
 
 
-def test_bad_loop_arguments_raise_naming_them(run):
-    run(checks_loop.check_no_sync_and_accumulate_arguments)
+def test_bad_loop_arguments_raise_naming_them(training_world):
+    training_world(checks_loop.check_no_sync_and_accumulate_arguments)
 
 
-def test_bf16_mixed_computes_in_bfloat16_and_keeps_float32_state(run):
-    out = run(checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16)
+def test_bf16_mixed_computes_in_bfloat16_and_keeps_float32_state(training_world):
+    out = training_world(checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16)
     assert all(o["relative_difference_to_fp32"] < 0.05 for o in out), out
 
 
-def test_precision_the_device_cannot_do_raises(run):
-    run(checks_loop.check_precision_arguments)
+def test_precision_the_device_cannot_do_raises(training_world):
+    training_world(checks_loop.check_precision_arguments)
 
 
 @pytest.fixture
