@@ -118,6 +118,20 @@ def test_training_loop_accumulation_and_bf16_mixed(hvd):
 
 
 @pytest.mark.launcher
+def test_training_loop_on_one_horovod_rank():
+    """horovodrun -np 1: no hooks, nothing exchanged; the same weights as the K-fold batch."""
+    pool = LaunchPool(_horovodrun(1), 1, "horovod")
+    try:
+        for counted_by_onedist in (False, True):
+            out = pool.run(
+                checks_loop.check_accumulation_equals_the_big_batch, counted_by_onedist, timeout=120
+            )
+            assert out[0]["exchanges_per_window"] == 0, out
+    finally:
+        pool.close()
+
+
+@pytest.mark.launcher
 def test_optimizer_state_from_rank_0_and_state_dict_round_trip(hvd):
     hvd(ch.check_optimizer_state_from_rank_0_and_round_trip)
 

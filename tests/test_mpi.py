@@ -105,13 +105,13 @@ def test_fsdp2_and_functional_collectives_equal_gloo():
     )
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_training_loop_accumulation_and_bf16_mixed(n):
     """od.no_sync / od.accumulate give the K-fold batch's weights with one exchange per window, and
     bf16-mixed computes in bfloat16 (the checks every backend runs, tests/checks_loop.py)."""
     for counted_by_onedist in (False, True):
         out = mpi_world(n).run(checks_loop.check_accumulation_equals_the_big_batch, counted_by_onedist)
-        assert {o["exchanges_per_window"] for o in out} == {1}, out
+        assert {o["exchanges_per_window"] for o in out} == {1 if n > 1 else 0}, out
     mpi_world(n).run(checks_loop.check_bf16_mixed_runs_the_forward_in_bfloat16)
 
 
