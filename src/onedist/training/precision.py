@@ -67,9 +67,8 @@ def check_precision(precision: Any, device: torch.device, backend: Optional[str]
 def _allowed(device: torch.device, backend: Optional[str]) -> tuple[str, ...]:
     if device.type == "cuda":
         bf16 = ("bf16-mixed",) if torch.cuda.is_bf16_supported() else ()
-        fp16 = (
-            ("16-mixed",) if backend != "horovod" else ()
-        )  # GradScaler + hvd needs synchronize(): not built
+        # the GradScaler with hvd.DistributedOptimizer needs its synchronize() first: not built
+        fp16 = ("16-mixed",) if backend != "horovod" else ()
         return ("32", *bf16, *fp16)
     if device.type in ("cpu", "xla"):
         return ("32", "bf16-mixed")
@@ -108,7 +107,9 @@ def _to_float32(value: Any) -> Any:
     loss is then computed in float32, whatever the layers returned."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_float32(v) for v in value))
+    if isinstance(value, (list, tuple)):
         return type(value)(_to_float32(v) for v in value)
     if isinstance(value, dict):
         return type(value)((k, _to_float32(v)) for k, v in value.items())
