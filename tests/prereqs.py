@@ -41,10 +41,3 @@ def mpirun_missing() -> Optional[str]:
     if shutil.which("mpirun") is None:
         return "needs Open MPI's mpirun (apt-get install openmpi-bin)"
     return mpi4py_missing()
-
-
-def horovod_missing() -> Optional[str]:
-    """Why Horovod is not here (it is built by .ci/install_horovod.sh only)."""
-    if importlib.util.find_spec("horovod") is None:
-        return "needs Horovod 0.28.1 (bash .ci/install_horovod.sh builds it)"
-    return None
