@@ -1,8 +1,10 @@
-"""Which optional parts of the test machine are here, each as the reason it is missing (None: here).
+"""Whether MPI is usable on the test machine, as the reason it is not (None: it is).
 
-The README's test command must pass on a machine with only what the README installs: each part
-below is optional, and the tests (and the foreign-suite runners) that need one skip with its
-reason when it is absent. One place decides, so a skip reason reads the same everywhere.
+The README's test command must pass on a machine with only what the README installs, where
+mpi4py (in the test extra) is installed but has no MPI library to load: the MPI tests and
+torch_suite.py's mpirun pass skip with this reason. One place decides, so the reason reads the same
+everywhere. (SLURM, Horovod, the network namespaces and the ULFM venv have their own checks beside
+their tests.)
 """
 
 from __future__ import annotations
