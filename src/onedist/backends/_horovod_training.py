@@ -115,6 +115,10 @@ class HorovodTraining(Backend):
         params = [p for p in model.parameters() if p.requires_grad]
         held = []
         for optimizer in list(self.exchangers):
+            held_ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            mine = [p for p in params if id(p) in held_ids]
+            if not mine:  # another model's optimizer
+                continue
             delays = getattr(optimizer, "_allreduce_delay", None)
             if delays is None or hasattr(optimizer, "_starting_models"):  # Adasum: a delta per step
                 raise bad_value(
@@ -125,7 +129,6 @@ class HorovodTraining(Backend):
                     hint="Adasum combines each step's parameter deltas, not gradients: accumulate with "
                     "auto_optim(..., backward_passes_per_step=k) instead",
                 )
-            mine = [p for p in params if p in delays]
             held += [(delays, p) for p in mine]
         for delays, p in held:
             delays[p] = sys.maxsize

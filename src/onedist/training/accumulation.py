@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import bad_type, bad_value
+from .sharding import is_sharded
 
 __all__ = ["Window", "accumulate", "no_sync"]
 
@@ -71,7 +72,7 @@ def _skip_exchange(model: torch.nn.Module) -> contextlib.AbstractContextManager[
     inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper around the model
     if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
         return inner.no_sync()
-    if hasattr(inner, "set_requires_gradient_sync"):  # an FSDP2 module (fully_shard)
+    if is_sharded(inner):  # an FSDP2 module (fully_shard)
         return _fsdp_no_sync(inner)
     return current().skip_gradient_sync(inner)
 
