@@ -9,13 +9,22 @@ each block, as torchtitan shards transformer blocks), AdamW; each step is a forw
 optimizer step on this rank's part of the global batch. Repetitions interleave the two variants
 (medians). The bytes are counted from the tensors' storages on each rank (a DTensor's shard for
 FSDP), after the last step's backward and step: parameters, gradients, AdamW's two moments.
+
+The checkpoint row saves and loads the model and AdamW's state with ``od.save_checkpoint`` /
+``od.load_checkpoint``: one file that rank 0 writes (DDP), a directory of each rank's shards
+(FSDP, torch.distributed.checkpoint); medians of ``--reps`` interleaved saves and loads in a
+temporary folder, and the bytes the busiest rank writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import statistics
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -76,15 +85,42 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     per = args.batch_size // od.get_world_size()
     g = torch.Generator().manual_seed(od.get_rank())
     x, y = torch.randn(per, args.width, generator=g), torch.randn(per, 1, generator=g)
-    variants, held = {}, {}
+    variants, held, objects = {}, {}, {}
     for name, sharding in (("DDP", None), ("FSDP", "fsdp")):
         model = od.auto_model(Net(args.width, args.depth), sharding=sharding)
         optimizer = od.auto_optim(torch.optim.AdamW(model.parameters()))
         variants[name] = _stepper(model, optimizer, x, y)
         variants[name](2)  # warm-up; AdamW's state exists from here on
         held[name] = _bytes(model, optimizer)
+        objects[name] = {"model": model, "optimizer": optimizer}
     rates = interleaved_rates(variants, args.steps, args.reps)
-    return {"rates": rates, "bytes": held}
+    return {"rates": rates, "bytes": held, "checkpoint": _checkpoint_times(objects, args.reps)}
+
+
+def _checkpoint_times(objects: dict[str, Any], reps: int) -> dict[str, Any]:
+    """Median save and load seconds of each variant (interleaved), and the bytes this rank wrote."""
+    folder = od.broadcast_object(tempfile.mkdtemp(prefix="bench-sharding-") if od.get_rank() == 0 else None)
+    times: dict[str, dict[str, list[float]]] = {name: {"save": [], "load": []} for name in objects}
+    for _ in range(reps):
+        for name, obj in objects.items():
+            path = os.path.join(folder, f"{name}.pt")
+            for kind in ("save", "load"):
+                od.barrier()
+                start = time.perf_counter()
+                if kind == "save":
+                    od.save_checkpoint(obj, path)
+                else:
+                    od.load_checkpoint(path, obj, map_location="cpu")
+                times[name][kind].append(time.perf_counter() - start)
+    wrote = {
+        "DDP": os.path.getsize(os.path.join(folder, "DDP.pt")) if od.get_rank() == 0 else 0,
+        "FSDP": os.path.getsize(os.path.join(folder, "FSDP.pt", f"__{od.get_rank()}_0.distcp")),
+    }
+    od.barrier()
+    if od.get_rank() == 0:
+        shutil.rmtree(folder)
+    medians = {name: {k: statistics.median(v) for k, v in kinds.items()} for name, kinds in times.items()}
+    return {"seconds": medians, "wrote": wrote}
 
 
 def main() -> None:
@@ -115,6 +151,18 @@ def main() -> None:
             f"(FSDP / DDP step time x{rates['DDP'] / rates['FSDP']:.2f}); bytes per rank (params + grads + "
             f"AdamW state, the largest rank): DDP {ddp / 2**20:.2f} MiB, FSDP {fsdp / 2**20:.2f} MiB "
             f"(x{fsdp / ddp:.3f} of DDP; 1/{ws} = {1 / ws:.3f})"
+        )
+        seconds = per_rank[0]["checkpoint"]["seconds"]
+        wrote = {k: max(r["checkpoint"]["wrote"][k] for r in per_rank) for k in ("DDP", "FSDP")}
+        (ddp_save, ddp_load), (fsdp_save, fsdp_load) = (
+            (seconds[k]["save"], seconds[k]["load"]) for k in ("DDP", "FSDP")
+        )
+        print(
+            f"  world size {ws}: checkpoint of model + AdamW state: save DDP (one file, rank 0) "
+            f"{ddp_save * 1e3:.1f} ms, FSDP (each rank its shards) {fsdp_save * 1e3:.1f} ms "
+            f"(x{fsdp_save / ddp_save:.2f}); load {ddp_load * 1e3:.1f} ms, {fsdp_load * 1e3:.1f} ms "
+            f"(x{fsdp_load / ddp_load:.2f}); the busiest rank writes {wrote['DDP'] / 2**20:.2f} MiB, "
+            f"{wrote['FSDP'] / 2**20:.2f} MiB (x{wrote['FSDP'] / wrote['DDP']:.3f})"
         )
 
 

@@ -222,8 +222,6 @@ def main() -> int:
         parser.error("--max-steps cannot be combined with --checkpoint-dir (a cut epoch cannot be resumed)")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every={args.checkpoint_every} is not allowed; allowed: an int >= 0")
-    if args.sharding and args.checkpoint_dir:
-        parser.error("--sharding cannot be combined with --checkpoint-dir yet (no sharded checkpoints)")
     if args.accumulate < 1:
         parser.error(f"--accumulate={args.accumulate} is not allowed; allowed: an int >= 1")
     if args.checkpoint_every % args.accumulate:

@@ -17,9 +17,9 @@ STEPS = 20
 
 
 class Block(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.linear = torch.nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.linear(x))
@@ -28,15 +28,15 @@ class Block(torch.nn.Module):
 class Net(torch.nn.Module):
     """A few repeated blocks in a ModuleList (the default policy's units), as a transformer has."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = WIDTH, scale: float = 0.5) -> None:
         super().__init__()
-        self.embed = torch.nn.Linear(12, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
-        self.head = torch.nn.Linear(WIDTH, 6)
+        self.embed = torch.nn.Linear(12, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(3))
+        self.head = torch.nn.Linear(width, 6)
         g = torch.Generator().manual_seed(7)  # the same weights in every process and call
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_((torch.rand(p.shape, generator=g) - 0.5) * 0.5)
+                p.copy_((torch.rand(p.shape, generator=g) - 0.5) * scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
@@ -170,10 +170,9 @@ def check_sharding_is_refused_where_torch_distributed_does_not_train() -> None:
             raise AssertionError(f"clip_grad_norm_ did not raise on {backend}")
 
 
-def check_full_state_dict_exports_and_checkpoints_refuse_shards(tmpdir: str) -> None:
+def check_full_state_dict_exports(tmpdir: str) -> None:
     """od.full_state_dict gives rank 0 the whole model (a sharded one gathered), equal to DDP's;
-    save_checkpoint and load_checkpoint refuse a sharded model on every rank (one rank's state dict
-    holds its shards only); the exported dict saves, loads and fills an ordinary model."""
+    the exported dict saves, loads and fills an ordinary model."""
     import os
 
     models = []
@@ -195,20 +194,6 @@ def check_full_state_dict_exports_and_checkpoints_refuse_shards(tmpdir: str) -> 
     else:
         assert fsdp_state == {} and ddp_state == {}
     path = os.path.join(tmpdir, "model.pt")
-    sharded = od.get_world_size() > 1
-    for call in (
-        lambda: od.save_checkpoint({"model": models[1], "step": 3}, path),
-        lambda: od.load_checkpoint(path, to={"model": models[1]}),
-    ):
-        try:
-            call()
-        except od.OnedistValueError as e:
-            assert sharded and "sharded checkpoints (torch.distributed.checkpoint) are not built yet" in str(
-                e
-            ), e
-            assert "od.full_state_dict(model)" in str(e), e
-        else:
-            assert not sharded, "a sharded model was saved or loaded"
     od.save_checkpoint({"model": fsdp_state, "step": 3}, path)  # only rank 0's (the writer's) is used
     fresh = Net()
     fresh.load_state_dict(od.load_checkpoint(path, map_location="cpu")["model"])
@@ -274,13 +259,31 @@ def check_every_rank_starts_from_rank_0s_weights() -> None:
         assert torch.equal(got, expected), float((got - expected).abs().max())
 
 
-def check_resume_refuses_a_sharded_model_at_once(tmpdir: str) -> None:
-    """od.resume raises on every rank for a sharded model, also with no checkpoint to load yet
-    (it would otherwise return 0 and fail only at the first save)."""
-    model = od.auto_model(Net(), sharding="fsdp")
-    try:
-        od.resume(tmpdir, model=model)
-    except od.OnedistValueError as e:
-        assert od.get_world_size() > 1 and "onedist.resume: model=" in str(e), e
-    else:
-        assert od.get_world_size() == 1, "od.resume took a sharded model"
+class Normed(torch.nn.Module):
+    """Net with a BatchNorm between its blocks: buffers (running statistics) that each rank's data moves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+        self.norm = torch.nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.net(x))
+
+
+def check_buffers_follow_rank_0_as_under_ddp() -> None:
+    """A sharded model's buffers are rank 0's before each training forward, as DDP's are: after
+    steps on different data per rank, its running statistics equal DDP's on every rank."""
+    buffers = []
+    for sharding in (None, "fsdp"):
+        model = od.auto_model(Normed(), sharding=sharding)
+        optimizer = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.01))
+        for step in range(3):
+            x, y = _batch(step)  # each rank its own part of the batch
+            od.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        model(_batch(3)[0])  # one more training forward: DDP broadcasts rank 0's first
+        buffers.append(torch.cat([b.double().flatten() for b in od.unwrap(model).buffers()]))
+    ddp, fsdp = buffers
+    assert float((fsdp - ddp).abs().max()) <= 1e-5 * float(ddp.abs().max()), (fsdp, ddp)

@@ -20,6 +20,7 @@ import pytest
 import checks
 import checks_loop
 import checks_pg
+import checks_sharded_checkpoint
 import checks_sharding
 import onedist as od
 from launchpool import LaunchPool
@@ -117,15 +118,29 @@ def test_training_loop_accumulation_and_bf16_mixed(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes(n, tmp_path):
-    """auto_model(sharding="fsdp"), od.clip_grad_norm_, od.full_state_dict (tests/checks_sharding.py)."""
+    """auto_model(sharding="fsdp"), od.clip_grad_norm_, od.full_state_dict (tests/checks_sharding.py),
+    and a sharded checkpoint's round trip (tests/checks_sharded_checkpoint.py)."""
     for clip in (False, True):
         mpi_world(n).run(
             checks_sharding.check_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes, clip, timeout=120
         )
     mpi_world(n).run(checks_sharding.check_sharding_arguments)
     mpi_world(n).run(checks_sharding.check_accumulation_on_a_sharded_model, timeout=120)
+    mpi_world(n).run(checks_sharding.check_full_state_dict_exports, str(tmp_path))
+    (tmp_path / "round-trip").mkdir()
     mpi_world(n).run(
-        checks_sharding.check_full_state_dict_exports_and_checkpoints_refuse_shards, str(tmp_path)
+        checks_sharded_checkpoint.check_sharded_checkpoint_round_trip,
+        str(tmp_path / "round-trip"),
+        timeout=120,
+    )
+
+
+def test_a_sharded_checkpoint_saved_on_2_ranks_loads_on_3(tmp_path):
+    """Sharded checkpoints over the mpi4py group: saved on 2 ranks, resharded by DCP onto 3."""
+    mpi_world(2).run(checks_sharded_checkpoint.check_save_for_another_world, str(tmp_path), timeout=120)
+    assert (
+        mpi_world(3).run(checks_sharded_checkpoint.check_load_at_another_world, str(tmp_path), timeout=120)
+        == [4] * 3
     )
 
 

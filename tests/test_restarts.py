@@ -28,11 +28,12 @@ EVERY = 5
 pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in the test extra)")
 
 
-def _digits(ckpt: Path, final: Path, *launcher: str) -> list[str]:
+def _digits(ckpt: Path, final: Path, *launcher: str, sharding: bool = False) -> list[str]:
     launcher = launcher or ("-n", "2")
     return _onedist(
         *launcher, "--max-restarts", "3", DIGITS, "--backend", "gloo", "--epochs", EPOCHS,
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--save-final", str(final),
+        *(("--sharding", "fsdp") if sharding else ()),
     )  # fmt: skip
 
 
@@ -118,7 +119,11 @@ class Run:
         os.kill(pid, signal.SIGKILL)
         self.killed_at = time.monotonic()
         self.planted = self.ckpt / f".step_{after_step + 1:08d}.pt.{pid}.0123456789ab.tmp"
-        self.planted.write_bytes(b"half a checkpoint")
+        if marker.is_dir():  # a sharded checkpoint: its writer's temporary directory, half written
+            self.planted.mkdir()
+            (self.planted / "__0_0.distcp").write_bytes(b"half a shard")
+        else:
+            self.planted.write_bytes(b"half a checkpoint")
 
     def finish(self) -> list[tuple[str, str]]:
         """Wait for every launcher (watching the restarted workers); their (stdout, stderr)."""
@@ -179,15 +184,19 @@ def check_restart_reported(err: str, victim: int, out: str, kill_after: int) -> 
     return int(resumed.group(1))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
-    tmp = tmp_path_factory.mktemp("uninterrupted")
+def _uninterrupted(tmp: Path, sharding: bool) -> dict[str, torch.Tensor]:
     proc = subprocess.run(
-        _digits(tmp / "ckpt", tmp / "final.pt"), capture_output=True, text=True, timeout=180, env=_env()
-    )
+        _digits(tmp / "ckpt", tmp / "final.pt", sharding=sharding),
+        capture_output=True, text=True, timeout=180, env=_env(),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "restarting" not in proc.stderr
     return _weights(tmp / "final.pt")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
+    return _uninterrupted(tmp_path_factory.mktemp("uninterrupted"), sharding=False)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -208,6 +217,22 @@ def test_a_killed_worker_resumes_to_bit_identical_weights(seed, uninterrupted, t
     print(f"kill after step {kill_after} (rank {victim}), resumed from {resumed}, "
           f"new workers {run.restarted_at - run.killed_at:.2f} s after the kill, "
           f"{run.ended_at - run.killed_at:.1f} s from the kill to the end")  # fmt: skip
+
+
+def test_a_killed_worker_of_a_sharded_run_resumes_to_bit_identical_weights(tmp_path):
+    """--sharding fsdp: every rank writes its shards of each step's checkpoint (a directory); the
+    restarted workers load them and end with the uninterrupted sharded run's weights, bit for bit."""
+    expected = _uninterrupted(tmp_path / "uninterrupted", sharding=True)
+    ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
+    argv = _digits(ckpt, final, sharding=True)
+    run = Run([subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=_env())], ckpt)
+    run.kill(35, 1)  # the shards of step 35 written: mid-epoch 2, by a rank that hosts no store
+    [(out, err)] = run.finish()
+    assert run.procs[0].returncode == 0, out[-3000:] + err[-3000:]
+    check_restart_reported(err, 1, out, 35)
+    assert (ckpt / "step_00000035.pt").is_dir()
+    check_same_weights(final, expected)
+    run.check_nothing_left()
 
 
 FAILS_ON_THE_FIRST_ATTEMPT = """

@@ -1,12 +1,15 @@
-"""auto_model(sharding="fsdp") (FSDP2) and od.clip_grad_norm_, serially, on gloo pools of 1-3 ranks
-and shm pools of 2 and 3 (conftest's training_world); mpi4py under mpirun runs the same checks in
-test_mpi.py."""
+"""auto_model(sharding="fsdp") (FSDP2), its sharded checkpoints and od.clip_grad_norm_, serially,
+on gloo pools of 1-3 ranks and shm pools of 2 and 3 (conftest's training_world); mpi4py under
+mpirun runs the same checks in test_mpi.py."""
 
 from __future__ import annotations
 
 import pytest
 
+import checks_sharded_checkpoint
 import checks_sharding
+from conftest import Runner
+from onedist.backends.shm import supported as shm_supported
 
 
 @pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
@@ -22,8 +25,8 @@ def test_bad_sharding_arguments_raise_naming_them(training_world):
     training_world(checks_sharding.check_sharding_arguments)
 
 
-def test_full_state_dict_exports_and_checkpoints_refuse_shards(training_world, tmp_path):
-    training_world(checks_sharding.check_full_state_dict_exports_and_checkpoints_refuse_shards, str(tmp_path))
+def test_full_state_dict_exports_the_whole_model(training_world, tmp_path):
+    training_world(checks_sharding.check_full_state_dict_exports, str(tmp_path))
 
 
 def test_accumulation_on_a_sharded_model_reduce_scatters_once_per_window(training_world):
@@ -35,5 +38,38 @@ def test_every_rank_starts_from_rank_0s_weights(training_world):
     training_world(checks_sharding.check_every_rank_starts_from_rank_0s_weights)
 
 
-def test_resume_refuses_a_sharded_model_at_once(training_world, tmp_path):
-    training_world(checks_sharding.check_resume_refuses_a_sharded_model_at_once, str(tmp_path / "none-yet"))
+def test_sharded_checkpoint_resumes_bit_for_bit_and_holds_each_ranks_share(training_world, tmp_path):
+    out = training_world(
+        checks_sharded_checkpoint.check_sharded_checkpoint_round_trip, str(tmp_path), timeout=120
+    )
+    assert len(out[0]["files"]) == (training_world.world_size if training_world.world_size > 1 else 0), out[0]
+
+
+def test_a_failed_sharded_save_raises_on_every_rank(training_world, tmp_path):
+    training_world(checks_sharded_checkpoint.check_failed_sharded_save_raises_on_every_rank, str(tmp_path))
+
+
+def test_resume_never_loads_a_torn_sharded_save(training_world, tmp_path):
+    training_world(
+        checks_sharded_checkpoint.check_resume_skips_a_torn_sharded_save, str(tmp_path), timeout=120
+    )
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+@pytest.mark.parametrize("saved_on, loaded_on", [(2, 3), (3, 2)], ids=["2to3", "3to2"])
+def test_a_sharded_checkpoint_loads_at_another_world_size(backend, saved_on, loaded_on, tmp_path):
+    """DCP reshards: saved on 2 ranks, loaded on 3 (and back), the whole weights and optimizer state
+    are the saving run's exactly."""
+    if backend == "shm" and not shm_supported():
+        pytest.skip("the shm backend needs Linux memfd_create (onedist.backends.shm.supported())")
+    Runner(saved_on, backend)(
+        checks_sharded_checkpoint.check_save_for_another_world, str(tmp_path), timeout=120
+    )
+    steps = Runner(loaded_on, backend)(
+        checks_sharded_checkpoint.check_load_at_another_world, str(tmp_path), timeout=120
+    )
+    assert steps == [4] * loaded_on
+
+
+def test_buffers_follow_rank_0_as_under_ddp(training_world):
+    training_world(checks_sharding.check_buffers_follow_rank_0_as_under_ddp)

@@ -13,7 +13,6 @@ others waiting in the next collective.
 from __future__ import annotations
 
 import os
-import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +21,8 @@ from typing import Any, Optional, Union
 import torch
 
 from ..errors import OnedistError, RemoteRankError, bad_type, bad_value
-from .sharding import refuse_sharded
+from .files import fsync_dir, temporary_beside
+from .sharded_checkpoint import holds_sharded, is_sharded_checkpoint, load_sharded, save_sharded
 
 __all__ = ["CheckpointNotFoundError", "load_checkpoint", "save_checkpoint"]
 
@@ -52,9 +52,15 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
     the file exists, or all raise if the write failed (the writer its own error, the others
     :class:`~onedist.RemoteRankError`). Every rank must call it.
 
+    A sharded model (``auto_model(sharding="fsdp")``) in ``obj`` makes ``path`` a directory that
+    every rank writes its own shards into (torch.distributed.checkpoint), its optimizer's state
+    included: no rank gathers the whole model, and it loads at another world size. The other
+    values go to ``rest.pt`` in it; the directory, too, appears at ``path`` only when complete
+    (docs/training.md, "Sharded checkpoints").
+
     Args:
         obj: what to save, usually a dict such as ``{"model": model, "optimizer": opt, "epoch": 3}``.
-        path: the file to write.
+        path: the file (a directory, for a sharded model) to write.
         rank: the global rank that writes (the others need not build the state dicts).
 
     Example:
@@ -69,12 +75,14 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
     from ..context import current
 
     b = current()
-    refuse_sharded("save_checkpoint", obj)  # on every rank, before any rank writes
     if not isinstance(rank, int) or isinstance(rank, bool):
         raise bad_type("save_checkpoint", "rank", rank, "an int (the global rank that writes)")
     if not 0 <= rank < b.world_size:
         raise bad_value("save_checkpoint", "rank", rank, f"a global rank in 0..{b.world_size - 1}")
     target = _check_path("save_checkpoint", path)
+    if holds_sharded(obj):  # every rank writes its shards into a directory at path
+        save_sharded(obj, target, rank, _state_of)
+        return
     if b.world_size == 1:
         _write(_state_of(obj), target)
         return
@@ -127,7 +135,7 @@ def _has_method(value: Any, name: str) -> bool:
 def _write(state: Any, target: Path) -> None:
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    tmp = temporary_beside(target)
     try:
         with open(tmp, "xb") as f:  # honours the umask, unlike mkstemp's 0600
             torch.save(state, f)
@@ -140,21 +148,7 @@ def _write(state: Any, target: Path) -> None:
         except OSError:
             pass
         raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable (best effort: not every platform/filesystem allows it)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(directory)
 
 
 # ============================================================================ load
@@ -179,8 +173,13 @@ def load_checkpoint(
     when the model's own keys lack it. ``to`` may also be a single object (a model) for a
     checkpoint saved from a single object.
 
+    A sharded checkpoint (the directory :func:`save_checkpoint` writes for a sharded model) loads
+    its model and optimizer state into live objects of ``to`` only (None when absent): a sharded
+    model at any world size, or an unsharded one (each rank reads the whole tensors). DCP pickles
+    its index, so ``weights_only`` covers its ``rest.pt`` only: load sharded checkpoints you trust.
+
     Args:
-        path: the checkpoint file.
+        path: the checkpoint file (or a sharded checkpoint's directory).
         to: None, or live objects to load into, e.g. ``{"model": model, "optimizer": opt}``; the
             checkpoint may hold more keys (an epoch, a config), not fewer.
         map_location: passed to ``torch.load``; default :func:`onedist.device`.
@@ -207,16 +206,16 @@ def load_checkpoint(
     from ..context import current, device
 
     b = current()
-    refuse_sharded("load_checkpoint", to)  # on every rank, before any rank reads
     target = _check_path("load_checkpoint", path)
     if not isinstance(weights_only, bool):
         raise bad_type("load_checkpoint", "weights_only", weights_only, "a bool")
+    location = device() if map_location is None else map_location
+    if is_sharded_checkpoint(target):
+        return load_sharded(target, to, location, weights_only, _load_into)
     state: Any = None
     error: Optional[BaseException] = None
     try:
-        state = _load_here(
-            target, b.rank, device() if map_location is None else map_location, weights_only, to
-        )
+        state = _load_here(target, b.rank, location, weights_only, to)
     except Exception as e:
         error = e
     if b.world_size > 1:
@@ -252,6 +251,8 @@ def _load_here(target: Path, rank: int, location: Any, weights_only: bool, to: A
 def _load_into(live: Any, saved: Any, where: str) -> None:
     from .wrappers import unwrap
 
+    if live is None:  # nothing to load into here (a sharded checkpoint's entry, loaded already)
+        return
     if isinstance(live, torch.nn.Module):
         module = unwrap(live)
         if not isinstance(saved, Mapping):

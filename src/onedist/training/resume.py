@@ -8,9 +8,13 @@
   returns the step to continue from: 0 when there is none, so a fresh start and a restart under
   ``onedist run --max-restarts N`` share one code path.
 
-Only files with their final name count: ``save_checkpoint`` writes a temporary file and renames
-it when complete, so a write cut short (a killed rank) leaves a ``.tmp`` file that is never
-loaded; both functions delete such files once their writer is gone
+A sharded model (``auto_model(sharding="fsdp")``) makes each step's checkpoint a directory of the
+same name, every rank writing its shards (``save_checkpoint``); ``resume`` loads it at the same or
+another world size.
+
+Only checkpoints with their final name count: ``save_checkpoint`` writes a temporary file (or
+directory) and renames it when complete, so a write cut short (a killed rank) leaves a ``.tmp``
+that is never loaded; both functions delete such leftovers once their writer is gone
 (:func:`remove_stale_temp_files`).
 """
 
@@ -20,6 +24,7 @@ import logging
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,7 +32,6 @@ import torch
 
 from ..errors import bad_type, bad_value
 from .checkpoint import PathLike, load_checkpoint, save_checkpoint
-from .sharding import refuse_sharded
 
 __all__ = ["checkpoint_path", "remove_stale_temp_files", "resume", "save_training_state"]
 
@@ -217,7 +221,8 @@ def remove_stale_temp_files(directory: PathLike) -> list[str]:
     """Delete the temporary files of step checkpoints whose writer is gone; the names deleted.
 
     A writer killed during its write (a restart's cause) leaves ``.step_<n>.pt.<pid>.<id>.tmp``
-    behind: never loaded, but as large as a checkpoint, one more per kill. The pid in the name
+    behind (a directory, for a sharded checkpoint): never loaded, but as large as a checkpoint,
+    one more per kill. The pid in the name
     tells whether its writer still runs on this host; a file whose writer runs (or whose pid
     belongs to another user's process) is kept. Other files are never touched.
 
@@ -239,13 +244,21 @@ def remove_stale_temp_files(directory: PathLike) -> list[str]:
         if m is None or _process_exists(int(m.group(1))):
             continue
         try:
-            os.unlink(os.path.join(directory, name))
+            _remove(os.path.join(directory, name))
         except FileNotFoundError:
             continue
         removed.append(name)
     if removed:
         logger.info("onedist: removed %d temporary file(s) of interrupted checkpoint writes", len(removed))
     return removed
+
+
+def _remove(path: str) -> None:
+    """Delete a temporary file, or a sharded checkpoint's temporary directory."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _process_exists(pid: int) -> bool:
@@ -289,8 +302,6 @@ def _check_objects(func: str, **objects: Any) -> None:
                 )
         elif name == "model" and not isinstance(value, torch.nn.Module):
             raise bad_type(func, "model", value, "a torch.nn.Module (DDP-wrapped or not) or None")
-        elif name == "model":
-            refuse_sharded(func, value)  # at once, also where no checkpoint exists yet
         elif not callable(getattr(value, "state_dict", None)) or not callable(
             getattr(value, "load_state_dict", None)
         ):

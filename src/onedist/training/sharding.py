@@ -25,7 +25,7 @@ import torch
 
 from ..errors import bad_type, bad_value
 
-__all__ = ["SHARDINGS", "check_sharding", "full_state_dict", "is_sharded", "refuse_sharded", "shard"]
+__all__ = ["SHARDINGS", "check_sharding", "full_state_dict", "is_sharded", "shard"]
 
 #: what ``auto_model(sharding=...)`` accepts
 SHARDINGS = (None, "fsdp")
@@ -85,7 +85,30 @@ def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> to
     for unit in reversed(units):  # inner units first: an outer unit then skips their parameters
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    if any(True for _ in model.buffers()):
+        group = mesh.get_group()
+        model.register_forward_pre_hook(lambda module, args: _buffers_from_rank_0(module, group))
     return model
+
+
+def _buffers_from_rank_0(model: torch.nn.Module, group: Any) -> None:
+    """Before a training forward, rank 0's buffers on every rank, as DDP does by default
+    (broadcast_buffers=True). FSDP2 leaves buffers alone: BatchNorm's running statistics would drift
+    apart per rank, evaluation would differ per rank, and a sharded checkpoint, which keeps one
+    copy of a replicated tensor (rank 0's), would not give a resumed rank its own back."""
+    import torch.distributed as dist
+
+    if not (model.training and torch.is_grad_enabled()):
+        return
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for buffer in model.buffers():
+        kinds.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    with torch.no_grad():
+        for buffers in kinds.values():  # one broadcast per dtype, as DDP coalesces them
+            flat = torch.cat([b.reshape(-1) for b in buffers])
+            dist.broadcast(flat, group=group, group_src=0)
+            for b, part in zip(buffers, torch.split(flat, [b.numel() for b in buffers])):
+                b.copy_(part.view_as(b))
 
 
 def _from_rank_0(model: torch.nn.Module) -> None:
@@ -133,30 +156,6 @@ def is_sharded(module: Any) -> bool:
     from .wrappers import unwrap
 
     return isinstance(module, torch.nn.Module) and hasattr(unwrap(module), "set_requires_gradient_sync")
-
-
-def refuse_sharded(func: str, obj: Any) -> None:
-    """Raise on every rank when ``obj`` (searched through dicts, lists and tuples) holds a sharded
-    model: a checkpoint of one rank's state dict would hold that rank's shards only."""
-    if isinstance(obj, dict):
-        values: Any = obj.values()
-    elif isinstance(obj, (list, tuple)):
-        values = obj
-    else:
-        values = (obj,)
-    for value in values:
-        if isinstance(value, (dict, list, tuple)):
-            refuse_sharded(func, value)
-        elif is_sharded(value):
-            raise bad_value(
-                func,
-                "model",
-                type(value).__name__,
-                "a model that is not sharded: sharded checkpoints (torch.distributed.checkpoint) are "
-                "not built yet, and one rank's state dict of an FSDP model holds its shards only",
-                hint="export the whole model with state = od.full_state_dict(model) (every rank calls "
-                "it; rank 0 gets the state dict) and save that",
-            )
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
