@@ -249,3 +249,30 @@ def test_16_mixed_scales_unscales_and_skips_an_inf_step_on_gpu() -> None:
     with od.Parallel(backend="nccl", nproc_per_node=1) as parallel:
         res = parallel.run(_precision_16_mixed)
     assert res["max_diff"] < 1e-6 and res["skipped_inf_step"] and res["next_step_moved"], res
+
+
+def _sharded_on_gpu(local_rank: int, tmpdir: str) -> dict:
+    """checks_sharding's and checks_sharded_checkpoint's checks on nccl (one process: the model is
+    not sharded, the checkpoint stays one file; several: FSDP2 and DCP on the GPUs)."""
+    import os
+
+    import checks_sharded_checkpoint
+    import checks_sharding
+
+    trained = checks_sharding.check_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes(clip=True)
+    checks_sharding.check_buffers_follow_rank_0_as_under_ddp()
+    folder = os.path.join(tmpdir, "round-trip")
+    if od.get_rank() == 0:
+        os.makedirs(folder)
+    od.barrier()
+    saved = checks_sharded_checkpoint.check_sharded_checkpoint_round_trip(folder)
+    return {"relative_difference": trained["relative_difference"], "files": len(saved["files"])}
+
+
+@pytest.mark.parametrize("n", sorted({1, torch.cuda.device_count()}) if torch.cuda.is_available() else [1])
+def test_sharding_and_sharded_checkpoints_on_nccl(n: int, tmp_path) -> None:
+    """auto_model(sharding="fsdp") trains like DDP and its checkpoint resumes bit for bit on nccl, at
+    world size 1 and at the machine's number of GPUs."""
+    with od.Parallel(backend="nccl", nproc_per_node=n) as parallel:
+        res = parallel.run(_sharded_on_gpu, str(tmp_path))
+    assert res["relative_difference"] <= 1e-5 and res["files"] == (n if n > 1 else 0), res

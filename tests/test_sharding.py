@@ -73,3 +73,24 @@ def test_a_sharded_checkpoint_loads_at_another_world_size(backend, saved_on, loa
 
 def test_buffers_follow_rank_0_as_under_ddp(training_world):
     training_world(checks_sharding.check_buffers_follow_rank_0_as_under_ddp)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needed",
+    [
+        ({"sharding": "fsdp"}, "sharding='fsdp' needs torch >= 2.6"),
+        ({"precision": "16-mixed"}, "needs torch >= 2.3"),
+    ],
+)
+def test_a_feature_newer_than_this_torch_raises_naming_the_release(monkeypatch, kwargs, needed):
+    """On torch 2.2 (its version string set here: the check reads only that), sharding and
+    "16-mixed" raise at once naming the release they need, instead of an ImportError or
+    AttributeError deep inside."""
+    import torch
+
+    import onedist as od
+
+    monkeypatch.setattr(torch, "__version__", "2.2.2+cpu")
+    with pytest.raises(od.OnedistValueError) as raised:
+        od.auto_model(torch.nn.Linear(2, 2), **kwargs)
+    assert "what torch 2.2.2+cpu has" in str(raised.value) and needed in str(raised.value), raised.value

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import bad_type, bad_value
+from .versions import require_torch
 
 __all__ = [
     "PRECISIONS",
@@ -50,6 +51,8 @@ def check_precision(precision: Any, device: torch.device, backend: Optional[str]
     if isinstance(precision, bool) or not isinstance(precision, (str, int)):
         raise bad_type("auto_model", "precision", precision, "a str: " + ", ".join(map(repr, PRECISIONS)))
     name = _ALIASES.get(precision, precision)
+    if name == "16-mixed":
+        require_torch("auto_model", "precision", precision, (2, 3))  # torch.amp.GradScaler(device)
     allowed = _allowed(device, backend)
     if name not in allowed:
         hint = None

@@ -24,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import bad_type, bad_value
+from .versions import require_torch
 
 __all__ = ["SHARDINGS", "check_sharding", "full_state_dict", "is_sharded", "shard"]
 
@@ -43,6 +44,7 @@ def check_sharding(
         return None
     if sharding not in SHARDINGS:
         raise bad_value("auto_model", "sharding", sharding, SHARDINGS)
+    require_torch("auto_model", "sharding", sharding, (2, 6))  # fully_shard, get_total_norm
     if backend.model_parallelism != "ddp":
         raise bad_value(
             "auto_model",
