@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ._net import is_loopback
-from .environments import ClusterEnv, detect, expand_nodelist
+from .environments import ClusterEnv, detect, expand_nodelist, kubernetes_warnings
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -546,6 +546,7 @@ def warnings(
     found += _master_warnings(environ, env, network)
     found += _ifname_warnings(environ, env, network)
     found += _backend_warnings(environ, available_backends, gpu_count)
+    found += kubernetes_warnings(environ)
     return found
 
 

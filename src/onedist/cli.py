@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from ._version import __version__
-from .environments import TORCHRUN_VARS
+from .environments import TORCHRUN_VARS, TRAINJOB_VARS
 
 __all__ = ["main"]
 
@@ -18,6 +18,10 @@ __all__ = ["main"]
 _LAUNCHER_VARS = (
     *TORCHRUN_VARS,
     "TORCHELASTIC_RUN_ID",
+    *TRAINJOB_VARS,  # the Kubernetes operators' (torchrun's PET_* flag defaults)
+    "PET_RDZV_ENDPOINT",
+    "PET_RDZV_BACKEND",
+    "TORCHX_RANK0_HOST",
     "SLURM_JOB_ID",
     "SLURM_PROCID",
     "OMPI_COMM_WORLD_RANK",
@@ -38,9 +42,10 @@ def _info() -> dict[str, Any]:
     import onedist
 
     from ._diagnose import network_report, warnings as launch_warnings
-    from .environments import detect
+    from .environments import detect, kubernetes_job
 
     env = detect(os.environ)
+    job = kubernetes_job(os.environ)
     optional = {}
     for module in ("horovod", "torch_xla", "mpi4py", "hostlist"):
         optional[module] = importlib.util.find_spec(module) is not None
@@ -56,6 +61,8 @@ def _info() -> dict[str, Any]:
         "gpus": gpus,
         "available_backends": backends,
         "detected_environment": asdict(env) if env is not None else None,
+        # the job operator (Kubeflow PyTorchJob / TrainJob, TorchX) whose variables this pod has
+        "kubernetes": asdict(job) if job is not None else None,
         "optional_packages": optional,
         "launcher_environment": {k: os.environ[k] for k in _LAUNCHER_VARS if k in os.environ},
         "network": network,

@@ -8,6 +8,9 @@ could derive. Nothing here imports torch or talks to another process.
 
 Detection order (the first that matches wins):
 
+0. ``pytorchjob`` — a Kubeflow PyTorchJob pod's own process (its RANK is the pod's index), when
+   the job has one process per pod; with more, no launcher has started this pod's workers yet
+   (:func:`pod_start_problem`). Before torchrun's variables, which the operator also sets.
 1. ``torchelastic`` — torchrun / ``torch.distributed.launch`` / ``onedist run`` (which sets the same
    variables). First, because torchrun is often started *inside* an ``srun`` or ``mpirun`` step
    and then the SLURM / MPI variables describe the agents, not the workers.
@@ -43,15 +46,20 @@ from typing import ClassVar, Optional
 __all__ = [
     "ENVIRONMENTS",
     "TORCHRUN_VARS",
+    "TRAINJOB_VARS",
     "ClusterEnv",
     "Environment",
+    "KubernetesJob",
     "PartialLayout",
     "detect",
     "expand_nodelist",
     "expand_tasks_per_node",
     "gpu_index",
+    "kubernetes_job",
+    "kubernetes_warnings",
     "launched_externally",
     "layout_from_environ",
+    "pod_start_problem",
 ]
 
 #: the variables torchrun sets for each worker (and onedist's launchers too)
@@ -200,6 +208,71 @@ class Environment:
         raise NotImplementedError
 
 
+# ---------------------------------------------------------------------------- Kubernetes pods
+# What each operator sets in a pod, from its source (the tests in tests/test_kubernetes.py use
+# these exact sets):
+# - Kubeflow PyTorchJob, training-operator v1.7-v1.9 (github.com/kubeflow/training-operator,
+#   pkg/controller.v1/pytorch/envvar.go and master.go): MASTER_ADDR = PET_MASTER_ADDR =
+#   "<job>-master-0", MASTER_PORT = PET_MASTER_PORT, WORLD_SIZE = pods x nprocPerNode (x 1 when
+#   nprocPerNode is not a number), RANK = PET_NODE_RANK = the pod's index, PET_NPROC_PER_NODE =
+#   nprocPerNode ("auto" by default), PET_NNODES = pods. With an elasticPolicy (elastic.go):
+#   PET_RDZV_ENDPOINT, PET_RDZV_BACKEND, PET_NNODES ("min:max" when elastic), PET_MAX_RESTARTS,
+#   PET_RDZV_ID, PET_RDZV_CONF, PET_STANDALONE. Before v1.7 only MASTER_*, WORLD_SIZE and RANK,
+#   one process per pod: a torchrun-style environment like any other.
+# - Kubeflow Trainer v2 TrainJob (github.com/kubeflow/trainer,
+#   pkg/runtime/framework/plugins/torch/torch.go): only TRAINJOB_VARS; its runtimes run torchrun.
+# - TorchX dist.ddp (github.com/pytorch/torchx, torchx/components/dist.py): torchrun's flags on
+#   the command line, TORCHX_TRACKING_EXPERIMENT_NAME and TORCHX_TRACKING_RUN_NAME in the
+#   environment, and TORCHX_RANK0_HOST=localhost on the first pod (kubernetes_scheduler.py).
+
+#: what Kubeflow Trainer v2 sets in a trainer pod, and nothing else for torch
+TRAINJOB_VARS = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+
+
+def _workers_started(environ: Mapping[str, str]) -> bool:
+    """True in a worker that torchrun, ``onedist run`` or ``od.spawn`` started: they set these,
+    no operator does (the worker inherits the pod's PET_* variables too)."""
+    return "TORCHELASTIC_RUN_ID" in environ or "LOCAL_RANK" in environ
+
+
+def _pytorchjob_pod(environ: Mapping[str, str]) -> bool:
+    """A PyTorchJob (v1.7+, with a Master replica) pod's own process: RANK is the pod's index."""
+    return (
+        not _workers_started(environ)
+        and "PET_NODE_RANK" in environ
+        and "PET_NNODES" in environ
+        and _int(environ, "RANK") is not None
+        and _int(environ, "WORLD_SIZE") is not None
+    )
+
+
+class PyTorchJob(Environment):
+    """The process a Kubeflow PyTorchJob pod started (plain ``python``), one process per pod."""
+
+    name = "pytorchjob"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return _pytorchjob_pod(environ)
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+        node, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+        if node is None or world is None or world != _int(environ, "PET_NNODES"):
+            return None  # nprocPerNode > 1: this process is not a rank (see pod_start_problem)
+        return ClusterEnv(
+            cls.name,
+            node,
+            world,
+            local_rank=0,
+            nproc_per_node=1,
+            node_rank=node,
+            nnodes=world,
+            master_addr=environ.get("MASTER_ADDR") or None,
+            master_port=_int(environ, "MASTER_PORT"),
+        )
+
+
 class TorchElastic(Environment):
     """torchrun / torch.distributed.launch / ``onedist run`` / :func:`onedist.spawn` workers."""
 
@@ -207,7 +280,8 @@ class TorchElastic(Environment):
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
-        return _int(environ, "RANK") is not None and _int(environ, "WORLD_SIZE") is not None
+        has_ranks = _int(environ, "RANK") is not None and _int(environ, "WORLD_SIZE") is not None
+        return has_ranks and not _pytorchjob_pod(environ)  # a PyTorchJob pod's RANK is a node rank
 
     @classmethod
     def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
@@ -410,7 +484,16 @@ class Lsf(Environment):
 
 
 #: the detection order (see the module docstring for why)
-ENVIRONMENTS: tuple[type[Environment], ...] = (TorchElastic, Horovod, OpenMpi, Mvapich, Mpich, Slurm, Lsf)
+ENVIRONMENTS: tuple[type[Environment], ...] = (
+    PyTorchJob,
+    TorchElastic,
+    Horovod,
+    OpenMpi,
+    Mvapich,
+    Mpich,
+    Slurm,
+    Lsf,
+)
 
 
 def detect(environ: Mapping[str, str]) -> Optional[ClusterEnv]:
@@ -512,3 +595,127 @@ def layout_from_environ(environ: Mapping[str, str], rank: int, world_size: int) 
     if env.rank != rank or env.world_size != world_size:
         return PartialLayout()
     return env.layout
+
+
+# ============================================================================ Kubernetes jobs
+@dataclass(frozen=True)
+class KubernetesJob:
+    """What a job operator told this pod about the job; ``None``: not said.
+
+    ``operator``: ``"pytorchjob"`` (Kubeflow training-operator v1), ``"trainjob"`` (Kubeflow
+    Trainer v2) or ``"torchx"`` (TorchX ``dist.ddp``, which sets the same variables on every
+    scheduler). ``workers_started``: torchrun / ``onedist run`` already started this process as
+    one worker (its RANK is then a process rank). The other fields are the ``PET_*`` values.
+    """
+
+    operator: str
+    workers_started: bool
+    nnodes: Optional[str] = None
+    node_rank: Optional[int] = None
+    nproc_per_node: Optional[str] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+
+def kubernetes_job(environ: Mapping[str, str]) -> Optional[KubernetesJob]:
+    """The job operator whose variables this process has, or None.
+
+    Example:
+        >>> job = kubernetes_job({"PET_NNODES": "2", "PET_NPROC_PER_NODE": "4", "PET_NODE_RANK": "1",
+        ...                       "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29500"})
+        >>> (job.operator, job.workers_started, job.nnodes, job.node_rank, job.nproc_per_node)
+        ('trainjob', False, '2', 1, '4')
+        >>> (job.master_addr, job.master_port)
+        ('job-node-0-0.job', 29500)
+    """
+    if "TORCHX_TRACKING_RUN_NAME" in environ or "TORCHX_RANK0_HOST" in environ:
+        operator = "torchx"
+    elif (
+        _pytorchjob_pod(environ)
+        or "PET_RDZV_ENDPOINT" in environ  # an elasticPolicy; Trainer v2 never sets it
+        or environ.get("PET_MASTER_ADDR", "").endswith("-master-0")  # v1's name for the master pod
+    ):
+        operator = "pytorchjob"
+    elif all(name in environ for name in TRAINJOB_VARS):
+        operator = "trainjob"
+    else:
+        return None
+    return KubernetesJob(
+        operator,
+        _workers_started(environ),
+        nnodes=environ.get("PET_NNODES"),
+        node_rank=_int(environ, "PET_NODE_RANK"),
+        nproc_per_node=environ.get("PET_NPROC_PER_NODE"),
+        master_addr=environ.get("PET_MASTER_ADDR") or environ.get("MASTER_ADDR") or None,
+        master_port=_int(environ, "PET_MASTER_PORT", "MASTER_PORT"),
+    )
+
+
+_START_WITH_A_LAUNCHER = (
+    "HINT: start the container's script with `onedist run train.py` (or torchrun): it reads "
+    "PET_NPROC_PER_NODE, PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT and starts "
+    "this pod's workers"
+)
+
+
+def pod_start_problem(environ: Mapping[str, str]) -> Optional[str]:
+    """Why this pod's process cannot take part as it was started, or None.
+
+    A job of several processes per pod, or of several pods, needs torchrun or ``onedist run`` in
+    each pod; started with plain ``python``, a PyTorchJob pod's process would wait forever for a
+    group whose WORLD_SIZE counts processes that never start (RANK is the pod's index, the trap of
+    Lightning-AI issue #13374), and a TrainJob pod's process would train alone.
+
+    Example:
+        >>> print(pod_start_problem({"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
+        ...     "WORLD_SIZE": "4", "RANK": "1", "PET_NODE_RANK": "1", "PET_NNODES": "2",
+        ...     "PET_NPROC_PER_NODE": "2"}))  # doctest: +ELLIPSIS
+        this Kubeflow PyTorchJob pod's process was started without torchrun or onedist run: RANK=1 ...
+    """
+    job = kubernetes_job(environ)
+    if job is None or job.workers_started:
+        return None
+    if job.operator == "pytorchjob" and _pytorchjob_pod(environ) and PyTorchJob.parse(environ) is None:
+        return (
+            "this Kubeflow PyTorchJob pod's process was started without torchrun or onedist run: "
+            f"RANK={environ['RANK']} is the pod's index (its node rank), not a process rank, and "
+            f"WORLD_SIZE={environ['WORLD_SIZE']} counts the processes of PET_NNODES={job.nnodes} pods "
+            f"with PET_NPROC_PER_NODE={job.nproc_per_node}: one process per pod cannot form that group "
+            f"(Lightning-AI issue #13374)\n{_START_WITH_A_LAUNCHER}"
+        )
+    if job.operator == "trainjob" and "RANK" not in environ:
+        nnodes, nproc = _int(environ, "PET_NNODES") or 1, _int(environ, "PET_NPROC_PER_NODE") or 1
+        if nnodes > 1 or nproc > 1:
+            return (
+                "this Kubeflow TrainJob pod's process was started without torchrun or onedist run: the "
+                f"job has PET_NNODES={job.nnodes} nodes of PET_NPROC_PER_NODE={job.nproc_per_node} "
+                f"processes, and this one would train alone\n{_START_WITH_A_LAUNCHER}"
+            )
+    return None
+
+
+def kubernetes_warnings(environ: Mapping[str, str]) -> list[str]:
+    """``onedist info``'s warnings about this pod, each one line ending in a ``HINT:``.
+
+    Example:
+        >>> kubernetes_warnings({"PET_RDZV_ENDPOINT": "job-worker-0:23456", "PET_RDZV_BACKEND": "c10d",
+        ...                      "PET_NNODES": "1:4"})  # doctest: +ELLIPSIS
+        ['this elastic Kubeflow PyTorchJob (PET_NNODES=1:4, PET_RDZV_BACKEND=c10d) needs torchrun...']
+    """
+    found = []
+    problem = pod_start_problem(environ)
+    if problem is not None:
+        found.append(problem.replace("\nHINT:", "; HINT:"))
+    job = kubernetes_job(environ)
+    if job is not None and not job.workers_started and "PET_RDZV_ENDPOINT" in environ:
+        low, _, high = (job.nnodes or "1").partition(":")
+        elastic = bool(high) and high != low
+        if elastic or (job.node_rank is None and (high or low) != "1"):
+            found.append(
+                f"this elastic Kubeflow PyTorchJob (PET_NNODES={job.nnodes}, "
+                f"PET_RDZV_BACKEND={environ.get('PET_RDZV_BACKEND')}) needs torchrun: onedist run numbers "
+                "the nodes from PET_NODE_RANK, which an elasticPolicy without a Master replica does not "
+                "set, and does not re-form the group as nodes come and go; HINT: start it with torchrun, "
+                "or drop the elasticPolicy and give the job a Master replica"
+            )
+    return found

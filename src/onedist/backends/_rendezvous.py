@@ -30,7 +30,7 @@ from .._net import (
     rendezvous_port,
     tcp_init_would_hang,
 )
-from ..environments import ClusterEnv, detect
+from ..environments import ClusterEnv, detect, pod_start_problem
 from ..errors import (
     OnedistRuntimeError,
     OnedistTimeoutError,
@@ -56,6 +56,9 @@ def prepare_env_rendezvous(
     process no launcher started becomes a group of one on 127.0.0.1 and a free port.
     """
     env = os.environ
+    problem = pod_start_problem(env) if rank is None and world_size is None else None
+    if problem is not None:  # a pod that needed torchrun / onedist run: it would hang or train alone
+        raise OnedistValueError(f"onedist.initialize: {problem}")
     if rank is None and world_size is None and "RANK" not in env and "WORLD_SIZE" not in env:
         cluster = detect(env)
         if cluster is not None:

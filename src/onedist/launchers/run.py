@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import glob
 import os
 import shutil
@@ -44,8 +45,10 @@ from collections.abc import Callable
 from typing import IO, Any, Optional
 
 from .._net import LOOPBACK, rendezvous_port
-from ..environments import detect
+from ..environments import detect, kubernetes_job
+from ..errors import OnedistValueError
 from .nodes import Agents, AgentsError
+from .pet import apply_pet_defaults, flag_or_variable, ignored_variables
 from .report import Failure, failure_report, restart_line
 from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
@@ -56,51 +59,28 @@ __all__ = ["build_parser", "main"]
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
     """The ``onedist run`` arguments (torchrun's names; dashes and underscores both accepted)."""
     p = parser or argparse.ArgumentParser(prog="onedist run")
-    p.description = "Start N workers of a script on this node (torchrun-compatible)."
+    p.description = (
+        "Start N workers of a script on this node (torchrun-compatible). As in torchrun, a flag that "
+        "is not given defaults to its PET_* variable (--nproc-per-node: PET_NPROC_PER_NODE, ...)."
+    )
+    # every flag torchrun reads from PET_* defaults to None here: apply_pet_defaults tells a flag
+    # that was given from one that was not, and fills the rest from the environment
     p.add_argument(
         "-n",
         "--nproc-per-node",
         "--nproc_per_node",
         dest="nproc_per_node",
-        default="1",
-        help="workers on this node: a number or 'auto' (one per visible GPU, else 1)",
-    )
-    p.add_argument("--nnodes", default="1", help="number of nodes, N or N:N (run the same command on each)")
-    p.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, default=None)
-    p.add_argument("--master-addr", "--master_addr", dest="master_addr", default=LOOPBACK)
-    p.add_argument(
-        "--master-port",
-        "--master_port",
-        dest="master_port",
-        type=int,
         default=None,
-        help="rendezvous port (default on one node: a free port on 127.0.0.1)",
+        help="workers on this node: a number, 'auto' (one per visible GPU, else 1), 'cpu' (one per CPU) or "
+        "'gpu' (one per visible GPU); default $PET_NPROC_PER_NODE, else 1",
     )
-    p.add_argument("--standalone", action="store_true", help="one node, free port on 127.0.0.1 (the default)")
+    _add_node_flags(p)
+    p.add_argument("--role", default=None, help="the workers' ROLE_NAME (torchrun's --role)")
     p.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        dest="rdzv_endpoint",
+        "-t",
+        "--tee",
         default=None,
-        help="torchrun's HOST[:PORT] of node 0's store (port 29400 by default): --master-addr/--master-port",
-    )
-    p.add_argument(
-        "--rdzv-backend",
-        "--rdzv_backend",
-        dest="rdzv_backend",
-        default="static",
-        help="'static' or 'c10d' (torchrun's names); node ranks are static: --node-rank on each node",
-    )
-    p.add_argument(
-        "--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="run id (TORCHELASTIC_RUN_ID)"
-    )
-    p.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        dest="max_restarts",
-        type=int,
-        default=0,
-        help="restart the workers (of every node) up to N times after a failure",
+        help="accepted for torchrun's command lines (TorchX passes it): the output is always shown here",
     )
     p.add_argument(
         "--backend",
@@ -113,10 +93,71 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         help="comma-separated ranks whose output is shown (default: all)",
     )
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank<N>]:")
-    p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    p.add_argument(
+        "-m", "--module", action="store_true", default=None, help="run the target as a module (python -m)"
+    )
     p.add_argument("target", help="the script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
+
+
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    """torchrun's flags for several nodes and restarts (each defaults to None: see build_parser)."""
+    p.add_argument("--nnodes", default=None, help="number of nodes, N or N:N; default $PET_NNODES, else 1")
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=int,
+        default=None,
+        help="default $PET_NODE_RANK, else 0",
+    )
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default=None,
+        help=f"node 0's address; default $PET_MASTER_ADDR, else {LOOPBACK}",
+    )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=int,
+        default=None,
+        help="rendezvous port; default $PET_MASTER_PORT, else a free port on 127.0.0.1 (one node)",
+    )
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        default=None,
+        help="one node, free port on 127.0.0.1 (the default)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="rdzv_endpoint",
+        default=None,
+        help="torchrun's HOST[:PORT] of node 0's store (port 29400 by default): --master-addr/--master-port",
+    )
+    p.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        dest="rdzv_backend",
+        default=None,
+        help="'static' or 'c10d' (torchrun's names); node ranks are static: --node-rank on each node",
+    )
+    p.add_argument(
+        "--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="run id (TORCHELASTIC_RUN_ID)"
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=int,
+        default=None,
+        help="restart the workers (of every node) up to N times after a failure",
+    )
 
 
 def visible_gpus(environ: Optional[dict[str, str]] = None) -> int:
@@ -132,17 +173,25 @@ class _UsageError(Exception):
     pass
 
 
-def _nproc(value: str) -> int:
+def _nproc(value: str, source: str = "--nproc-per-node") -> int:
+    """The number of workers ``value`` asks for; ``source`` names where it came from in errors."""
     if value == "auto":
         return max(1, visible_gpus())
+    if value == "cpu":  # as torchrun: one per CPU the OS reports
+        return os.cpu_count() or 1
+    if value == "gpu":
+        if visible_gpus() < 1:
+            raise _UsageError(
+                f"{source}='gpu' is not allowed here: no GPU is visible; allowed: an int >= 1, 'auto', 'cpu'"
+            )
+        return visible_gpus()
+    allowed = "an int >= 1, 'auto', 'cpu' or 'gpu'"
     try:
         n = int(value)
     except ValueError:
-        raise _UsageError(
-            f"--nproc-per-node={value!r} is not allowed; allowed: an int >= 1 or 'auto'"
-        ) from None
+        raise _UsageError(f"{source}={value!r} is not allowed; allowed: {allowed}") from None
     if n < 1:
-        raise _UsageError(f"--nproc-per-node={n} is not allowed; allowed: an int >= 1 or 'auto'")
+        raise _UsageError(f"{source}={n} is not allowed; allowed: {allowed}")
     return n
 
 
@@ -183,26 +232,31 @@ def _pump(stream: IO[bytes], out: IO[bytes], prefix: bytes, show: bool, lock: th
 
 def _rendezvous_args(args: argparse.Namespace) -> None:
     """torchrun's rendezvous flags in onedist run's terms: ``--nnodes`` as an int, ``--node-rank``
-    given (0 by default), ``--rdzv-endpoint`` as master address and port."""
+    given (0 by default), ``--rdzv-endpoint`` as master address and port. An error names the
+    ``PET_*`` variable a value came from instead of its flag."""
+    name = functools.partial(flag_or_variable, args)
     low, _, high = str(args.nnodes).partition(":")
     if not low.isdigit() or (high and high != low):
         raise _UsageError(
-            f"--nnodes={args.nnodes} is not allowed; allowed: N or N:N (elastic node counts need re-forming "
-            "the group, which onedist run does not do)"
+            f"{name('nnodes')}={args.nnodes} is not allowed; allowed: N or N:N (elastic node counts need "
+            "re-forming the group, which onedist run does not do)"
         )
     args.nnodes = int(low)
     if args.rdzv_backend not in ("static", "c10d"):
-        raise _UsageError(f"--rdzv-backend={args.rdzv_backend!r} is not allowed; allowed: 'static', 'c10d'")
+        raise _UsageError(
+            f"{name('rdzv_backend')}={args.rdzv_backend!r} is not allowed; allowed: 'static', 'c10d'"
+        )
     if args.max_restarts < 0:
         raise _UsageError(
-            f"--max-restarts={args.max_restarts} is not allowed; allowed: an int >= 0 "
+            f"{name('max_restarts')}={args.max_restarts} is not allowed; allowed: an int >= 0 "
             "(how many times the workers are started again after a failure)"
         )
     if args.node_rank is None:
         if args.nnodes > 1 and args.rdzv_backend == "c10d":
             raise _UsageError(
-                "--node-rank is needed with --nnodes > 1: torchrun's c10d rendezvous numbers the nodes "
-                "as they arrive, onedist run numbers them statically; pass --node-rank=<0..N-1> on each node"
+                f"--node-rank is needed with {name('nnodes')}={args.nnodes} and {name('rdzv_backend')}=c10d: "
+                "torchrun's c10d rendezvous numbers the nodes as they arrive, onedist run numbers them "
+                "statically; pass --node-rank=<0..N-1> (or PET_NODE_RANK) on each node"
             )
         args.node_rank = 0
     if args.rdzv_endpoint is not None:
@@ -211,9 +265,13 @@ def _rendezvous_args(args: argparse.Namespace) -> None:
         host, colon, port = args.rdzv_endpoint.rpartition(":")
         if not colon:  # torchrun's default port
             host, port = args.rdzv_endpoint, "29400"
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise _UsageError(f"--rdzv-endpoint={args.rdzv_endpoint!r} is not allowed; allowed: HOST[:PORT]")
-        args.master_addr, args.master_port = host, int(port)
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536 or (port == "0" and args.nnodes > 1):
+            raise _UsageError(
+                f"{name('rdzv_endpoint')}={args.rdzv_endpoint!r} is not allowed; allowed: HOST[:PORT] "
+                "(PORT 0, a free port, on one node only)"
+            )
+        # port 0: a free one, as torchrun picks (TorchX's dist.ddp passes localhost:0 on one node)
+        args.master_addr, args.master_port = host, int(port) or None
 
 
 def _check_nodes(args: argparse.Namespace) -> None:
@@ -221,8 +279,8 @@ def _check_nodes(args: argparse.Namespace) -> None:
     _rendezvous_args(args)
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise _UsageError(
-            f"--node-rank={args.node_rank} is not allowed with --nnodes={args.nnodes}; "
-            f"allowed: 0..{args.nnodes - 1}"
+            f"{flag_or_variable(args, 'node_rank')}={args.node_rank} is not allowed with "
+            f"{flag_or_variable(args, 'nnodes')}={args.nnodes}; allowed: 0..{args.nnodes - 1}"
         )
     if args.nnodes > 1 and args.master_port is None:
         raise _UsageError(
@@ -267,7 +325,7 @@ def _start_workers(
         env = {
             **base_env,
             **torchrun_env(local_rank, nproc, args.node_rank, args.nnodes, args.master_addr, port),
-            **_agent_env(attempt, args.max_restarts),
+            **_agent_env(attempt, args.max_restarts, args.role),
             "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(nproc * args.nnodes),
             "ONEDIST_ERROR_FILE": error_file,
@@ -401,7 +459,9 @@ def _attempt_port(
     host_store = args.node_rank == 0
     try:
         port, store_sock = rendezvous_port(
-            args.master_addr,
+            # several nodes: listen on every interface even when node 0 calls itself localhost
+            # (TorchX's first pod does: TORCHX_RANK0_HOST=localhost), or the others cannot connect
+            args.master_addr if args.nnodes == 1 else "",
             args.master_port if agents is None else None,
             host_store=host_store,
             what="--master-port",
@@ -418,10 +478,10 @@ def _attempt_port(
         raise
 
 
-def _agent_env(attempt: int, max_restarts: int) -> dict[str, str]:
+def _agent_env(attempt: int, max_restarts: int, role: str = "default") -> dict[str, str]:
     """What torchrun's agent adds to the rendezvous variables (one role, the agent's store)."""
     return {
-        "ROLE_NAME": "default",
+        "ROLE_NAME": role,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": str(attempt),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
@@ -498,11 +558,20 @@ def _run_in_place(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``onedist run`` with parsed arguments; returns the exit status."""
+    """Run ``onedist run`` with parsed arguments; returns the exit status.
+
+    A flag that was not given (None) takes its ``PET_*`` variable's value, else torchrun's default
+    (:mod:`.pet`). A Kubernetes pod that no launcher has started workers in yet (Kubeflow's
+    PyTorchJob sets RANK and WORLD_SIZE there, with RANK the pod's index) starts the workers, as
+    torchrun does; a process another launcher started runs the script in place.
+    """
     try:
-        nproc = _nproc(str(args.nproc_per_node))
+        args.from_environment = apply_pet_defaults(args, os.environ)
+        _report_environment(args)
+        nproc = _nproc(str(args.nproc_per_node), flag_or_variable(args, "nproc_per_node"))
         show = _output_ranks(args.output_ranks)
-        env = detect(os.environ)
+        pod = kubernetes_job(os.environ)
+        env = None if pod is not None and not pod.workers_started else detect(os.environ)
         if env is not None:
             if nproc > 1 and env.nproc_per_node not in (None, nproc):
                 raise _UsageError(
@@ -511,6 +580,20 @@ def main(args: argparse.Namespace) -> int:
                 )
             return _run_in_place(args)
         return _launch(args, nproc, show)
-    except _UsageError as e:
+    except (_UsageError, OnedistValueError) as e:
         sys.stderr.write(f"onedist run: {e}\n")
         return 2
+
+
+def _report_environment(args: argparse.Namespace) -> None:
+    """One stderr line for the flags taken from ``PET_*`` variables, one for those it ignores:
+    in a pod, nobody typed them, so the log says where they came from."""
+    taken = args.from_environment
+    if taken:
+        values = ", ".join(f"--{d.replace('_', '-')}={getattr(args, d)} ({var})" for d, var in taken.items())
+        sys.stderr.write(f"onedist run: from the environment (as torchrun): {values}\n")
+    ignored = ignored_variables(os.environ)
+    if ignored:
+        sys.stderr.write(
+            f"onedist run: ignoring {', '.join(ignored)}: torchrun flags onedist run does not have\n"
+        )

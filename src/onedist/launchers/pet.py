@@ -1,0 +1,212 @@
+"""torchrun's ``PET_*`` variables as the defaults of ``onedist run``'s flags, as torchrun reads them.
+
+torchrun declares most flags with ``action=env`` (``torch/distributed/argparse_util.py``): the flag
+``--foo-bar`` defaults to the variable ``PET_FOO_BAR``, and a flag on the command line wins over
+it. Kubernetes operators start torchrun with only these variables set (Kubeflow Trainer v2 sets
+``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``,
+``PET_MASTER_PORT`` and no flag), so ``onedist run`` reads the same variables for the same flags.
+Every value is checked here, and a bad one is named with its variable, so a typo in a pod spec
+does not surface as a message about a flag nobody typed.
+
+Example:
+    >>> import argparse
+    >>> args = argparse.Namespace(nproc_per_node=None, nnodes="2", node_rank=None)
+    >>> taken = apply_pet_defaults(args, {"PET_NPROC_PER_NODE": "2", "PET_NNODES": "4"})
+    >>> (args.nproc_per_node, args.nnodes, args.node_rank, taken)
+    ('2', '2', None, {'nproc_per_node': 'PET_NPROC_PER_NODE'})
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+from .._net import LOOPBACK
+from ..errors import OnedistValueError
+
+__all__ = ["IGNORED", "PET_FLAGS", "apply_pet_defaults", "flag_or_variable", "ignored_variables"]
+
+
+def _int_at_least(low: int, high: Optional[int] = None) -> Callable[[str, str], int]:
+    def check(name: str, text: str) -> int:
+        allowed = f"an int in {low}..{high}" if high is not None else f"an int >= {low}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise _bad(name, text, allowed) from None
+        if value < low or (high is not None and value > high):
+            raise _bad(name, text, allowed)
+        return value
+
+    return check
+
+
+def _nproc(name: str, text: str) -> str:
+    if text in ("auto", "cpu", "gpu") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise _bad(name, text, "an int >= 1, 'auto', 'cpu' or 'gpu'")
+
+
+def _nnodes(name: str, text: str) -> str:
+    match = re.fullmatch(r"(\d+)(?::(\d+))?", text.strip())
+    if match is None or int(match.group(1)) < 1:
+        raise _bad(name, text, "N or N:N with N >= 1")
+    if match.group(2) is not None and match.group(2) != match.group(1):
+        # Kubeflow's elasticPolicy with minReplicas/maxReplicas sets "min:max"
+        raise _bad(
+            name,
+            text,
+            "N or N:N (an elastic node count needs the group re-formed as nodes come and go, which "
+            "onedist run does not do; torchrun does)",
+        )
+    return match.group(1)
+
+
+def _text(name: str, text: str) -> Optional[str]:
+    return text.strip() or None  # torchrun's default for --rdzv-endpoint is "": the same as unset
+
+
+def _switch(name: str, text: str) -> bool:
+    # torchrun's check_env reads bool(int(value)); Kubeflow's elasticPolicy.standalone sets
+    # PET_STANDALONE to "" to switch it on (training-operator pkg/controller.v1/pytorch/elastic.go)
+    if not text.strip():
+        return True
+    try:
+        return bool(int(text))
+    except ValueError:
+        raise _bad(name, text, "an int (0 = off, anything else = on) or empty (on)") from None
+
+
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def check(name: str, text: str) -> str:
+        if text not in allowed:
+            raise _bad(name, text, ", ".join(repr(a) for a in allowed))
+        return text
+
+    return check
+
+
+def _tee(name: str, text: str) -> str:
+    if re.fullmatch(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", text) is None:
+        raise _bad(name, text, "0, 1, 2, 3 or LOCAL_RANK:N,... with N in 0..3 (torchrun's --tee)")
+    return text
+
+
+def _any(name: str, text: str) -> str:
+    return text
+
+
+#: onedist run's flags that torchrun reads from a ``PET_*`` variable when the flag is not given
+#: (torch/distributed/run.py, ``action=env`` / ``check_env``): dest -> (variable, check, default)
+PET_FLAGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
+    "nproc_per_node": ("PET_NPROC_PER_NODE", _nproc, "1"),
+    "nnodes": ("PET_NNODES", _nnodes, "1"),
+    "node_rank": ("PET_NODE_RANK", _int_at_least(0), None),
+    "master_addr": ("PET_MASTER_ADDR", _text, LOOPBACK),
+    "master_port": ("PET_MASTER_PORT", _int_at_least(1, 65535), None),
+    "rdzv_endpoint": ("PET_RDZV_ENDPOINT", _text, None),
+    "rdzv_backend": ("PET_RDZV_BACKEND", _choice("static", "c10d"), "static"),
+    "rdzv_id": ("PET_RDZV_ID", _any, None),
+    "max_restarts": ("PET_MAX_RESTARTS", _int_at_least(0), 0),
+    "standalone": ("PET_STANDALONE", _switch, False),
+    "module": ("PET_MODULE", _switch, False),
+    "role": ("PET_ROLE", _any, "default"),
+    "tee": ("PET_TEE", _tee, "0"),
+}
+
+#: torchrun's other ``PET_*`` variables: their flags change how torchrun's agent logs, waits or
+#: binds, which onedist run does its own way; a set one is reported, not silently dropped
+IGNORED = (
+    "PET_RDZV_CONF",
+    "PET_MONITOR_INTERVAL",
+    "PET_START_METHOD",
+    "PET_EVENT_LOG_HANDLER",
+    "PET_RUN_PATH",
+    "PET_LOG_DIR",
+    "PET_REDIRECTS",
+    "PET_LOCAL_RANKS_FILTER",
+    "PET_DUPLICATE_STDOUT_FILTERS",
+    "PET_DUPLICATE_STDERR_FILTERS",
+    "PET_LOCAL_ADDR",
+    "PET_SIGNALS_TO_HANDLE",
+    "PET_SHUTDOWN_TIMEOUT",
+    "PET_VIRTUAL_LOCAL_RANK",
+)
+
+
+def _bad(name: str, text: str, allowed: str) -> OnedistValueError:
+    return OnedistValueError(
+        f"{name}={text!r} is not allowed; allowed: {allowed}\n"
+        f"HINT: torchrun reads {name} as the default of its flag, and so does onedist run; fix or unset "
+        "the variable (in a Kubernetes pod: the job's spec), or pass the flag, which wins"
+    )
+
+
+def apply_pet_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """Fill each flag of :data:`PET_FLAGS` that is None in ``args`` (not given) from its variable,
+    else torchrun's default; returns ``{dest: variable}`` for the values taken from the environment.
+
+    Raises OnedistValueError naming the variable, its value and what is allowed for a bad value,
+    and for ``PET_NO_PYTHON`` switched on (the target would be a program, not a Python script).
+    Between ``--rdzv-endpoint`` and ``--master-addr``/``--master-port`` a flag wins over a
+    variable, and of two variables ``PET_RDZV_ENDPOINT`` wins, as in torchrun.
+
+    Example:
+        >>> import argparse
+        >>> args = argparse.Namespace(master_addr="node0", master_port=None, rdzv_endpoint=None)
+        >>> apply_pet_defaults(args, {"PET_MASTER_PORT": "29500", "PET_RDZV_ENDPOINT": "ep:1"})
+        {'master_port': 'PET_MASTER_PORT'}
+        >>> (args.master_addr, args.master_port, args.rdzv_endpoint)
+        ('node0', 29500, None)
+    """
+    if environ.get("PET_NO_PYTHON", "0").strip() not in ("", "0"):
+        value = environ["PET_NO_PYTHON"]
+        raise _bad("PET_NO_PYTHON", value, "0 or unset (onedist run starts Python scripts)")
+    given = {dest for dest in PET_FLAGS if getattr(args, dest, None) is not None}
+    taken: dict[str, str] = {}
+    for dest, (name, check, default) in PET_FLAGS.items():
+        if not hasattr(args, dest) or dest in given:
+            continue
+        value = default
+        if name in environ:
+            parsed = check(name, environ[name])
+            if parsed is not None:
+                value = parsed
+                taken[dest] = name
+        setattr(args, dest, value)
+    master_given = given & {"master_addr", "master_port"}
+    if "rdzv_endpoint" in taken and master_given:
+        args.rdzv_endpoint = None  # the flag the user typed wins over the pod's variable
+        del taken["rdzv_endpoint"]
+    elif getattr(args, "rdzv_endpoint", None) is not None and not master_given:
+        for dest in ("master_addr", "master_port"):  # torchrun uses the endpoint when it has one
+            if dest in taken:
+                setattr(args, dest, PET_FLAGS[dest][2])
+                del taken[dest]
+    return taken
+
+
+def flag_or_variable(args: argparse.Namespace, dest: str) -> str:
+    """How to name the source of ``args.<dest>`` in a message: its ``PET_*`` variable when the
+    value came from there (``args.from_environment``), else its flag.
+
+    Example:
+        >>> import argparse
+        >>> args = argparse.Namespace(from_environment={"nnodes": "PET_NNODES"})
+        >>> flag_or_variable(args, "nnodes"), flag_or_variable(args, "node_rank")
+        ('PET_NNODES', '--node-rank')
+    """
+    taken: dict[str, str] = getattr(args, "from_environment", {})
+    return taken.get(dest) or "--" + dest.replace("_", "-")
+
+
+def ignored_variables(environ: Mapping[str, str]) -> list[str]:
+    """The :data:`IGNORED` variables that are set, in that order.
+
+    Example:
+        >>> ignored_variables({"PET_RDZV_CONF": "timeout=60", "PET_NNODES": "2"})
+        ['PET_RDZV_CONF']
+    """
+    return [name for name in IGNORED if name in environ]
