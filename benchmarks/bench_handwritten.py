@@ -7,7 +7,8 @@
 Every variant runs in the same spawned worker processes on the same default process group. A
 *round* times every case once, and inside a case every variant once (a sample: the median of
 3-20 calls timed one by one, 3 for 128 MB, ranks in step after a barrier; for the broadcast,
-whose root may run ahead, the mean of the loop), the variants' order rotating from round to round; the ratio
+whose root may run ahead, the mean of the loop; the 16 and 64 MiB objects only every 2nd and 4th
+round), the variants' order rotating from round to round; the ratio
 of a variant to ``raw`` is taken **per round** (both timed within milliseconds), and the report
 gives the median of those ratios. ``raw again (A/A)`` is the raw baseline run a second time:
 its ratio is the noise floor of the others (a quiet machine gives 0.95-1.05). 60 rounds by
@@ -37,6 +38,15 @@ The baselines (``raw``), as a torch user writes them by hand:
   dict of 100 metrics    100 0-dim float32 tensors. By hand: ``torch.stack`` them in sorted key
                          order, one ``dist.all_reduce``, ``unbind`` back into a dict;
                          ``od.all_reduce(metrics)``.
+  all_reduce Python float  ``t = torch.tensor([x], dtype=torch.float64); dist.all_reduce(t);
+                         t.item()`` (a logged metric, ``loss.item()``); ``od.all_reduce(x)``.
+  object broadcast / all_gather N MiB  a ``bytes`` object of 1, 16 and 64 MiB (a vocabulary, a
+                         small state dict, a list of file names): ``broadcast_object_list`` /
+                         ``all_gather_object`` against ``od.broadcast_object`` / ``od.all_gather_object``.
+
+``--memory`` measures instead each rank's peak memory over the call for the large objects: the
+peak resident set (``VmHWM``, reset through ``/proc/self/clear_refs``) above the resident set
+before the call, beyond the object itself, median of 5 calls; rank 0 sends the broadcast.
 
 Peers' columns (ignite, accelerate, Lightning Fabric) are added for the cases they cover when
 they are installed, and left out silently when they are not.
@@ -45,8 +55,11 @@ they are installed, and left out silently when they are not.
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -117,16 +130,62 @@ def raw_uneven_into(x: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat([out[i * m : i * m + s] for i, s in enumerate(sizes)])
 
 
-def raw_broadcast_object(obj: Any, rank: int) -> Any:
+def raw_broadcast_object(obj: Any, rank: int, group: Any = None) -> Any:
     box = [obj if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def raw_all_gather_object(obj: Any, world: int) -> list[Any]:
+def raw_all_gather_object(obj: Any, world: int, group: Any = None) -> list[Any]:
     out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def raw_number(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def big_object(mib: int, rank: int) -> bytes:
+    """``mib`` MiB of bytes, different per rank, every page written (calloc'd zeros would not count)."""
+    return bytes([rank + 1]) * (mib * 2**20)
+
+
+def _object_cases(rank: int, world: int) -> dict[str, tuple[Variants, int, int]]:
+    """The large objects; on a backend other than gloo also raw torch on a gloo group of the same
+    ranks ("raw on gloo": what onedist's shm is measured against)."""
+    gloo = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+    cases: dict[str, tuple[Variants, int, int]] = {}
+    for mib in OBJECT_MIB:
+        obj = big_object(mib, rank)
+        src_obj = obj if rank == 0 else None
+        calls = 5 if mib < 64 else 3
+        v: Variants = {
+            "raw": functools.partial(raw_broadcast_object, obj, rank),
+            "onedist": functools.partial(od.broadcast_object, src_obj),
+        }
+        if gloo is not None:
+            v["raw on gloo"] = functools.partial(raw_broadcast_object, obj, rank, gloo)
+        cases[f"object broadcast {mib} MiB"] = (v, calls, 0)
+        v = {
+            "raw": functools.partial(raw_all_gather_object, obj, world),
+            "onedist": functools.partial(od.all_gather_object, obj),
+        }
+        if gloo is not None:
+            v["raw on gloo"] = functools.partial(raw_all_gather_object, obj, world, gloo)
+        cases[f"object all_gather {mib} MiB"] = (v, calls, 0)
+    return cases
+
+
+OBJECT_MIB = (1, 16, 64)
+
+
+def _every(case: str) -> int:
+    """Sample a case every this many rounds: a 64 MiB all_gather takes ~1 s a call here, and their
+    ratios spread far less than the small cases' (60 rounds would take 10 minutes)."""
+    return 4 if "64 MiB" in case else 2 if "16 MiB" in case else 1
 
 
 def raw_stacked(metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -189,6 +248,10 @@ def _cases(rank: int, world: int, peers: dict[str, Any]) -> dict[str, tuple[Vari
     if ig:
         v["ignite (leaf by leaf)"] = lambda: {k: ig.all_reduce(m.clone()) for k, m in metrics.items()}
     cases["dict of 100 metrics"] = (v, 20, 0)
+    x = 0.25 * (rank + 1)
+    v = {"raw": lambda: raw_number(x), "onedist": lambda: od.all_reduce(x)}
+    cases["all_reduce Python float"] = (v, 20, 0)
+    cases.update(_object_cases(rank, world))
     for variants, _, _ in cases.values():
         variants["raw again (A/A)"] = variants["raw"]
     return cases
@@ -206,6 +269,10 @@ def _check_results(rank: int, world: int) -> None:
     assert od.all_gather_object(obj) == raw_all_gather_object(obj, world)
     metrics = {f"m{i}": torch.tensor(float(i + rank)) for i in range(10)}
     assert od.all_reduce(metrics) == raw_stacked(metrics)
+    assert od.all_reduce(0.25 * (rank + 1)) == raw_number(0.25 * (rank + 1))
+    big = big_object(1, rank)
+    assert od.broadcast_object(big if rank == 0 else None) == raw_broadcast_object(big, rank)
+    assert od.all_gather_object(big) == raw_all_gather_object(big, world)
 
 
 def _time(fn: Callable[[], Any], iters: int, per_call: bool) -> float:
@@ -263,12 +330,79 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, dict[str, list[float]]] = {c: {v: [] for v in cases[c][0]} for c in cases}
     for rnd in range(args.rounds):
         for case, (variants, _, _) in cases.items():
+            if rnd % _every(case):
+                continue
             names = list(variants)
             shift = rnd % len(names)
             for name in names[shift:] + names[:shift]:
                 n = calls[case, name]
                 samples[case][name].append(_time(variants[name], n, "broadcast" not in case))
     return {"samples": samples, "bytes": {c: cases[c][2] for c in cases}}
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` memory field, in bytes."""
+    with open("/proc/self/status") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    assert match, field
+    return int(match.group(1)) * 1024
+
+
+def _peak_extra(fn: Callable[[], Any], obj: bytes) -> int:
+    """The peak resident bytes one call of ``fn`` adds, beyond the new objects it returns."""
+    dist.barrier()
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set (VmHWM) starts again from the current one
+    before = _status("VmRSS")
+    result = fn()
+    peak = _status("VmHWM") - before
+    values = result if isinstance(result, list) else [result]
+    return peak - sum(len(v) for v in values if isinstance(v, bytes) and v is not obj)
+
+
+def memory(local_rank: int, mib: int, case: str, variant: str) -> int:
+    """This rank's peak extra bytes for one call, in fresh workers (memory a call before freed
+    but kept resident would hide the next one's peak): a small call first, as a warm-up."""
+    rank, world = od.get_rank(), od.get_world_size()
+    _object_call(case, variant, b"warm-up", rank, world)()
+    obj = big_object(mib, rank)
+    return _peak_extra(_object_call(case, variant, obj, rank, world), obj)
+
+
+def _object_call(case: str, variant: str, obj: bytes, rank: int, world: int) -> Callable[[], Any]:
+    if case == "broadcast":
+        if variant == "raw":
+            return functools.partial(raw_broadcast_object, obj, rank)
+        return functools.partial(od.broadcast_object, obj if rank == 0 else None)
+    if variant == "raw":
+        return functools.partial(raw_all_gather_object, obj, world)
+    return functools.partial(od.all_gather_object, obj)
+
+
+def report_memory(args: argparse.Namespace) -> None:
+    """Each (size, call, variant) measured in a fresh pair of workers, ``--memory-runs`` times
+    (median)."""
+    print(
+        "peak memory one call adds beyond the objects it returns (MiB; median of "
+        f"{args.memory_runs} fresh runs), per rank; rank 0 sends the broadcast"
+    )
+    for mib in OBJECT_MIB[1:]:
+        for case in ("broadcast", "all_gather"):
+            cells = {}
+            for variant in ("raw", "onedist"):
+                runs = [
+                    od.spawn(args.backend, memory, args=(mib, case, variant), nproc_per_node=args.world_size)
+                    for _ in range(args.memory_runs)
+                ]
+                cells[variant] = [
+                    statistics.median(r[rank] for r in runs) / 2**20 for rank in range(args.world_size)
+                ]
+            text = "  ".join(
+                f"rank {r}: raw {cells['raw'][r]:6.1f}, onedist {cells['onedist'][r]:6.1f}"
+                for r in range(args.world_size)
+            )
+            print(f"  {case} {mib} MiB".ljust(24) + text)
 
 
 def report(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -294,6 +428,16 @@ def report(result: dict[str, Any]) -> list[dict[str, Any]]:
                     "GB/s": nbytes / statistics.median(times) / 1e9 if nbytes else None,
                 }
             )
+        if "raw on gloo" in variants:  # onedist on this backend against raw torch on gloo
+            ratios = [t / r for t, r in zip(variants["onedist"], variants["raw on gloo"])]
+            qs = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+            row = {
+                "case": case,
+                "variant": "onedist / raw on gloo",
+                "median_s": statistics.median(variants["onedist"]),
+            }
+            row.update(ratio=statistics.median(ratios), ratio_q1=qs[0], ratio_q3=qs[2], bandwidth=False)
+            rows.append({**row, "GB/s": None})
     return rows
 
 
@@ -306,8 +450,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--cases", nargs="*", help="only the cases whose name contains one of these")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--memory", action="store_true", help="peak memory of the large objects instead")
+    parser.add_argument("--memory-runs", type=int, default=3, help="fresh runs per --memory cell")
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
+    if args.memory:
+        # every large block mmapped and given back when freed: else glibc's heap keeps a freed block
+        # resident, and the next call's allocations reuse it without raising the peak
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+        report_memory(args)
+        return
     load = os.getloadavg()[0]
     result = od.spawn(args.backend, run, args=(args,), nproc_per_node=args.world_size)[0]
     rows = report(result)

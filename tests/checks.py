@@ -206,6 +206,53 @@ def check_all_reduce_numbers_exact() -> None:
     assert od.all_reduce(3, op="PRODUCT") == 3**w
 
 
+def check_python_numbers_take_either_way_alike() -> None:
+    """A Python float or int alone takes all_reduce's number path (one float64/int64 element), the
+    same number in a list the general way: the same value and type for every op, and ranks that
+    mix the two ways in one call still meet (both send that one element)."""
+    r, _ = rw()
+    for x in (0.1 * (r + 1), 1.0 + r * 2.0**-40, r + 3, -(2**62) + r, 2**53 + 1 + r):
+        for op in ("SUM", "MEAN", "MIN", "MAX", "PRODUCT"):
+            if op == "PRODUCT" and isinstance(x, int) and abs(x) > 2**20:
+                continue  # int64 wraps alike on both ways, but the value says nothing then
+            alone, listed = od.all_reduce(x, op), od.all_reduce([x], op)[0]
+            assert type(alone) is type(listed) and alone == listed, (x, op, alone, listed)
+    mixed = od.all_reduce(2.5 if r % 2 else [2.5], "MEAN")
+    assert (mixed if r % 2 else mixed[0]) == 2.5, mixed
+    try:  # beyond int64: the general way's error, raised on every rank before any communication
+        od.all_reduce(2**70)
+    except od.OnedistValueError as e:
+        assert "numbers that fit in int64 / float64" in str(e), e
+    else:
+        raise AssertionError("2**70 was reduced")
+
+
+def check_large_objects_travel_whole() -> dict[str, Any]:
+    """Objects of 1 MiB and more, which go as their pickle's own memory (no copy on either side):
+    bytes, a str, a dict with a tensor inside, equal and uneven sizes, broadcast and all_gather,
+    and what comes back is the receiver's own (a bytearray changed afterwards does not change
+    what was received)."""
+    r, w = rw()
+    big = bytes([r + 1]) * (2**20 + 7 * r)  # uneven sizes: 1 MiB + 7 r bytes
+    assert od.all_gather_object(big) == [bytes([i + 1]) * (2**20 + 7 * i) for i in range(w)]
+    text = "é" * (2**19 + r)
+    assert od.all_gather_object(text) == ["é" * (2**19 + i) for i in range(w)]
+    sent = bytearray(b"x" * 2**21)
+    got = od.broadcast_object(sent if r == 0 else None)
+    if r == 0:
+        assert got is sent
+    else:
+        assert got == sent and isinstance(got, bytearray)
+        got[0] = ord("y")
+    state = {"vocab": [f"word{i}" for i in range(30000)], "w": torch.full((64, 64), float(r))}
+    gathered = od.all_gather_object(state)
+    assert [g["vocab"] == state["vocab"] for g in gathered] == [True] * w
+    assert [float(g["w"][0, 0]) for g in gathered] == [float(i) for i in range(w)]
+    one = od.broadcast_object(big if r == 0 else None)
+    assert one == bytes([1]) * 2**20
+    return {"sent_intact": bytes(sent[:1]) == b"x"}
+
+
 class Point(NamedTuple):
     x: float
     y: torch.Tensor

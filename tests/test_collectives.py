@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 import checks
 
 
@@ -20,6 +22,27 @@ def test_all_reduce_layout_device_inplace_async(world):
 
 def test_all_reduce_numbers_are_exact(world):
     world(checks.check_all_reduce_numbers_exact)
+
+
+def test_python_numbers_take_either_way_alike(world):
+    world(checks.check_python_numbers_take_either_way_alike)
+
+
+def test_large_objects_travel_whole(world):
+    assert world(checks.check_large_objects_travel_whole) == [{"sent_intact": True}] * world.world_size
+
+
+def test_a_large_pickle_is_its_own_wire_block():
+    """A large value without tensors is pickled once, into the memory round 2 sends as it is:
+    the meta is a view of that block (no concatenated copy), padded to the wire's alignment."""
+    from onedist.collectives import wire
+
+    packed = wire.pack({"blob": b"z" * 2**20}, torch.device("cpu"))
+    assert packed.kind == wire.K_PICKLE and not packed.tensors
+    assert isinstance(packed.meta, memoryview) and packed.block is not None
+    assert len(packed.block) == wire.align(len(packed.meta)) and packed.meta.obj is packed.block.obj
+    _, _, rest = wire.split_meta(packed.kind, packed.meta)
+    assert wire.unpack(packed.kind, rest, []) == {"blob": b"z" * 2**20}
 
 
 def test_all_reduce_nested_one_collective_per_dtype(world):

@@ -279,6 +279,8 @@ CORE_CHECKS = [
     checks.check_all_gather_object,
     checks.check_argument_errors,
     checks.check_one_element_strided_tensors,
+    checks.check_python_numbers_take_either_way_alike,
+    checks.check_large_objects_travel_whole,
 ]
 
 

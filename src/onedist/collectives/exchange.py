@@ -152,9 +152,11 @@ def my_blocks(
         return empty, tblock
     if meta_part == 0 and packed.kind == W.K_TENSOR:
         return W.tensor_bytes(packed.tensors[0]), tblock  # the tensor's own memory: no copy
+    if not tensors_here and packed.block is not None and len(packed.block) == obj_len:
+        return torch.frombuffer(packed.block, dtype=U8), tblock  # the pickle's own memory: no copy
     block = torch.empty(obj_len, dtype=U8)
     if meta_part:
-        block[: len(packed.meta)].copy_(torch.frombuffer(bytearray(packed.meta), dtype=U8))
+        block.numpy().data[: len(packed.meta)] = packed.meta
     if tensors_here:
         W.copy_tensors_into(packed, block[meta_part:])
     return block, tblock
@@ -223,12 +225,13 @@ def decode(
     slot: torch.Tensor,
     obj: Optional[torch.Tensor],
     tens: Optional[torch.Tensor],
-) -> tuple[int, list[W.TensorSpec], list[torch.Tensor], bytes]:
+) -> tuple[int, list[W.TensorSpec], list[torch.Tensor], W.Buffer]:
     """One rank's value parts from its slot and its round-2 bytes (``obj``/``tens`` may be None)."""
     obj_rest: Optional[torch.Tensor]
+    meta: W.Buffer
     if h.inline == W.INLINE_NONE:
         assert obj is not None
-        meta = W.slot_bytes(obj, 0, h.meta_len)  # the object channel is on the CPU
+        meta = W.block_view(obj, 0, h.meta_len)  # the object channel is on the CPU; no copy
         obj_rest = obj[W.align(h.meta_len) :]
     else:
         meta = W.slot_bytes(slot, W.HEADER_BYTES, W.HEADER_BYTES + h.meta_len)
@@ -468,7 +471,7 @@ def _mismatch(func: str, what: str, values: Sequence[Any], path: str) -> Collect
 
 def _merge_gathered(
     local: Any,
-    parts: list[tuple[int, list[W.TensorSpec], list[torch.Tensor], bytes]],
+    parts: list[tuple[int, list[W.TensorSpec], list[torch.Tensor], W.Buffer]],
     headers: list[W.Header],
     obj_buf: Optional[torch.Tensor],
     obj_sizes: list[int],

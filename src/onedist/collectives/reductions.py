@@ -92,6 +92,11 @@ def all_reduce(
                 else:
                     b.all_reduce_(tensor, opn, None, False)
                 return tensor
+        cls = tensor.__class__
+        if (cls is float or cls is int) and not async_op and opn in _NUMBER_OPS:
+            number = _reduce_number(b, tensor, opn)
+            if number is not None:
+                return number
         g, size = None, b.world_size
     else:
         g, me, ranks = resolve_group("all_reduce", b, group)
@@ -99,6 +104,30 @@ def all_reduce(
             return done(tensor, async_op)
         size = len(ranks)
     return _reduce(b, "all_reduce", tensor, opn, g, size, None, async_op, inplace)
+
+
+_NUMBER_OPS = PLAIN_OPS | {"MEAN"}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _reduce_number(b: Backend, x: Any, op: str) -> Any:
+    """A Python float or int (a logged ``loss.item()``) as a torch user reduces one by hand: a
+    one-element float64 (int64) tensor, one all_reduce, ``item()``. The general way issues that
+    same collective (ranks may take either way) after its flatten and bucket work, a quarter of
+    the call's time on gloo (issue 40). None: the general way takes it (an int beyond int64, a
+    backend that reduces off the CPU)."""
+    if x.__class__ is float:
+        dtype = torch.float64
+    elif _INT64_MIN <= x <= _INT64_MAX:
+        dtype = torch.int64
+    else:
+        return None
+    if dtype not in b.cpu_reduce_dtypes:
+        return None
+    buf = torch.tensor([x], dtype=dtype)
+    b.all_reduce_(buf, "SUM" if op == "MEAN" else op, None, False)
+    value = buf.item()
+    return float(value) / b.world_size if op == "MEAN" else value  # the general way's float64 division
 
 
 @guarded("reduce", 3, dst=(1, 0), op=(2, "SUM"))

@@ -25,7 +25,7 @@ import io
 import pickle
 import struct
 import threading
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -50,6 +50,7 @@ __all__ = [
     "slot_bytes",
     "slot_size",
     "split_meta",
+    "block_view",
     "release",
     "tensor_slot",
     "unpack",
@@ -97,6 +98,8 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
+Buffer = Union[bytes, memoryview]  #: a meta: bytes, or a view of a pickle's or a received block's memory
+
 
 class PackError(Exception):
     """This rank's value cannot be sent (reported to every rank through the error slot)."""
@@ -106,10 +109,13 @@ class Packed(NamedTuple):
     """A value ready for the wire: kind, meta bytes, and the tensors (contiguous, on the channel)."""
 
     kind: int
-    meta: bytes
+    meta: Buffer
     tensors: list[torch.Tensor]
     #: each tensor's padded byte length, in order
     sizes: list[int]
+    #: the meta padded to the wire alignment, in memory round 2 may send as it is (a large pickle:
+    #: its only copy), or None
+    block: Optional[memoryview] = None
 
     @property
     def tensor_len(self) -> int:
@@ -200,19 +206,35 @@ def pack(obj: Any, device: torch.device) -> Packed:
         return Packed(K_FLOAT, struct.pack("<d", obj), [], [])
     if kind is str:
         return Packed(K_STR, obj.encode("utf-8", "surrogatepass"), [], [])
+    return _pack_pickle(obj, device)
+
+
+def _pack_pickle(obj: Any, device: torch.device) -> Packed:
+    """The meta: tensor count, one dtype/shape record per tensor, then the pickle. The count is
+    written first and the pickle after it in one buffer: without tensors (a config, a vocabulary,
+    a list of names), the buffer is the meta, padded and sent as it is, the pickle's only copy."""
     tensors: list[torch.Tensor] = []
     buf = io.BytesIO()
+    buf.write(_NO_TENSORS)
     try:
         _TensorPickler(buf, tensors).dump(obj)
     except Exception as e:
         raise PackError(
             f"cannot pickle a value of type {type(obj).__qualname__}: {type(e).__name__}: {e}"
         ) from e
+    if not tensors:
+        meta_len = buf.tell()
+        buf.write(bytes(align(meta_len) - meta_len))
+        block = buf.getbuffer()
+        return Packed(K_PICKLE, block[:meta_len], [], [], block)
     wired = [_wire_tensor(t, device) for t in tensors]
     sizes = [align(t.numel() * t.element_size()) for t in wired]
-    # tensor count, one dtype/shape record per tensor, then the pickle
     records = b"".join(_tensor_meta(t) for t in wired)
-    return Packed(K_PICKLE, struct.pack("<q", len(wired)) + records + buf.getvalue(), wired, sizes)
+    pickled = buf.getbuffer()[len(_NO_TENSORS) :]  # tensors' bytes travel raw: a small pickle
+    return Packed(K_PICKLE, struct.pack("<q", len(wired)) + records + pickled, wired, sizes)
+
+
+_NO_TENSORS = struct.pack("<q", 0)
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -393,6 +415,13 @@ def slot_bytes(slot: torch.Tensor, start: int, stop: int) -> bytes:
     return bytes(slot.numpy().data[start:stop])
 
 
+def block_view(block: torch.Tensor, start: int, stop: int) -> memoryview:
+    """Bytes ``start:stop`` of a uint8 CPU tensor, not copied: a round-2 block of this call only
+    (a slot's bytes are reused by the next call: :func:`slot_bytes` copies them)."""
+    view: memoryview = block.numpy().data[start:stop]
+    return view
+
+
 # ---------------------------------------------------------------------------------------- unpacking
 class TensorSpec(NamedTuple):
     dtype: torch.dtype
@@ -400,7 +429,7 @@ class TensorSpec(NamedTuple):
     nbytes: int
 
 
-def _read_record(meta: bytes, offset: int) -> tuple[TensorSpec, int]:
+def _read_record(meta: Buffer, offset: int) -> tuple[TensorSpec, int]:
     code, ndim = struct.unpack_from("<2q", meta, offset)
     shape = struct.unpack_from(f"<{ndim}q", meta, offset + 16)
     dtype = _DTYPES[code]
@@ -410,7 +439,7 @@ def _read_record(meta: bytes, offset: int) -> tuple[TensorSpec, int]:
     return TensorSpec(dtype, tuple(shape), n * dtype.itemsize), offset + 16 + 8 * ndim
 
 
-def split_meta(kind: int, meta: bytes) -> tuple[list[TensorSpec], list[int], bytes]:
+def split_meta(kind: int, meta: Buffer) -> tuple[list[TensorSpec], list[int], Buffer]:
     """The tensors a meta describes, their byte offsets in the tensor part, and the rest."""
     if kind == K_TENSOR:
         spec, _ = _read_record(meta, 0)
@@ -435,7 +464,7 @@ def view_tensor(data: torch.Tensor, offset: int, spec: TensorSpec) -> torch.Tens
     return data[offset : offset + spec.nbytes].view(spec.dtype).view(spec.shape)
 
 
-def unpack(kind: int, rest: bytes, tensors: list[torch.Tensor]) -> Any:
+def unpack(kind: int, rest: Buffer, tensors: list[torch.Tensor]) -> Any:
     """Rebuild a value from its kind, the non-tensor part of its meta, and its tensors."""
     if kind == K_TENSOR:
         return tensors[0]
@@ -448,7 +477,7 @@ def unpack(kind: int, rest: bytes, tensors: list[torch.Tensor]) -> Any:
     if kind == K_FLOAT:
         return struct.unpack("<d", rest)[0]
     if kind == K_STR:
-        return rest.decode("utf-8", "surrogatepass")
+        return str(rest, "utf-8", "surrogatepass")
     _unpickling.tensors = tensors
     try:
         return pickle.loads(rest)
