@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:  # for type checkers; at run time each name is imported on first use (__getattr__)
+    from ._torch_plugin import (
+        register_torch_backends as register_torch_backends,
+    )
     from .backends import (
         available_backends as available_backends,
     )
@@ -143,6 +146,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
 # public name -> submodule that defines it. `import onedist` imports none of them (nor torch):
 # the launcher (`onedist run`) starts workers without paying for torch in its own process.
 _LAZY = {
+    "register_torch_backends": "_torch_plugin",
     "available_backends": "backends",
     "AsyncResult": "collectives",
     "all_gather": "collectives",

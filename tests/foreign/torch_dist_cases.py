@@ -40,14 +40,10 @@ NAME_TESTS = frozenset({"test_get_backend", "test_Backend_enum_class"})
 
 def register_subject() -> None:
     """Make the backend under test known to torch.distributed (gloo is built in)."""
-    if SUBJECT == "shm":
-        from onedist.backends import shm
+    if SUBJECT in ("shm", "mpi4py"):
+        from onedist import register_torch_backends
 
-        shm.register()
-    elif SUBJECT == "mpi4py":
-        from onedist.backends import mpi
-
-        mpi.register()
+        register_torch_backends()
     elif SUBJECT != "gloo":
         raise ValueError(f"ONEDIST_TORCH_SUITE_BACKEND={SUBJECT!r}: allowed gloo, shm, mpi4py")
 

@@ -36,7 +36,6 @@ __all__ = [
     "for_each",
     "op_name",
     "opts_or",
-    "register",
 ]
 
 _Work: Any = dist.distributed_c10d.Work
@@ -212,13 +211,6 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-
-
-def register(name: str, create: Callable[..., Any], **kwargs: Any) -> None:
-    """Register backend ``name`` with torch.distributed unless it is already (``initialize`` calls
-    this each time; ``kwargs`` go to ``register_backend``, e.g. ``extended_api``)."""
-    if name not in dist.Backend.backend_list:
-        dist.Backend.register_backend(name, create, devices=["cpu"], **kwargs)
 
 
 def for_each(fn: Callable[..., None], *columns: list[Any]) -> None:

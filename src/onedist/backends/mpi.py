@@ -1,10 +1,11 @@
 """MPI collectives on stock PyTorch wheels: a process group backed by mpi4py.
 
 PyTorch's own ``mpi`` process group exists only in builds compiled against MPI; the wheels on
-PyPI have none. torch lets Python register a process group backend, so when mpi4py is installed
-``onedist.initialize("mpi")`` registers this one (under torch's name ``"mpi4py"``; ``"mpi"`` is
-reserved for the built-in) and every ``dist.*`` call, ``DistributedDataParallel`` included, runs
-on real MPI calls of the MPI library mpi4py was built against (Open MPI, MPICH, Intel MPI).
+PyPI have none. torch lets Python register a process group backend, so onedist registers this
+one (under torch's name ``"mpi4py"``; ``"mpi"`` is reserved for the built-in, see
+:mod:`onedist._torch_plugin`) and, when mpi4py is installed, every ``dist.*`` call,
+``DistributedDataParallel`` included, runs on real MPI calls of the MPI library mpi4py was
+built against (Open MPI, MPICH, Intel MPI).
 
 * **Communicators.** The world group is ``MPI_COMM_WORLD`` split in torch's rank order, so a
   launcher whose ranks differ from MPI's still works; a subgroup is ``MPI_Comm_create_group``
@@ -52,8 +53,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveMismatchError
-from . import _pygroup
+from ..errors import BackendUnavailableError, CollectiveMismatchError
 from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, averages, flat as _flat, for_each, op_name
 
 #: torch.distributed's name of this backend (``dist.get_backend()`` reports it)
@@ -765,9 +765,16 @@ class _RequestWork(PyWork):
 _world_comm: Any = None
 
 
-def _create(opts: Any, backend_options: Any) -> MpiProcessGroup:
-    """torch.distributed's constructor hook (extended API: it gives the group's global ranks)."""
+def create(opts: Any, backend_options: Any) -> MpiProcessGroup:
+    """torch.distributed's constructor hook for ``backend="mpi4py"`` (extended API: it gives the
+    group's global ranks), registered by :func:`onedist.register_torch_backends`."""
     global _world_comm
+    if not installed():
+        raise BackendUnavailableError(
+            "onedist mpi: backend 'mpi4py' needs mpi4py and an MPI library; "
+            'HINT: pip install "onedist[mpi]" (and Open MPI or MPICH), then start the ranks with mpirun'
+        )
+    prepare_environment()  # a torch program's first MPI use may be here
     MPI = _mpi()
     rank, size = opts.group_rank, opts.group_size
     if not dist.is_initialized():  # the default group, created before torch records it
@@ -784,9 +791,3 @@ def _create(opts: Any, backend_options: Any) -> MpiProcessGroup:
     ranks = [int(r) for r in opts.global_ranks_in_group]
     comm = _world_comm.Create_group(_world_comm.Get_group().Incl(ranks))  # its members only
     return MpiProcessGroup(comm, rank, size, opts.timeout, ranks)
-
-
-def register() -> None:
-    """Register onedist's mpi4py process group with torch.distributed (called by ``initialize("mpi")``)."""
-    prepare_environment()
-    _pygroup.register(NAME, _create, extended_api=True)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._net import discard_store_fd
+from .._torch_plugin import register_torch_backends
 from ..environments import PartialLayout, gpu_index, layout_from_environ
 from ..errors import OnedistRuntimeError, bad_value
 from . import _gloo_threads
@@ -160,15 +161,13 @@ class NativeBackend(Backend):
             rank, world_size = rank_world_from_env(rank, world_size)
             if init_method.startswith("tcp://") and rank == 0:
                 check_tcp_host(init_method)
-        if backend == "shm":
-            from .shm import register
+        if backend == "mpi" and not dist.is_mpi_available():
+            from .mpi import prepare_environment
 
-            register()
-        elif backend == "mpi" and not dist.is_mpi_available():
-            from .mpi import register as register_mpi
-
-            register_mpi()  # stock wheels: onedist's process group over mpi4py
-            backend = _MPI4PY
+            prepare_environment()  # before anything starts MPI
+            backend = _MPI4PY  # stock wheels: onedist's process group over mpi4py
+        if backend in ("shm", _MPI4PY):
+            register_torch_backends()  # torch did at import, unless TORCH_DEVICE_BACKEND_AUTOLOAD=0
         try:
             store = None
             fds_before = socket_fds()

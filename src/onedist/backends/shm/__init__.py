@@ -49,14 +49,14 @@ The package, one job per module: :mod:`.segment` (the memfd and its layout), :mo
 (barriers, the call check, failure marks), :mod:`.reductions` (what each reduce op computes),
 :mod:`.phases` (chunks through the banks, copies over helper threads), :mod:`.exchange` (gather,
 scatter, all_to_all), :mod:`.cma` (reads from a peer's memory), :mod:`.hosts` (two levels over
-several hosts) and :mod:`.group` (the process group, its dense collectives and its registration
-with torch).
+several hosts) and :mod:`.group` (the process group and its dense collectives; :mod:`onedist._torch_plugin`
+registers it with torch).
 """
 
 from __future__ import annotations
 
-from .group import ShmProcessGroup, create, register
+from .group import ShmProcessGroup, create
 from .protocol import ShmError
 from .segment import DEFAULT_CHUNK, NAME, supported
 
-__all__ = ["DEFAULT_CHUNK", "NAME", "ShmError", "ShmProcessGroup", "create", "register", "supported"]
+__all__ = ["DEFAULT_CHUNK", "NAME", "ShmError", "ShmProcessGroup", "create", "supported"]

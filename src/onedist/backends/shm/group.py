@@ -18,7 +18,6 @@ import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
-from .. import _pygroup
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
 from . import cma
 from .exchange import Exchanges, Head
@@ -387,10 +386,6 @@ class ShmProcessGroup(TwoLevels, Exchanges):
 
 
 def create(store: Any, rank: int, size: int, timeout: timedelta) -> ShmProcessGroup:
-    """torch.distributed's constructor hook for ``backend="shm"``."""
+    """torch.distributed's constructor hook for ``backend="shm"`` (registered by
+    :func:`onedist.register_torch_backends`)."""
     return ShmProcessGroup(store, rank, size, timeout)
-
-
-def register() -> None:
-    """Register ``"shm"`` with torch.distributed (called by ``initialize("shm")``)."""
-    _pygroup.register(NAME, create)
