@@ -79,7 +79,20 @@ def check_sharded_checkpoint_round_trip(tmpdir: str) -> dict[str, Any]:
     assert torch.equal(torch.cat([p.detach().flatten() for p in plain.parameters()]), at_save)
     saved = od.load_checkpoint(path)
     assert saved["step"] == 3 and (ws == 1 or saved["model"] is None), saved
+    _check_keys_with_dots_and_ints(tmpdir, model, optimizer)
     return {"files": files}
+
+
+def _check_keys_with_dots_and_ints(tmpdir: str, model: torch.nn.Module, optimizer: Any) -> None:
+    """Entries found by their keys themselves: a dotted key, an int key, a list position."""
+    path = os.path.join(tmpdir, "keys.pt")
+    od.save_checkpoint({"run.main": model, 3: [optimizer], "epoch": 1}, path)
+    fresh, fresh_optimizer = _trained(0)
+    ckpt = od.load_checkpoint(path, {"run.main": fresh, 3: [fresh_optimizer]})
+    assert ckpt["epoch"] == 1 and torch.equal(_whole(fresh), _whole(model))
+    _step(model, optimizer, 6)
+    _step(fresh, fresh_optimizer, 6)  # the same step only from the same AdamW state
+    assert torch.equal(_whole(fresh), _whole(model))
 
 
 def check_failed_sharded_save_raises_on_every_rank(tmpdir: str) -> None:

@@ -272,8 +272,8 @@ def _plan(
     rest = torch.load(target / REST, map_location=location, weights_only=weights_only)
     models = _models_of(to)
     plan: dict[str, tuple[Any, Any, Any]] = {}
-    for key in _placeholders(rest, ""):
-        live = _find(to, key)
+    for key, path in _placeholders(rest):
+        live = _find(to, path)
         if live is None:  # not asked for: it comes back as None (it loads only into a live object)
             continue
         if isinstance(live, torch.nn.Module):
@@ -294,26 +294,28 @@ def _plan(
     return rest, plan
 
 
-def _placeholders(value: Any, key: str) -> list[str]:
+def _placeholders(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[str, tuple[Any, ...]]]:
+    """Each DCP entry's key, and where its placeholder sits in rest.pt (the dict keys and list
+    indices themselves: a key may hold a dot, or be an int)."""
     if isinstance(value, str) and value.startswith(_PLACEHOLDER):
-        return [value[len(_PLACEHOLDER) :]]
+        return [(value[len(_PLACEHOLDER) :], path)]
     if isinstance(value, Mapping):
-        return [p for k, v in value.items() for p in _placeholders(v, _join(key, k))]
+        return [p for k, v in value.items() for p in _placeholders(v, (*path, k))]
     if isinstance(value, (list, tuple)):
-        return [p for i, v in enumerate(value) for p in _placeholders(v, _join(key, i))]
+        return [p for i, v in enumerate(value) for p in _placeholders(v, (*path, i))]
     return []
 
 
-def _find(to: Any, key: str) -> Any:
-    """The object of ``to`` at ``key`` (parts joined by dots), or None."""
+def _find(to: Any, path: tuple[Any, ...]) -> Any:
+    """The object of ``to`` at ``path``, or None."""
     live = to
-    for part in key.split(".") if key else []:
-        if isinstance(live, Mapping) and part in live:
-            live = live[part]
-        elif isinstance(live, (list, tuple)) and part.isdigit() and int(part) < len(live):
-            live = live[int(part)]
-        else:
+    for part in path:
+        found = (isinstance(live, Mapping) and part in live) or (
+            isinstance(live, (list, tuple)) and isinstance(part, int) and part < len(live)
+        )
+        if not found:
             return None
+        live = live[part]
     return live
 
 
