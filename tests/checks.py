@@ -740,6 +740,12 @@ def check_all_gather_object() -> None:
     assert all(torch.equal(o["t"], torch.arange(q + 1)) for q, o in enumerate(out))
     assert od.all_gather_object(torch.ones(r + 1))[0].shape == (1,)
     assert od.all_gather_object((r, "x")) == [(q, "x") for q in range(w)]
+    # docs/migration/detectron2.md: all_gather gives detectron2's list but for a tensor (concatenated)
+    for value in ({"a": r}, [r, "x"], f"s{r}", r, 0.5 * r, None):
+        assert od.all_gather(value) == od.all_gather_object(value), value
+    tensors = od.all_gather({"t": torch.tensor([r])})
+    assert [int(d["t"]) for d in tensors] == list(range(w)), tensors
+    assert torch.equal(od.all_gather(torch.tensor([r])), torch.arange(w))
 
 
 def check_argument_errors() -> None:
