@@ -748,6 +748,29 @@ def check_all_gather_object() -> None:
     assert torch.equal(od.all_gather(torch.tensor([r])), torch.arange(w))
 
 
+def check_detectron2_differentiable_collectives_and_local_group() -> None:
+    """detectron2's differentiable_all_reduce / differentiable_all_gather: values and the gradient
+    each rank's input gets from every rank's outputs; create_local_process_group checks its count."""
+    r, w = rw()
+    total = float(sum(range(1, w + 1)))  # sum over the ranks q of (q + 1)
+    x = (torch.tensor([1.0, 2.0]) * (r + 1)).requires_grad_(True)
+    y = od.differentiable_all_reduce(x)
+    assert torch.equal(y.detach(), torch.tensor([1.0, 2.0]) * total)
+    (y * (r + 1)).sum().backward()  # rank q weights its output by q + 1: x's gradient sums them
+    assert torch.equal(x.grad, torch.full((2,), total)), x.grad
+    x2 = torch.full((3,), float(r), requires_grad=True)
+    parts = od.differentiable_all_gather(x2)
+    assert [p.tolist() for p in parts] == [[float(q)] * 3 for q in range(w)]
+    loss = sum((q + 1) * (r + 1) * p.sum() for q, p in enumerate(parts))
+    loss.backward()  # rank s gives entry r the weight (r + 1)(s + 1): summed over s
+    assert torch.equal(x2.grad, torch.full((3,), (r + 1) * total)), x2.grad
+    with pytest.raises(od.OnedistTypeError, match="input has type list"):
+        od.differentiable_all_reduce([1.0])
+    assert od.create_local_process_group(od.get_local_size()) is od.get_local_process_group()
+    with pytest.raises(od.OnedistValueError, match=f"num_workers_per_machine={w + 1} is not allowed"):
+        od.create_local_process_group(w + 1)
+
+
 def check_argument_errors() -> None:
     _, w = rw()
     x = torch.ones(2)

@@ -114,6 +114,10 @@ def test_all_gather_object_returns_one_entry_per_rank(world):
     world(checks.check_all_gather_object)
 
 
+def test_detectron2_differentiable_collectives_and_local_group(world):
+    world(checks.check_detectron2_differentiable_collectives_and_local_group)
+
+
 def test_bad_arguments_raise_clear_errors_without_communicating(world):
     world(checks.check_argument_errors)
 

@@ -281,6 +281,7 @@ CORE_CHECKS = [
     checks.check_one_element_strided_tensors,
     checks.check_python_numbers_take_either_way_alike,
     checks.check_large_objects_travel_whole,
+    checks.check_detectron2_differentiable_collectives_and_local_group,
 ]
 
 

@@ -51,7 +51,12 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
         is_debug as is_debug,
         set_debug as set_debug,
     )
+    from .collectives.differentiable import (
+        differentiable_all_gather as differentiable_all_gather,
+        differentiable_all_reduce as differentiable_all_reduce,
+    )
     from .collectives.helpers import (
+        create_local_process_group as create_local_process_group,
         one_rank_first as one_rank_first,
         one_rank_only as one_rank_only,
         reduce_dict as reduce_dict,
@@ -169,6 +174,9 @@ _LAZY = {
     "one_rank_first": "collectives.helpers",
     "one_rank_only": "collectives.helpers",
     "reduce_dict": "collectives.helpers",
+    "create_local_process_group": "collectives.helpers",
+    "differentiable_all_reduce": "collectives.differentiable",
+    "differentiable_all_gather": "collectives.differentiable",
     "shared_random_seed": "collectives.helpers",
     "synchronize": "collectives.helpers",
     "backend": "context",

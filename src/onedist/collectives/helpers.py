@@ -17,7 +17,14 @@ from .gathers import all_gather_object
 from .groups import barrier
 from .reductions import all_reduce
 
-__all__ = ["one_rank_first", "one_rank_only", "reduce_dict", "shared_random_seed", "synchronize"]
+__all__ = [
+    "create_local_process_group",
+    "one_rank_first",
+    "one_rank_only",
+    "reduce_dict",
+    "shared_random_seed",
+    "synchronize",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -157,6 +164,35 @@ def reduce_dict(
         raise bad_type("reduce_dict", "input_dict", input_dict, "a dict of tensors or numbers")
     result: dict[Any, Any] = all_reduce(dict(input_dict), op="MEAN" if average else "SUM", group=group)
     return result
+
+
+def create_local_process_group(num_workers_per_machine: int) -> Any:
+    """detectron2's call after starting processes without its ``launch()``: here the group of the
+    ranks on this machine, :func:`onedist.get_local_process_group` (onedist knows where the ranks
+    run: nothing to create), after checking ``num_workers_per_machine`` against it.
+
+    Raises:
+        OnedistValueError: ``num_workers_per_machine`` is not the number of ranks on this machine
+            (detectron2 would build groups of the wrong ranks from it).
+
+    Example:
+        >>> import onedist as od
+        >>> group = od.create_local_process_group(od.get_local_size())
+    """
+    from ..context import get_local_process_group, get_local_size
+
+    n = num_workers_per_machine
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise bad_type("create_local_process_group", "num_workers_per_machine", n, "an int >= 1")
+    local = get_local_size()
+    if n != local:
+        raise bad_value(
+            "create_local_process_group",
+            "num_workers_per_machine",
+            n,
+            f"{local}, the number of ranks on this machine",
+        )
+    return get_local_process_group()
 
 
 def synchronize(group: Optional[GroupLike] = None) -> None:
