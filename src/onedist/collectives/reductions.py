@@ -107,24 +107,21 @@ def all_reduce(
 
 
 _NUMBER_OPS = PLAIN_OPS | {"MEAN"}
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _reduce_number(b: Backend, x: Any, op: str) -> Any:
     """A Python float or int (a logged ``loss.item()``) as a torch user reduces one by hand: a
     one-element float64 (int64) tensor, one all_reduce, ``item()``. The general way issues that
     same collective (ranks may take either way) after its flatten and bucket work, a quarter of
-    the call's time on gloo (issue 40). None: the general way takes it (an int beyond int64, a
-    backend that reduces off the CPU)."""
-    if x.__class__ is float:
-        dtype = torch.float64
-    elif _INT64_MIN <= x <= _INT64_MAX:
-        dtype = torch.int64
-    else:
-        return None
+    the call's time on gloo (issue 40). None: the general way takes it (an int beyond int64,
+    which it refuses by name; a backend that reduces off the CPU)."""
+    dtype = torch.float64 if x.__class__ is float else torch.int64
     if dtype not in b.cpu_reduce_dtypes:
         return None
-    buf = torch.tensor([x], dtype=dtype)
+    try:
+        buf = torch.tensor([x], dtype=dtype)
+    except (OverflowError, RuntimeError, ValueError):  # beyond int64, as packing's fill finds
+        return None
     b.all_reduce_(buf, "SUM" if op == "MEAN" else op, None, False)
     value = buf.item()
     return float(value) / b.world_size if op == "MEAN" else value  # the general way's float64 division
