@@ -16,12 +16,13 @@ import os
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
-from ..errors import OnedistError, RemoteRankError, bad_type, bad_value
+from ..errors import OnedistError, bad_type, bad_value
 from .files import fsync_dir, temporary_beside
+from .outcomes import on_every_rank, on_writer
 from .sharded_checkpoint import holds_sharded, is_sharded_checkpoint, load_sharded, save_sharded
 
 __all__ = ["CheckpointNotFoundError", "load_checkpoint", "save_checkpoint"]
@@ -71,7 +72,6 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
         >>> od.load_checkpoint("/tmp/ckpt/last.pt")["epoch"]
         3
     """
-    from ..collectives import broadcast_object
     from ..context import current
 
     b = current()
@@ -86,23 +86,12 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
     if b.world_size == 1:
         _write(_state_of(obj), target)
         return
-    error: Optional[BaseException] = None
-    status: Optional[str] = None
-    if b.rank == rank:
-        try:
-            _write(_state_of(obj), target)
-        except Exception as e:
-            error, status = e, f"{type(e).__name__}: {e}"
     # every rank waits here until the writer is done: returning means the file exists
-    status = broadcast_object(status, src=rank)
-    if error is not None:
-        raise error
-    if status is not None:
-        raise RemoteRankError(
-            f"onedist.save_checkpoint: rank {rank} could not write the checkpoint {str(target)!r}. "
-            f"Its error: {status}",
-            rank=rank,
-        )
+    on_writer(
+        rank,
+        lambda: _write(_state_of(obj), target),
+        f"onedist.save_checkpoint: rank {rank} could not write the checkpoint {str(target)!r}",
+    )
 
 
 def _check_path(func: str, path: Any) -> Path:
@@ -202,7 +191,6 @@ def load_checkpoint(
         >>> ckpt["epoch"] + 1, torch.equal(fresh.weight, od.unwrap(model).weight)
         (4, True)
     """
-    from ..collectives import all_gather_object
     from ..context import current, device
 
     b = current()
@@ -212,25 +200,10 @@ def load_checkpoint(
     location = device() if map_location is None else map_location
     if is_sharded_checkpoint(target):
         return load_sharded(target, to, location, weights_only, _load_into)
-    state: Any = None
-    error: Optional[BaseException] = None
-    try:
-        state = _load_here(target, b.rank, location, weights_only, to)
-    except Exception as e:
-        error = e
-    if b.world_size > 1:
-        statuses = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        if error is None:
-            for r, status in enumerate(statuses):
-                if status is not None:
-                    raise RemoteRankError(
-                        f"onedist.load_checkpoint: rank {r} could not load {str(target)!r}. "
-                        f"Its error: {status}",
-                        rank=r,
-                    )
-    if error is not None:
-        raise error
-    return state
+    return on_every_rank(
+        lambda: _load_here(target, b.rank, location, weights_only, to),
+        lambda r: f"onedist.load_checkpoint: rank {r} could not load {str(target)!r}",
+    )
 
 
 def _load_here(target: Path, rank: int, location: Any, weights_only: bool, to: Any) -> Any:

@@ -26,12 +26,13 @@ import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from ..errors import RemoteRankError, bad_type, bad_value
+from ..errors import bad_type, bad_value
 from .files import fsync_dir, temporary_beside
+from .outcomes import on_every_rank, on_writer
 from .sharding import is_sharded
 
 __all__ = ["REST", "holds_sharded", "is_sharded_checkpoint", "load_sharded", "save_sharded"]
@@ -67,30 +68,17 @@ def save_sharded(obj: Any, target: Path, writer: int, state_of: Any) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from ..collectives import broadcast_object
     from ..context import current
 
     rank = current().rank
     entries: dict[str, Any] = {}
     rest = _split(obj, "", _models_of(obj), entries, state_of)
-    temporary: Optional[str] = None
-    status: Optional[str] = None
-    error: Optional[BaseException] = None
-    if rank == writer:
-        try:
-            temporary = str(_make_temporary(target))
-        except Exception as e:
-            error, status = e, f"{type(e).__name__}: {e}"
-    temporary, status = broadcast_object((temporary, status), src=writer)
-    if error is not None:
-        raise error
-    if status is not None:
-        raise RemoteRankError(
-            f"onedist.save_checkpoint: rank {writer} could not create the sharded checkpoint's "
-            f"directory beside {str(target)!r}. Its error: {status}",
-            rank=writer,
-        )
-    assert temporary is not None
+    temporary: str = on_writer(
+        writer,
+        lambda: str(_make_temporary(target)),
+        f"onedist.save_checkpoint: rank {writer} could not create the sharded checkpoint's "
+        f"directory beside {str(target)!r}",
+    )
     try:  # every rank's shards; DCP raises on every rank when one rank's write fails
         # a replicated tensor (a buffer) is written once: rank 0's, the copy DDP-like training keeps
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
@@ -100,21 +88,11 @@ def save_sharded(obj: Any, target: Path, writer: int, state_of: Any) -> None:
         if rank == writer:
             shutil.rmtree(temporary, ignore_errors=True)
         raise
-    if rank == writer:
-        try:
-            _finish(rest, Path(temporary), target)
-        except Exception as e:
-            error, status = e, f"{type(e).__name__}: {e}"
-            shutil.rmtree(temporary, ignore_errors=True)
-    status = broadcast_object(status, src=writer)  # returning means the directory is in place
-    if error is not None:
-        raise error
-    if status is not None:
-        raise RemoteRankError(
-            f"onedist.save_checkpoint: rank {writer} could not complete the sharded checkpoint "
-            f"{str(target)!r}. Its error: {status}",
-            rank=writer,
-        )
+    on_writer(  # returning means the directory is in place
+        writer,
+        lambda: _finish(rest, Path(temporary), target),
+        f"onedist.save_checkpoint: rank {writer} could not complete the sharded checkpoint {str(target)!r}",
+    )
 
 
 @contextlib.contextmanager
@@ -206,6 +184,15 @@ def _make_temporary(target: Path) -> Path:
 
 
 def _finish(rest: Any, temporary: Path, target: Path) -> None:
+    """:func:`_complete`, or the temporary directory removed when it fails."""
+    try:
+        _complete(rest, temporary, target)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def _complete(rest: Any, temporary: Path, target: Path) -> None:
     """rest.pt into the complete directory, then the directory renamed to ``target``."""
     with open(temporary / REST, "xb") as f:
         torch.save(rest, f)
@@ -231,34 +218,15 @@ def load_sharded(target: Path, to: Any, location: Any, weights_only: bool, load_
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    rest, plan = _exchanged(lambda: _plan(target, to, location, weights_only))
+    rest, plan = on_every_rank(lambda: _plan(target, to, location, weights_only), _load_failed)
     entries = {key: template for key, (_, template, _) in plan.items()}
     with _quiet_without_process_group() as no_dist:  # DCP raises on every rank when one fails
         load(entries, storage_reader=FileSystemReader(str(target)), no_dist=no_dist)
-    return _exchanged(lambda: _apply(plan, rest, to, load_into))
+    return on_every_rank(lambda: _apply(plan, rest, to, load_into), _load_failed)
 
 
-def _exchanged(step: Any) -> Any:
-    """``step()`` on every rank, then one small collective: every rank raises when one failed
-    (that rank its own error, the others RemoteRankError), instead of waiting in DCP's next call."""
-    from ..collectives import all_gather_object
-    from ..context import current
-
-    result: Any = None
-    error: Optional[BaseException] = None
-    try:
-        result = step()
-    except Exception as e:
-        error = e
-    if current().world_size > 1:
-        statuses = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
-        if error is None and failed:
-            r, status = failed[0]
-            raise RemoteRankError(f"onedist.load_checkpoint: rank {r} failed. Its error: {status}", rank=r)
-    if error is not None:
-        raise error
-    return result
+def _load_failed(rank: int) -> str:
+    return f"onedist.load_checkpoint: rank {rank} failed"
 
 
 def _plan(
