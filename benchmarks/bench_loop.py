@@ -9,9 +9,13 @@ Variants (bench_training.py's MLP and data; each micro-batch is one forward and 
   onedist k=1        auto_model / auto_optim, a step per micro-batch
   onedist k=4        od.accumulate(model, every=4): one exchange and one step per 4 micro-batches
   onedist bf16 k=1   auto_model(precision="bf16-mixed") + od.backward
+  onedist k=1 join   onedist k=1 inside `with od.join(model, optimizer):` (even data: what the
+                     block costs a loop whose ranks never run out of batches)
+  raw k=1 Join       raw k=1 inside torch.distributed.algorithms.Join([model])
 Repetitions are interleaved (the order rotates); medians of micro-batches/s, and the ratios that
 answer the questions: what accumulation saves (k=4 / k=1), what onedist's accumulation costs
-against the hand-written one, and bf16-mixed against float32 on this device.
+against the hand-written one, bf16-mixed against float32 on this device, and od.join's step check
+against the same loop outside it (and torch's Join against raw).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import Join
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from bench_training import _data, _mlp, interleaved_rates
@@ -54,6 +59,16 @@ def _loop(model: torch.nn.Module, opt: Any, batches: list[Any], k: int, how: str
     return run
 
 
+def _inside(block: Callable[[], Any], run: Callable[[int], None]) -> Callable[[int], None]:
+    """``run``, each repetition inside a fresh ``block()`` (od.join, torch's Join)."""
+
+    def inside(n: int) -> None:
+        with block():
+            run(n)
+
+    return inside
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -79,6 +94,14 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, float]:
         opt = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.01))
         name = f"onedist {'bf16 ' if precision != '32' else ''}k={k}"
         variants[name] = _loop(model, opt, batches, k, "onedist")
+    model = od.auto_model(_mlp(args.features, args.hidden))
+    opt = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.01))
+    variants["onedist k=1 join"] = _inside(
+        lambda: od.join(model, opt), _loop(model, opt, batches, 1, "onedist")
+    )
+    ddp = torch.nn.parallel.DistributedDataParallel(_mlp(args.features, args.hidden))
+    raw = _loop(ddp, torch.optim.SGD(ddp.parameters(), lr=0.01), batches, 1, "raw")
+    variants["raw k=1 Join"] = _inside(lambda: Join([ddp]), raw)
     for fn in variants.values():  # warm-up: buckets, buffers, autocast's caches
         fn(2 * args.k)
     return interleaved_rates(variants, args.steps, args.reps)
@@ -117,6 +140,10 @@ def main() -> None:
         f"k={k} x{rates[f'onedist k={k}'] / rates[f'raw k={k}']:.3f}"
     )
     print(f"  bf16-mixed / float32 (k=1): x{rates['onedist bf16 k=1'] / rates['onedist k=1']:.2f}")
+    print(
+        f"  inside / outside the block: od.join x{rates['onedist k=1 join'] / rates['onedist k=1']:.3f}, "
+        f"torch Join x{rates['raw k=1 Join'] / rates['raw k=1']:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ The only distributed lines are onedist's; the same file runs on every backend an
     python examples/digits.py --backend shm --nproc-per-node 4   # shared memory (one host)
     python examples/digits.py --nproc-per-node 2 --accumulate 4 --precision bf16-mixed
     python examples/digits.py --nproc-per-node 2 --sharding fsdp      # FSDP2: 1/2 of the model per rank
+    python examples/digits.py --nproc-per-node 3 --uneven        # ranks with fewer batches: od.join
     python examples/digits.py --backend nccl --nproc-per-node 4  # GPUs
     mpirun -np 3 python examples/digits.py --backend mpi         # MPI itself (mpi4py)
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py --backend horovod
@@ -24,6 +25,7 @@ below --target (0.95).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from typing import Any
@@ -93,27 +95,40 @@ def train_epoch(model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, e
     seen = 0
     steps = len(loader) if args.max_steps is None else min(len(loader), args.max_steps)
     first = args.step - (epoch - 1) * steps  # > 0 when this epoch resumes from a checkpoint
-    k = args.accumulate
-    for i, (x, y) in enumerate(_progress(loader, epoch), start=first):  # reshuffles every epoch
-        if i == args.max_steps:
-            break
-        x, y = x.to(od.device()), y.to(od.device())
-        # a window of k batches (fewer at the epoch's end): one gradient exchange, one optimizer step
-        window = min(k, steps - (i - i % k))
-        last = i % k == window - 1
-        with od.no_sync(model, enabled=not last):
-            loss = F.cross_entropy(model(x), y)
-            od.backward(loss / window)  # the gradient of the window's mean loss
-        if last:
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        loss_sum += loss.detach().double().cpu() * len(y)
-        seen += len(y)
-        args.step += 1  # batches done (a checkpoint falls on a window's end: every % k == 0)
-        if args.checkpoint_every and args.step % args.checkpoint_every == 0 and i + 1 < steps:
-            save_state(model, optimizer, scheduler, loader, args)  # the epoch's end saves below
+    if args.uneven:  # as a sharded stream would: rank r gets world_size - 1 - r batches fewer
+        steps -= od.get_world_size() - 1 - od.get_rank()
+    # od.join: a rank out of batches answers the others' collectives until every rank is done
+    joined = od.join(model, optimizer, scheduler) if args.uneven else contextlib.nullcontext()
+    with joined:
+        for i, (x, y) in enumerate(_progress(loader, epoch), start=first):  # reshuffles every epoch
+            if i == steps:
+                break
+            loss = train_step(model, optimizer, scheduler, x, y, i, steps, args)
+            loss_sum += loss.detach().double().cpu() * len(y)
+            seen += len(y)
+            args.step += 1  # batches done (a checkpoint falls on a window's end: every % k == 0)
+            if args.checkpoint_every and args.step % args.checkpoint_every == 0 and i + 1 < steps:
+                save_state(model, optimizer, scheduler, loader, args)  # the epoch's end saves below
     return od.all_reduce({"loss": loss_sum, "seen": seen})  # one collective for both
+
+
+def train_step(
+    model: nn.Module, optimizer: Any, scheduler: Any, x: Any, y: Any, i: int, steps: int, args: Any
+) -> torch.Tensor:
+    """Batch ``i`` of the epoch's ``steps``: its forward and backward pass, and the optimizer step
+    at the end of a window of ``args.accumulate`` batches (fewer at the epoch's end)."""
+    k = args.accumulate
+    x, y = x.to(od.device()), y.to(od.device())
+    window = min(k, steps - (i - i % k))
+    last = i % k == window - 1
+    with od.no_sync(model, enabled=not last):  # one gradient exchange per window
+        loss = F.cross_entropy(model(x), y)
+        od.backward(loss / window)  # the gradient of the window's mean loss
+    if last:
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return loss
 
 
 def save_state(model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, args: Any) -> None:
@@ -217,6 +232,9 @@ def main() -> int:
     )
     parser.add_argument("--checkpoint-every", type=int, default=0, help="also save every K steps (0: no)")
     parser.add_argument("--save-final", default=None, help="write the final model's state dict here")
+    parser.add_argument(
+        "--uneven", action="store_true", help="rank r trains on world_size - 1 - r batches fewer (od.join)"
+    )
     args = parser.parse_args()
     if args.checkpoint_dir and args.max_steps is not None:
         parser.error("--max-steps cannot be combined with --checkpoint-dir (a cut epoch cannot be resumed)")
@@ -229,6 +247,8 @@ def main() -> int:
             f"--checkpoint-every={args.checkpoint_every} is not allowed with --accumulate={args.accumulate}; "
             "allowed: a multiple of --accumulate (a checkpoint falls between two windows)"
         )
+    if args.uneven and (args.checkpoint_dir or args.sharding):
+        parser.error("--uneven cannot be combined with --checkpoint-dir or --sharding (see od.join)")
     backend = None if args.backend in ("none", "serial") else args.backend
     with od.Parallel(backend=backend, nproc_per_node=args.nproc_per_node) as parallel:
         accuracy = parallel.run(training, args)

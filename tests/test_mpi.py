@@ -18,6 +18,7 @@ import time
 import pytest
 
 import checks
+import checks_join
 import checks_loop
 import checks_pg
 import checks_sharded_checkpoint
@@ -264,3 +265,14 @@ def test_spawn_arguments_mpirun_cannot_honour(kwargs, arg):
 
     with pytest.raises(od.OnedistValueError, match=rf"(?s){arg}.*with backend 'mpi'.*mpirun -np N -H"):
         od.spawn("mpi", workers.mpi_report, args=(1,), nproc_per_node=2, **kwargs)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_uneven_data_inside_od_join_ends_with_torch_joins_weights(n):
+    """od.join on mpi4py: rank r with 10 + 3r batches, DDP (and SyncBatchNorm), a metrics
+    all_reduce and an all_gather every step (tests/checks_join.py); a broadcast from a finished
+    rank raises on every rank."""
+    for sync_bn, divide_by_world in ((False, True), (True, False)):
+        out = mpi_world(n).run(checks_join.check_uneven_loop_equals_torch_join, sync_bn, divide_by_world)
+        assert [o["steps"] for o in out] == [10 + 3 * r for r in range(n)], out
+    mpi_world(n).run(checks_join.check_broadcast_from_a_finished_rank_raises_everywhere)

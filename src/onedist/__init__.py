@@ -87,6 +87,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     from .errors import (
         BackendUnavailableError as BackendUnavailableError,
         CollectiveMismatchError as CollectiveMismatchError,
+        JoinedRankError as JoinedRankError,
         LaunchArgumentError as LaunchArgumentError,
         OnedistError as OnedistError,
         OnedistRuntimeError as OnedistRuntimeError,
@@ -126,6 +127,10 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     )
     from .training.evaluation import (
         all_gather_eval as all_gather_eval,
+    )
+    from .training.join import (
+        Join as Join,
+        join as join,
     )
     from .training.precision import (
         backward as backward,
@@ -200,6 +205,7 @@ _LAZY = {
     "sync": "context",
     "BackendUnavailableError": "errors",
     "CollectiveMismatchError": "errors",
+    "JoinedRankError": "errors",
     "LaunchArgumentError": "errors",
     "OnedistError": "errors",
     "OnedistRuntimeError": "errors",
@@ -214,6 +220,8 @@ _LAZY = {
     "Window": "training.accumulation",
     "accumulate": "training.accumulation",
     "no_sync": "training.accumulation",
+    "Join": "training.join",
+    "join": "training.join",
     "backward": "training.precision",
     "auto_dataloader": "training.auto",
     "auto_model": "training.auto",

@@ -87,7 +87,7 @@ def sync(temporary: bool = False) -> None:
     current()
 
 
-def _resolve_backend_name(name: Any, nnodes: Optional[int] = None, nprocs: Optional[int] = None) -> str:
+def resolve_backend_name(name: Any, nnodes: Optional[int] = None, nprocs: Optional[int] = None) -> str:
     """The backend ``name`` stands for: "auto" is ``ONEDIST_BACKEND`` (set by ``onedist run
     --backend``), else nccl when it is available, else shm for several processes known to share
     one host, else gloo. ``nnodes``/``nprocs``: the run a launcher is about to start; None reads the
@@ -122,7 +122,7 @@ def _one_host_several_processes(nnodes: Optional[int], nprocs: Optional[int]) ->
     return layout.nproc_per_node is not None and layout.nproc_per_node == env.world_size > 1
 
 
-def _timeout(func: str, timeout: TimeoutLike) -> Optional[timedelta]:
+def check_timeout(func: str, timeout: TimeoutLike) -> Optional[timedelta]:
     if timeout is None:
         return None
     if isinstance(timeout, timedelta):
@@ -145,6 +145,27 @@ def _check_rank_world(func: str, rank: Optional[int], world_size: Optional[int])
     if rank is not None and (rank < 0 or (world_size is not None and rank >= world_size)):
         upper = "world_size - 1" if world_size is None else str(world_size - 1)
         raise bad_value(func, "rank", rank, f"0..{upper}")
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of backend ``name`` (resolved, see :func:`resolve_backend_name`); raises
+    :class:`~onedist.BackendUnavailableError` for a name unknown or not installed here (initialize's
+    message, which ``spawn`` and ``Parallel`` raise before starting anything)."""
+    cls = class_for_backend(name)
+    if cls is not None:
+        return cls
+    here = available_backends()
+    ignite_words = f"Backend should be one of '{here}'"  # what ignite's users match on
+    if name in _KNOWN_BACKENDS:
+        raise BackendUnavailableError(
+            f"onedist.initialize: {ignite_words}: backend={name!r} is not available on this machine; "
+            f"available here: {', '.join(repr(b) for b in here) or 'none'}\n"
+            f"HINT: {name!r} needs {_KNOWN_BACKENDS[name]}"
+        )
+    raise BackendUnavailableError(
+        f"onedist.initialize: {ignite_words}: backend={name!r} is not a known backend; allowed: "
+        f"{', '.join(repr(b) for b in ('auto', *here))}"
+    )
 
 
 def initialize(
@@ -208,23 +229,10 @@ def _create(
     kwargs: dict[str, Any],
 ) -> Backend:
     """initialize's checks, then the backend's constructor."""
-    name = _resolve_backend_name(backend)
-    td = _timeout("initialize", timeout)
+    name = resolve_backend_name(backend)
+    td = check_timeout("initialize", timeout)
     _check_rank_world("initialize", rank, world_size)
-    cls = class_for_backend(name)
-    if cls is None:
-        here = available_backends()
-        ignite_words = f"Backend should be one of '{here}'"  # what ignite's users match on
-        if name in _KNOWN_BACKENDS:
-            raise BackendUnavailableError(
-                f"onedist.initialize: {ignite_words}: backend={name!r} is not available on this machine; "
-                f"available here: {', '.join(repr(b) for b in here) or 'none'}\n"
-                f"HINT: {name!r} needs {_KNOWN_BACKENDS[name]}"
-            )
-        raise BackendUnavailableError(
-            f"onedist.initialize: {ignite_words}: backend={name!r} is not a known backend; allowed: "
-            f"{', '.join(repr(b) for b in ('auto', *here))}"
-        )
+    cls = backend_class(name)
     active = current()
     if not isinstance(active, SerialBackend):
         origin = "onedist" if getattr(active, "owned", True) else active.external_origin
@@ -254,10 +262,10 @@ def finalize() -> None:
         >>> od.get_world_size()
         1
     """
-    _finalize(check_last_call=True)
+    finalize_context(check_last_call=True)
 
 
-def _finalize(check_last_call: bool) -> None:
+def finalize_context(check_last_call: bool) -> None:
     """``finalize``; ``check_last_call=False`` when leaving on an error already (Parallel)."""
     b = world.backend
     # a peer still blocked in a call this rank returned from (gloo returns early on a smaller

@@ -27,6 +27,7 @@ from typing import Any, Optional
 __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
+    "JoinedRankError",
     "LaunchArgumentError",
     "OnedistError",
     "OnedistRuntimeError",
@@ -83,6 +84,22 @@ class CollectiveMismatchError(OnedistRuntimeError):
     Raised on every rank of the group with the same message (each rank sees what every rank
     passed), instead of a hang or an abort deep inside the communication library.
     """
+
+
+class JoinedRankError(OnedistRuntimeError):
+    """Inside :func:`onedist.join`, a collective needs a rank that has left its loop (a broadcast
+    from it, a group that includes it, a send to it). Raised on every rank: at once on the ranks
+    still in their loops, from the next step check on the finished ones.
+
+    Attributes:
+        call: the collective's name.
+        rank: the finished rank it needed.
+    """
+
+    def __init__(self, message: str, call: str, rank: int) -> None:
+        super().__init__(message)
+        self.call = call
+        self.rank = rank
 
 
 class RemoteRankError(OnedistRuntimeError):

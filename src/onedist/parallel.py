@@ -351,7 +351,7 @@ class Parallel:
         tb: Optional[TracebackType],
     ) -> None:
         if self._initialized_here:
-            from .context import _finalize
+            from .context import finalize_context
 
             self._log.info(f"Finalized processing group with backend: '{self.backend}'")
             if exc is not None:
@@ -360,7 +360,7 @@ class Parallel:
                 report_and_release(exc, tb)  # before the group goes: this rank's error is printed first
                 let_failed_rank_exit_first(exc)
             self._initialized_here = False
-            _finalize(check_last_call=exc is None)  # an error on the way out must not hide exc
+            finalize_context(check_last_call=exc is None)  # an error on the way out must not hide exc
 
 
 def _context_active() -> bool:

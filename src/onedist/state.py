@@ -1,10 +1,14 @@
 """The one object that holds this process's distributed state (:data:`world`).
 
 Everything onedist remembers between calls lives here, in one place, as c10d keeps its mutable
-world in one ``_World``: the active backend, debug mode, and the failure machinery's flags. The
-modules that own each part write it (``context`` the backend, ``collectives.debug`` the debug
-flag, ``failures`` the watcher); everyone else only reads. Nothing here imports above the
-backends, so every layer can use it.
+world in one ``_World``: the active backend, debug mode, the failure machinery's flags and the
+join context. The modules that own each part write it: ``context`` the backend and what is
+derived from it (``routes``, ``group_calls``); ``collectives.guard`` the call in progress and its
+numbering (``call``, ``world_calls``, ``group_calls``, ``last_started``, ``explaining``), as
+``collectives.joined`` does for od.join's step check; ``collectives.debug`` the debug flag;
+``collectives.helpers`` ``one_rank_depth``; ``failures`` the watcher, the excepthook and
+``published``; ``training.join`` the join context. Everyone else only reads. Nothing here imports
+above the backends, so every layer can use it.
 
 Example:
     >>> from onedist.state import world
@@ -15,15 +19,39 @@ Example:
 from __future__ import annotations
 
 import os
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
 
-from .backends import Backend, SerialBackend, detect
+from .backends import Backend, SerialBackend, detect_backend
 
 __all__ = ["World", "current", "world"]
 
 
 def _debug_from_environment() -> bool:
     return os.environ.get("ONEDIST_DEBUG", "").lower() in ("1", "true", "yes", "on")
+
+
+class CallRouter(Protocol):
+    """What the guard asks of an ``onedist.join`` context before each collective."""
+
+    def route(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], spec: dict[str, Any], group_arg: int
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]: ...
+
+    def check_peer(self, name: str, peer: int) -> None: ...
+
+
+class RecordedCall(Protocol):
+    """What the failure watcher reads of the collective a rank is blocked in."""
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def group(self) -> Any: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 class World:
@@ -33,10 +61,10 @@ class World:
         "backend",
         "call",
         "debug",
-        "describe_call",
         "explaining",
         "group_calls",
         "hook_installed",
+        "join",
         "last_started",
         "one_rank_depth",
         "previous_hook",
@@ -61,11 +89,10 @@ class World:
         self.published = False
         #: the failure excepthook is installed; the hook it replaced
         self.hook_installed = False
-        self.previous_hook: Any = None
-        #: the public collective this process is in (name, args, kwargs, compared arguments, the
-        #: frame, its number among its group's collectives or -1, the group argument), None outside
-        #: one: the failure watcher reads it when the call blocks (onedist.failures.stall)
-        self.call: Any = None
+        self.previous_hook: Optional[Callable[..., Any]] = None
+        #: the public collective this process is in (``onedist.collectives.guard.CallRecord``),
+        #: None outside one: the failure watcher reads it when the call blocks (failures.stall)
+        self.call: Optional[RecordedCall] = None
         #: how many collectives on the default group this process started (all ranks agree)
         self.world_calls = 0
         #: the same per sub-group (a sorted rank tuple or a group handle -> count)
@@ -76,11 +103,12 @@ class World:
         #: what the collectives derive once per backend: (group, op) -> how bytes travel
         #: (onedist.collectives.exchange.channels); emptied whenever ``backend`` changes
         self.routes: dict[Any, Any] = {}
-        #: call record -> what the ranks compare ({"call", "site", "sig"}); set by the collectives
-        self.describe_call: Any = None
+        #: inside ``onedist.join``: who is still in the loop, and what a collective becomes
+        #: (``onedist.collectives.joined.JoinedRanks``, set and cleared by ``onedist.training.join``)
+        self.join: Optional[CallRouter] = None
         #: the failure watcher thread and the event that stops it (None when not running)
-        self.watcher: Any = None
-        self.watch_stop: Any = None
+        self.watcher: Optional[threading.Thread] = None
+        self.watch_stop: Optional[threading.Event] = None
 
 
 #: the state of this process
@@ -93,6 +121,6 @@ def current() -> Backend:
     if b.is_stale():
         if not isinstance(b, SerialBackend):
             b.finalize()  # the user destroyed the group: restore what onedist set
-        b = world.backend = detect()
+        b = world.backend = detect_backend()
         world.routes = {}
     return b

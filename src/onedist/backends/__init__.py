@@ -26,12 +26,12 @@ __all__ = [
     "available_backends",
     "backend_classes",
     "class_for_backend",
-    "detect",
+    "detect_backend",
     "external_context_active",
 ]
 
 
-def detect() -> Backend:
+def detect_backend() -> Backend:
     """Wrap the context created outside onedist, or return the serial backend."""
     for cls in detection_order():
         if cls.context_active():

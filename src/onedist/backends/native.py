@@ -440,8 +440,11 @@ class NativeBackend(Backend):
     # a world-1 gloo all_reduce (60 -> 44 us here), and counts several times over between two
     # ranks on busy cores.
     def all_reduce_(self, t: torch.Tensor, op: str, group: Any, async_op: bool) -> Optional[Work]:
-        if group is None and not async_op and not t.is_complex():
-            self._world.allreduce([t], _reduce_options(op)).wait()
+        if group is None and not t.is_complex():  # the default group's own call: no dispatch layers
+            work = self._world.allreduce([t], _reduce_options(op))
+            if async_op:
+                return work
+            work.wait()
             return None
         return dist.all_reduce(t, op=_REDUCE_OPS[op], group=group, async_op=async_op)  # type: ignore[no-any-return]
 

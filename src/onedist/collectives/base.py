@@ -9,6 +9,7 @@ import torch
 
 from ..backends import Backend, Work
 from ..errors import OnedistTypeError, bad_type, bad_value
+from ..state import world
 
 CPU = torch.device("cpu")
 
@@ -101,6 +102,8 @@ def check_peer(func: str, arg: str, value: Any, b: Backend, ranks: Optional[Sequ
         raise bad_value(func, arg, value, f"a global rank in 0..{b.world_size - 1}")
     if ranks and value not in ranks:
         raise bad_value(func, arg, value, f"a rank of the group {list(ranks)}")
+    if world.join is not None:  # inside onedist.join: a rank that left its loop answers no one
+        world.join.check_peer(func, value)
 
 
 # ============================================================================ async results

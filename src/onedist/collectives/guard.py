@@ -11,7 +11,8 @@ import functools
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from types import FrameType
+from typing import Any, NamedTuple, Optional, TypeVar
 
 from ..errors import CollectiveMismatchError, OnedistError
 from ..failures.explain import explain
@@ -21,7 +22,28 @@ from .debug import debug_check, describe_call
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-world.describe_call = describe_call  # what the failure watcher publishes when a call blocks
+#: the name of onedist.join's step check, the one collective a join context does not reroute
+STEP_CHECK = "join_step_check"
+
+
+class CallRecord(NamedTuple):
+    """The public collective this process is in (:data:`onedist.state.world`'s ``call``): made
+    on every call, read only when it blocks (the failure watcher's stall check describes it)."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    #: the arguments the ranks compare, as ``name=(position, default)``
+    spec: dict[str, Any]
+    frame: Optional[FrameType]
+    #: its number among its group's collectives (-1: a group it cannot key)
+    seq: int
+    #: the group argument as given (None: the default group)
+    group: Any
+
+    def describe(self) -> dict[str, Any]:
+        """What the ranks compare when it blocks (:func:`~onedist.collectives.debug.describe_call`)."""
+        return describe_call(self)
 
 
 # ---------------------------------------------------------------------------- the decorator
@@ -38,15 +60,18 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
             started = time.monotonic()
             w = world
             outer = w.call
-            group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
-            if group is None:
-                seq = w.world_calls = w.world_calls + 1
-                w.last_started = started
-            else:
-                seq = group_call_number(w, group)
-            # what this rank waits in, should the call block (a tuple: no work until it does)
-            w.call = (name, args, kwargs, spec, sys._getframe(), seq, group)
+            group, seq = None, -1
             try:
+                if w.join is not None and name != STEP_CHECK:  # inside onedist.join: may wait
+                    args, kwargs = w.join.route(name, args, kwargs, spec, group_arg)
+                group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
+                if group is None:
+                    seq = w.world_calls = w.world_calls + 1
+                    w.last_started = started
+                else:
+                    seq = group_call_number(w, group)
+                # what this rank waits in, should the call block (a tuple: no work until it does)
+                w.call = CallRecord(name, args, kwargs, spec, sys._getframe(), seq, group)
                 if w.debug:  # its exchange is a collective too: a dead peer shows here first
                     debug_check(name, args, kwargs, group, spec)
                 return fn(*args, **kwargs)

@@ -91,7 +91,7 @@ class StallCheck:
     def _blocked(self) -> Any:
         call = world.call
         if call is not None:
-            return call if call[5] >= 0 and world.describe_call is not None else None
+            return call if call.seq >= 0 else None
         return torch_call(self.main_ident) if self.main_ident else None
 
     def _report(self, call: Any) -> Optional[dict[str, Any]]:
@@ -99,8 +99,8 @@ class StallCheck:
             described, seq, domain = call.describe(), call.seq, "torch"
         else:
             # the default group's calls and a sub-group's are counted apart, even when it has every rank
-            described, seq = world.describe_call(call), call[5]
-            domain = "onedist" if call[6] is None else "onedist-group"
+            described, seq = call.describe(), call.seq
+            domain = "onedist" if call.group is None else "onedist-group"
         if described.get("group") is None:  # not a member: it does not wait there
             return None
         self.published += 1

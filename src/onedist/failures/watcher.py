@@ -207,7 +207,7 @@ def start_watch() -> None:
 
 def stop_watch() -> None:
     """Stop the failure watcher (called by finalize, and at exit)."""
-    if world.watcher is not None:
+    if world.watcher is not None and world.watch_stop is not None:
         world.watch_stop.set()
         # a watcher left inside a store call would take the GIL back while the interpreter
         # finalizes, which can abort the process: its calls end within seconds (a store whose host

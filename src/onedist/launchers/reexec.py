@@ -576,11 +576,11 @@ def _end(launch: _Launch, saved: dict[str, Optional[str]], previous_threads: Opt
     launch.done.set()
     launch.join_watcher()
     launch.stop()
-    if launch.initialized:  # still set only when fn raised: no last call to check (context._finalize)
-        from ..context import _finalize
+    if launch.initialized:  # still set only when fn raised: no last call to check (context.finalize_context)
+        from ..context import finalize_context
 
         try:
-            _finalize(check_last_call=False)
+            finalize_context(check_last_call=False)
         except Exception:
             pass
     launch.restore_signals()

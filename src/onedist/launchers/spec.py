@@ -77,16 +77,11 @@ class LaunchSpec:
         _check_rendezvous(master_addr, master_port, init_method)
         _check_start(backend, start_method, hosts, caller)
         check_max_restarts("spawn", max_restarts, nnodes=nnodes, start_method=start_method)
-        from ..backends import class_for_backend
-        from ..context import _resolve_backend_name, _timeout
+        from ..context import backend_class, check_timeout, resolve_backend_name
 
-        name = _resolve_backend_name(backend, nnodes, nproc_per_node)
-        if class_for_backend(name) is None:
-            from ..context import initialize
-
-            initialize(name)  # raises the standard "not available" error, listing what is
-            raise AssertionError("unreachable")
-        td = _timeout(caller, timeout)
+        name = resolve_backend_name(backend, nnodes, nproc_per_node)
+        backend_class(name)  # initialize's error for a backend unknown or not installed here
+        td = check_timeout(caller, timeout)
         args, kwargs = tuple(args), dict(kwargs or {})
         return cls(name, fn, args, kwargs, nproc_per_node, nnodes, node_rank, master_addr, master_port,
                    init_method, td, start_method, hosts, max_restarts)  # fmt: skip

@@ -1,0 +1,240 @@
+"""od.join's checks (uneven data), run on every rank of any backend: serially, in gloo/shm pools,
+and under mpirun (test_join.py, test_mpi.py).
+
+Rank r has ``10 + 3r`` batches of 4 samples, drawn from its own seed, so every rank can replay the
+whole run alone: ``_reference`` computes what torch's ``Join`` gives (at each step the gradient of
+the ranks still in their loops, summed and divided by the world size or by their number), and the
+metric sums of a serial pass over every batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+import onedist as od
+
+ROWS = 4
+
+
+def batches_of(rank: int, count: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 10 + 3 * rank if count is None else count
+    return [(torch.randn(ROWS, 3, generator=g), torch.randn(ROWS, 1, generator=g)) for _ in range(n)]
+
+
+def _net(sync_bn: bool) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(3)
+    middle = torch.nn.BatchNorm1d(5) if sync_bn else torch.nn.Tanh()
+    net = torch.nn.Sequential(torch.nn.Linear(3, 5), middle, torch.nn.Linear(5, 1))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.rand(p.shape, generator=g) - 0.5)
+    return net
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _reference(world_size: int, sync_bn: bool, divide_by_world: bool) -> dict[str, Any]:
+    """torch's Join replayed in one process: the weights, and each step's metric sums."""
+    net = _net(sync_bn)
+    optimizer = _optimizer(net)
+    data = [batches_of(r) for r in range(world_size)]
+    sums: list[dict[str, float]] = []
+    for step in range(max(len(d) for d in data)):
+        active = [r for r in range(world_size) if step < len(data[r])]
+        xs = torch.cat([data[r][step][0] for r in active])  # SyncBatchNorm: statistics of them all
+        ys = torch.cat([data[r][step][1] for r in active])
+        optimizer.zero_grad()
+        per_rank = torch.nn.functional.mse_loss(net(xs), ys, reduction="none").view(len(active), ROWS).mean(1)
+        per_rank.sum().backward()  # DDP: the sum of the ranks' gradients ...
+        for p in net.parameters():  # ... divided by the world size, or by the ranks in their loops
+            p.grad /= world_size if divide_by_world else len(active)
+        optimizer.step()
+        sums.append({"loss": float((per_rank.detach().double() * ROWS).sum()), "n": ROWS * len(active)})
+    return {"weights": [p.detach() for p in net.parameters()], "buffers": list(net.buffers()), "sums": sums}
+
+
+def check_uneven_loop_equals_torch_join(sync_bn: bool, divide_by_world: bool) -> dict[str, Any]:
+    """The loop the issue names: a DDP model, an od.all_reduce of a metrics dict every step and an
+    od.all_gather of each step's predictions, rank r with 10 + 3r batches."""
+    rank, world_size = od.get_rank(), od.get_world_size()
+    net = od.convert_sync_batchnorm(_net(sync_bn)) if sync_bn else _net(sync_bn)
+    model = od.auto_model(net)
+    optimizer = _optimizer(model)
+    totals = {"loss": 0.0, "n": 0}
+    steps, gathered = 0, []
+    start = time.perf_counter()
+    with od.join(model, optimizer, divide_by_initial_world_size=divide_by_world):
+        for x, y in batches_of(rank):
+            optimizer.zero_grad()
+            out = model(x)
+            loss = torch.nn.functional.mse_loss(out, y)
+            loss.backward()
+            optimizer.step()
+            metrics = od.all_reduce({"loss": loss.item() * len(x), "n": len(x)})
+            totals = {k: totals[k] + metrics[k] for k in totals}
+            rows = od.all_gather(torch.cat([out.detach(), torch.full((len(x), 1), float(rank))], 1))
+            gathered.append(sorted({int(r) for r in rows[:, 1].tolist()}))
+            steps += 1
+    seconds = time.perf_counter() - start
+    ref = _reference(world_size, sync_bn, divide_by_world)
+    expected = {k: sum(s[k] for s in ref["sums"][:steps]) for k in totals}
+    for k in totals:
+        assert abs(totals[k] - expected[k]) <= 1e-6 * max(1.0, abs(expected[k])), (k, totals, expected)
+    for step, ranks in enumerate(gathered):  # the samples of the ranks still in their loops, exactly
+        assert ranks == [r for r in range(world_size) if step < 10 + 3 * r], (step, ranks)
+    weights = [p.detach() for p in od.unwrap(model).parameters()]
+    diff = max(float((a - b).abs().max()) for a, b in zip(weights, ref["weights"]))
+    assert diff <= 1e-6, diff
+    for mine, theirs in zip(od.unwrap(model).buffers(), ref["buffers"]):  # the last rank's statistics
+        assert torch.allclose(mine.double(), theirs.double(), atol=1e-6), (mine, theirs)
+    same = od.all_gather(torch.cat([w.reshape(-1) for w in weights]).reshape(1, -1))
+    assert bool((same == same[0]).all()), "the ranks hold different weights after od.join"
+    return {"steps": steps, "seconds": seconds, "difference": diff, "weights": [w.tolist() for w in weights]}
+
+
+def check_torch_join_on_the_same_batches() -> list[Any]:
+    """torch.distributed.algorithms.Join with a plain DDP on the same batches (gloo): its weights."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.join import Join
+
+    model = torch.nn.parallel.DistributedDataParallel(_net(False))
+    optimizer = _optimizer(model)
+    with Join([model]):
+        for x, y in batches_of(dist.get_rank()):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    return [p.detach().tolist() for p in model.module.parameters()]
+
+
+def check_even_loop_is_untouched() -> dict[str, Any]:
+    """Every rank with the same number of batches: the same weights as without od.join, and the
+    block adds one step check per forward pass and nothing at its end."""
+    results = []
+    for joined in (False, True):
+        model = od.auto_model(_net(False))
+        optimizer = _optimizer(model)
+        block = od.join(model, optimizer) if joined else _nothing()
+        with block:
+            for x, y in batches_of(od.get_rank(), count=6):
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    return {"equal": True}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def check_broadcast_from_a_finished_rank_raises_everywhere() -> dict[str, Any]:
+    """Rank 0 leaves first; the others then broadcast from it: every rank raises JoinedRankError
+    (the others at the call, rank 0 from its next step check), and the pool stays usable."""
+    rank = od.get_rank()
+    model = od.auto_model(_net(False))
+    start = time.perf_counter()
+    error: Optional[BaseException] = None
+    try:
+        with od.join(model):
+            for step, (x, _) in enumerate(batches_of(rank, count=3 + rank)):
+                model(x).sum().backward()
+                od.broadcast(torch.tensor([step]), src=0)
+    except od.JoinedRankError as e:
+        error = e
+    seconds = time.perf_counter() - start
+    assert isinstance(error, od.JoinedRankError), error
+    assert error.call == "broadcast" and error.rank == 0, (error.call, error.rank)
+    assert "needs rank 0, which has left its loop" in str(error), str(error)
+    assert od.all_reduce(1) == od.get_world_size()  # the group is whole again
+    return {"seconds": seconds, "message": str(error)}
+
+
+def check_calls_that_need_a_finished_rank_raise() -> list[str]:
+    """A group that includes a finished rank, and a send to it, raise at once on the ranks in
+    their loops (and on the finished rank from its next step check)."""
+    rank, world_size = od.get_rank(), od.get_world_size()
+    model = od.auto_model(_net(False))
+    messages = []
+    for call in ("group", "send"):
+        try:
+            with od.join(model):
+                for x, _ in batches_of(rank, count=2 + rank):
+                    model(x).sum().backward()
+                    if call == "group":
+                        od.all_reduce(torch.ones(1), group=list(range(world_size - 1)) or [0])
+                    elif rank == 1:  # rank 0 receives while it is in its loop
+                        od.send(torch.ones(1), dst=0)
+                    elif rank == 0:
+                        od.recv(torch.empty(1), src=1)
+        except od.JoinedRankError as e:
+            messages.append(f"{e.call}:{e.rank}")
+        assert od.all_reduce(1) == world_size
+    return messages
+
+
+def check_join_arguments() -> None:
+    """Bad arguments raise at once, naming the argument and what is allowed (any world size)."""
+    model = od.auto_model(_net(False))
+    cases: list[tuple[Any, str]] = [
+        (lambda: od.join(), "needs the model"),
+        (lambda: od.join(_optimizer(model)), "needs the model"),
+        (lambda: od.join(model, "adam"), "objects[1]"),
+        (lambda: od.join(model, divide_by_initial_world_size=1), "divide_by_initial_world_size"),
+    ]
+    for make, words in cases:
+        try:
+            make()
+        except (od.OnedistValueError, od.OnedistTypeError) as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"no error for {words}")
+    with od.join(model):
+        if od.get_world_size() > 1:
+            try:
+                with od.join(model):
+                    pass
+            except od.OnedistRuntimeError as e:
+                assert "do not nest" in str(e)
+            else:
+                raise AssertionError("nested od.join did not raise")
+        for x, _ in batches_of(od.get_rank(), count=2):
+            model(x).sum().backward()
+
+
+def check_each_collective_over_the_ranks_still_in_their_loops() -> int:
+    """Rank r has 2 + r steps; at each step every collective the docs list gives the result over
+    the ranks still in their loops (returns the steps this rank made)."""
+    rank = od.get_rank()
+    model = od.auto_model(_net(False))
+    steps = 0
+    with od.join(model):
+        for step, (x, _) in enumerate(batches_of(rank, count=2 + rank)):
+            model(x).sum().backward()
+            active = [r for r in range(od.get_world_size()) if step < 2 + r]
+            last = active[-1]
+            assert od.all_reduce(float(rank + 1), "PRODUCT") == float(torch.tensor(active).add(1).prod())
+            assert od.all_reduce(torch.tensor([rank + 1]), "MIN").item() == active[0] + 1
+            assert od.all_reduce(rank + 1, "MAX") == last + 1
+            assert od.all_reduce(float(rank), "MEAN") == sum(active) / len(active)
+            assert od.reduce_dict({"r": torch.tensor(float(rank))}, average=False)["r"] in (sum(active), rank)
+            assert od.all_gather(rank) == active
+            assert od.all_gather_object({"r": rank}) == [{"r": r} for r in active]
+            gathered = od.gather(rank, dst=last)
+            assert gathered == (active if rank == last else []), gathered
+            assert od.broadcast(torch.tensor([step * 10 + last]), src=last).item() == step * 10 + last
+            assert od.broadcast_object({"from": last} if rank == last else None, src=last) == {"from": last}
+            od.barrier()
+            steps += 1
+    return steps

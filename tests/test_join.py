@@ -1,0 +1,106 @@
+"""od.join (uneven data): the loop of issue 38 on gloo and shm pools of 2 and 3 ranks and serially,
+against torch's Join replayed in one process (tests/checks_join.py) and torch's Join itself on
+gloo; calls that need a finished rank; arguments; the digits example's --uneven switch under
+Parallel and `onedist run`. mpi4py under mpirun: test_mpi.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import checks_join
+from conftest import Runner
+from onedist.backends.shm import supported as shm_supported
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DIGITS = os.path.join(os.path.dirname(HERE), "examples", "digits.py")
+
+WORLDS = [("gloo", 2), ("gloo", 3)] + ([("shm", 2), ("shm", 3)] if shm_supported() else [])
+
+
+@pytest.mark.parametrize("backend, n", WORLDS, ids=[f"{b}-ws{n}" for b, n in WORLDS])
+@pytest.mark.parametrize(
+    "sync_bn, divide_by_world",
+    [(False, True), (True, False)],
+    ids=["ddp-by-world", "syncbn-by-ranks-in-loop"],
+)
+def test_uneven_loop_ends_with_torch_joins_weights_and_exact_metrics(backend, n, sync_bn, divide_by_world):
+    out = Runner(n, backend)(checks_join.check_uneven_loop_equals_torch_join, sync_bn, divide_by_world)
+    assert [o["steps"] for o in out] == [10 + 3 * r for r in range(n)], out
+
+
+@pytest.mark.parametrize("backend", ["gloo"] + (["shm"] if shm_supported() else []))
+def test_each_collective_is_over_the_ranks_still_in_their_loops(backend):
+    assert Runner(3, backend)(checks_join.check_each_collective_over_the_ranks_still_in_their_loops) == [
+        2,
+        3,
+        4,
+    ]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_weights_equal_torch_join_itself_on_gloo(n):
+    world = Runner(n, "gloo")
+    ours = world(checks_join.check_uneven_loop_equals_torch_join, False, True)[0]["weights"]
+    theirs = world(checks_join.check_torch_join_on_the_same_batches)[0]
+    diff = max(abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(_flat(x), _flat(y)))
+    assert diff <= 1e-6, diff
+
+
+def _flat(value):
+    return [v for row in value for v in _flat(row)] if isinstance(value, list) else [value]
+
+
+def test_serially_od_join_does_nothing():
+    out = Runner("serial")(checks_join.check_uneven_loop_equals_torch_join, True, True)
+    assert out[0]["steps"] == 10
+
+
+@pytest.mark.parametrize("backend", ["gloo"] + (["shm"] if shm_supported() else []))
+def test_an_even_loop_inside_od_join_equals_the_loop_outside_it(backend):
+    Runner(2, backend)(checks_join.check_even_loop_is_untouched)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_broadcast_from_a_finished_rank_raises_on_every_rank_at_once(n):
+    out = Runner(n, "gloo")(checks_join.check_broadcast_from_a_finished_rank_raises_everywhere)
+    assert all(o["seconds"] < 10 for o in out), out
+
+
+def test_a_group_or_a_send_that_needs_a_finished_rank_raises_on_every_rank():
+    out = Runner(3, "gloo")(checks_join.check_calls_that_need_a_finished_rank_raise)
+    assert all(o == ["all_reduce:0", "send:0"] for o in out), out
+
+
+@pytest.mark.parametrize("world", ["serial", 2], ids=["serial", "gloo-ws2"])
+def test_bad_arguments_raise_naming_them(world):
+    Runner(world, "gloo")(checks_join.check_join_arguments)
+
+
+def _digits(launcher: list[str], *args: str) -> str:
+    proc = subprocess.run(
+        [*launcher, DIGITS, *args, "--uneven", "--epochs", "2", "--target", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=HERE,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gloo"] + (["shm"] if shm_supported() else []))
+def test_digits_uneven_under_parallel(backend):
+    out = _digits([sys.executable], "--nproc-per-node", "3", "--backend", backend)
+    assert "parameters identical on 3 process(es)" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+def test_digits_uneven_under_onedist_run():
+    out = _digits([sys.executable, "-m", "onedist", "run", "-n", "2"], "--backend", "gloo")
+    assert "parameters identical on 2 process(es)" in out, out
