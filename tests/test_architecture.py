@@ -72,6 +72,15 @@ def test_every_module_is_on_the_architecture_page() -> None:
     assert missing == []
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a ``from ... import`` statement in ``package`` reads from."""
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(parts + ([base] if base else []))
+    return base
+
+
 def _imports(path: Path) -> set[str]:
     """The onedist modules ``path`` imports, anywhere in it (function-level imports too)."""
     module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -83,10 +92,7 @@ def _imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("onedist")}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join(parts + ([base] if base else []))
+            base = _from_module(node, package)
             if base.startswith("onedist"):
                 found |= {f"{base}.{a.name}" for a in node.names} | {base}
     return found - {module}
@@ -128,3 +134,43 @@ def test_no_import_circle() -> None:
             visit(m)
     assert len(graph) > 60 and sum(map(len, graph.values())) > 150  # the graph is really read
     assert circles == []
+
+
+def _module_names() -> set[str]:
+    """Every module and package of onedist, dotted (``onedist.backends._pygroup``)."""
+    return {
+        ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        for p in _sources()
+    }
+
+
+def _private_names_imported() -> tuple[list[str], int]:
+    """Every ``from X import _name`` in onedist where X is a onedist module (relative or absolute)
+    and ``_name`` is not a module (``from . import _gloo_threads`` imports a private module, which
+    is fine), as ``file:line: from X import _name``; and how many names from onedist modules were read."""
+    modules = _module_names()
+    found, read = [], 0
+    for path in _sources():
+        dotted = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        package = dotted.removesuffix(".__init__") if path.name == "__init__.py" else dotted.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _from_module(node, package)
+            if base != "onedist" and not base.startswith("onedist."):
+                continue
+            for alias in node.names:
+                read += 1
+                name = alias.name
+                if name.startswith("_") and not name.startswith("__") and f"{base}.{name}" not in modules:
+                    where = f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+                    found.append(f"{where}: from {base} import {name}")
+    return found, read
+
+
+def test_no_underscore_name_imported_across_modules() -> None:
+    """A name another module imports is part of the package's inner API: it has a plain name (or
+    the two modules are one). Private modules (``_pygroup``) and their public names are fine."""
+    found, read = _private_names_imported()
+    assert read > 300  # the imports are really read
+    assert found == []

@@ -15,16 +15,16 @@ import torch._C._distributed_c10d as _c10d
 from ...errors import CollectiveMismatchError
 from .._pygroup import ArgCheck, all_cpu, flat as _flat, for_each
 from . import cma
-from .phases import _SPLIT_BYTES, ChunkMover, _bytes_of
+from .phases import SPLIT_BYTES, ChunkMover, bytes_of
 from .protocol import (
-    _KIND_ALL_GATHER_COALESCED,
-    _KIND_ALL_TO_ALL,
-    _KIND_GATHER,
-    _KIND_SCATTER,
-    _KINDS,
-    _dtype_code,
+    KIND_ALL_GATHER_COALESCED,
+    KIND_ALL_TO_ALL,
+    KIND_GATHER,
+    KIND_NAMES,
+    KIND_SCATTER,
+    dtype_code,
 )
-from .segment import _SMALL_BYTES, NAME, _Bank, _round
+from .segment import NAME, SMALL_BYTES, Bank, round_up
 
 _VOTE = struct.Struct("<q")
 
@@ -67,12 +67,12 @@ class Exchanges(ChunkMover):
         if self._seg is None:
             return
         dtypes = {t.dtype for t in tensors}
-        dtype = _dtype_code(tensors[0].dtype) if len(dtypes) == 1 else 0  # 0: count in bytes
+        dtype = dtype_code(tensors[0].dtype) if len(dtypes) == 1 else 0  # 0: count in bytes
         count = sum(t.numel() * (1 if dtype else t.element_size()) for t in tensors)
 
         def check() -> None:
             self._begin(kind, count, dtype)
-            self._barrier(_KINDS[kind])
+            self._barrier(KIND_NAMES[kind])
 
         self._poisoning(lambda: self._run(check, [], None).wait())
 
@@ -96,8 +96,8 @@ class Exchanges(ChunkMover):
 
     def _gather_one(self, outs: Optional[list[torch.Tensor]], inp: torch.Tensor, root: int) -> None:
         """``inp`` of every rank into ``outs`` on the root (None: this rank takes nothing)."""
-        raw = _bytes_of(inp)[0]
-        self._begin(_KIND_GATHER, inp.numel(), _dtype_code(inp.dtype), root=root)
+        raw = bytes_of(inp)[0]
+        self._begin(KIND_GATHER, inp.numel(), dtype_code(inp.dtype), root=root)
         self._gather_chunks(raw, outs or [], [raw.numel()] * self._size, "gather", root)
 
     def _gather_chunks(
@@ -110,14 +110,14 @@ class Exchanges(ChunkMover):
         seg, me = self._seg, self._rank
         assert seg is not None
         cap = seg.chunk
-        targets = [(o, *_bytes_of(o)) for o in outs]
+        targets = [(o, *bytes_of(o)) for o in outs]
 
-        def put(k: int, bank: _Bank) -> None:
+        def put(k: int, bank: Bank) -> None:
             lo = k * cap
             if lo < sizes[me]:
                 self._copy(bank.slots[me][: min(cap, sizes[me] - lo)], raw[lo : lo + cap])
 
-        def take(k: int, bank: _Bank) -> None:
+        def take(k: int, bank: Bank) -> None:
             # a rank that put its own part takes it back from its slot, in the cache: copying it
             # from the input instead (in put, or all at once) was 0.84x at 16 and 128 MB here
             lo = k * cap
@@ -166,7 +166,7 @@ class Exchanges(ChunkMover):
         box = seg.mailboxes[self._mail]
         if self._rank == root:
             box.slots[root][0] = int(refuses)
-        self._begin(_KIND_SCATTER, like.numel(), _dtype_code(like.dtype), root=root)
+        self._begin(KIND_SCATTER, like.numel(), dtype_code(like.dtype), root=root)
         self._barrier("scatter")
         self._mail ^= 1  # read after the barrier, with none behind it (see _all_reduce_small)
         return bool(box.slots[root][0])
@@ -175,18 +175,18 @@ class Exchanges(ChunkMover):
         """Part ``r`` of the root's ``ins`` into ``out`` on rank ``r``."""
         seg, me = self._seg, self._rank
         assert seg is not None
-        raw, flat, writeback = _bytes_of(out)
+        raw, flat, writeback = bytes_of(out)
         n, cap = raw.numel(), seg.chunk
-        self._begin(_KIND_SCATTER, out.numel(), _dtype_code(out.dtype), root=root)
-        parts = [_bytes_of(i)[0] for i in ins] if ins is not None else []
+        self._begin(KIND_SCATTER, out.numel(), dtype_code(out.dtype), root=root)
+        parts = [bytes_of(i)[0] for i in ins] if ins is not None else []
 
-        def put(k: int, bank: _Bank) -> None:  # the root: rank j's part into slot j
+        def put(k: int, bank: Bank) -> None:  # the root: rank j's part into slot j
             lo = k * cap
             for j, part in enumerate(parts):
                 if j != me:
                     self._copy(bank.slots[j][: min(cap, n - lo)], part[lo : lo + cap])
 
-        def take(k: int, bank: _Bank) -> None:
+        def take(k: int, bank: Bank) -> None:
             lo = k * cap
             self._copy(
                 raw[lo : lo + cap], parts[me][lo : lo + cap] if parts else bank.slots[me][: min(cap, n - lo)]
@@ -203,7 +203,7 @@ class Exchanges(ChunkMover):
         if self._seg is None or not all_cpu(list(inputs) + list(outputs)):
             return self._gloo.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions())
         dtypes = {t.dtype for t in inputs}
-        code = _dtype_code(inputs[0].dtype) if len(dtypes) == 1 else 0
+        code = dtype_code(inputs[0].dtype) if len(dtypes) == 1 else 0
 
         def job() -> None:  # one exchange of bytes: the parts may differ in size and dtype
             raws = [_flat(t)[0].view(torch.uint8) for t in inputs]
@@ -238,7 +238,7 @@ class Exchanges(ChunkMover):
                 _byte_sizes(raw_out, output, out_splits, self._size),
                 raw_in,
                 _byte_sizes(raw_in, input, in_splits, self._size),
-                _dtype_code(input.dtype),
+                dtype_code(input.dtype),
             )
             if writeback:
                 output.copy_(dst.view(output.shape))
@@ -268,20 +268,20 @@ class Exchanges(ChunkMover):
         me, mm = self._rank, seg.mm
         fields = self._head
         heads = fields.layout
-        head = _round(heads.size, 64)
+        head = round_up(heads.size, 64)
         room = seg.chunk - head
         starts = list(accumulate(in_sizes, initial=0))
-        self._begin(_KIND_ALL_TO_ALL, -1, dtype)  # the ranks may send different amounts
+        self._begin(KIND_ALL_TO_ALL, -1, dtype)  # the ranks may send different amounts
         told: list[tuple[int, ...]] = []
         where: list[Any] = []  # the peers' input addresses, whether all may read them, the bank
 
-        def put(k: int, bank: _Bank) -> None:
+        def put(k: int, bank: Bank) -> None:
             heads.pack_into(mm, bank.at[me], *starts, *out_sizes, inp.data_ptr(), int(self._cma), 0)
             total = starts[-1]
             if not 0 < total <= room:
                 return
             slot = bank.slots[me]
-            if total <= _SMALL_BYTES:  # all of it in one copy, this rank's own part too
+            if total <= SMALL_BYTES:  # all of it in one copy, this rank's own part too
                 self._copy(slot[head : head + total], inp)
                 return
             for j in range(self._size):  # the peers' parts: this rank takes its own from inp
@@ -289,7 +289,7 @@ class Exchanges(ChunkMover):
                 if j != me and b > a:
                     self._copy(slot[head + a : head + b], inp[a:b])
 
-        def take(k: int, bank: _Bank) -> None:
+        def take(k: int, bank: Bank) -> None:
             full = [heads.unpack_from(mm, at) for at in bank.at]
             told.extend(f[fields.starts] for f in full)
             where.extend(([f[fields.addr] for f in full], all(f[fields.may_read] for f in full), bank))
@@ -326,7 +326,7 @@ class Exchanges(ChunkMover):
                 self._exchange_rounds(out, inp, starts, told, at)
 
     def _read_parts(
-        self, out: torch.Tensor, told: list[tuple[int, ...]], at: list[int], addrs: list[int], bank: _Bank
+        self, out: torch.Tensor, told: list[tuple[int, ...]], at: list[int], addrs: list[int], bank: Bank
     ) -> bool:
         """The rest of an all_to_all too large for one step, each rank reading its parts straight
         out of the peers' inputs (``addrs``, from their heads; :mod:`.cma`) to ``at`` in ``out``
@@ -346,7 +346,7 @@ class Exchanges(ChunkMover):
             for p in range(size)
             if p != me and at[p + 1] > at[p]
         ]
-        ok = cma.read_pieces(pieces, self._helpers, self._parts, _SPLIT_BYTES)
+        ok = cma.read_pieces(pieces, self._helpers, self._parts, SPLIT_BYTES)
         vote = self._head.vote_at
         _VOTE.pack_into(seg.mm, bank.at[me] + vote, 1 if ok else 2)
         self._barrier("all_to_all")
@@ -395,7 +395,7 @@ class Exchanges(ChunkMover):
         lens = [[h[q + 1] - h[q] for q in range(size)] for h in told]  # lens[p][q]: p sends q
         most = max(lens[p][q] for p in range(size) for q in range(size) if p != q)
 
-        def put(k: int, bank: _Bank) -> None:
+        def put(k: int, bank: Bank) -> None:
             slot = bank.slots[me]
             for q in range(size):
                 n = min(c, lens[me][q] - k * c)
@@ -403,7 +403,7 @@ class Exchanges(ChunkMover):
                     lo, to = starts[q] + k * c, (q - (q > me)) * c  # peers in order, me left out
                     self._copy(slot[to : to + n], inp[lo : lo + n])
 
-        def take(k: int, bank: _Bank) -> None:
+        def take(k: int, bank: Bank) -> None:
             for p in range(size):
                 n = min(c, lens[p][me] - k * c)
                 if p != me and n > 0:
@@ -413,7 +413,7 @@ class Exchanges(ChunkMover):
         self._phases(-(-most // c), [put, take], "all_to_all", overlap=True)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        self._agree(_KIND_ALL_GATHER_COALESCED, inputs)
+        self._agree(KIND_ALL_GATHER_COALESCED, inputs)
         return self._gloo.allgather_coalesced(outputs, inputs, opts or _c10d.AllgatherOptions())
 
 

@@ -21,21 +21,21 @@ import torch.distributed as dist
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
 from . import cma
 from .exchange import Exchanges, Head
-from .hosts import TwoLevels, _host_map
-from .phases import _bytes_of, _helper_pool
+from .hosts import TwoLevels, ranks_by_host
+from .phases import bytes_of, helper_pool
 from .protocol import (
-    _CALL,
-    _KIND_ALL_GATHER,
-    _KIND_ALL_GATHER_UNEVEN,
-    _KIND_ALL_REDUCE,
-    _KIND_BARRIER,
-    _KIND_BROADCAST,
-    _KIND_REDUCE,
-    _KIND_REDUCE_SCATTER,
-    _poison_on_error,
+    CALL_RECORD,
+    KIND_ALL_GATHER,
+    KIND_ALL_GATHER_UNEVEN,
+    KIND_ALL_REDUCE,
+    KIND_BARRIER,
+    KIND_BROADCAST,
+    KIND_REDUCE,
+    KIND_REDUCE_SCATTER,
+    poison_on_error,
 )
-from .reductions import _check_op, _reduce_fn, _reduce_into, _reduction
-from .segment import _SMALL_BYTES, NAME, _attach, _Bank, _Segment
+from .reductions import check_op, reduce_fn, reduce_into, reduction
+from .segment import NAME, SMALL_BYTES, Bank, Segment, attach
 
 #: collectives of at least this many bytes run on the group's thread (see ShmProcessGroup._run)
 _ASYNC_BYTES = 1 << 20
@@ -51,20 +51,20 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         self._gloo: Any = dist.ProcessGroupGloo(
             _c10d.PrefixStore("onedist-shm-gloo", store), rank, size, timeout
         )
-        self._seg: Optional[_Segment] = None
+        self._seg: Optional[Segment] = None
         self._gen = 0
         self._bank = 0  # the bank the next collective's first chunk goes through (see _phases)
         self._mail = 0  # the mailbox of the next small all_reduce (see _all_reduce_small)
         self._head = Head(size)  # an all_to_all's head (see _exchange)
         self._cma = cma.enabled()
-        self._record = _CALL.pack(_KIND_BARRIER, -1, -1, 0, 0, 0)  # what this rank calls (see _begin)
+        self._record = CALL_RECORD.pack(KIND_BARRIER, -1, -1, 0, 0, 0)  # what this rank calls (see _begin)
         #: this group's ranks as ranks of the group that holds it (one host's part of a group over
         #: several hosts), for errors; None: a group of its own
         self._shown_as: Optional[list[int]] = None
         self._step = 0
         self._others = [r for r in range(size) if r != rank]
         self._spin = 2000 if size <= (os.cpu_count() or 1) else 20
-        self._helpers = _helper_pool(size)
+        self._helpers = helper_pool(size)
         self._parts = 1 + (self._helpers._max_workers if self._helpers is not None else 0)
         #: ranks on several hosts: this host's ranks share a shm group, and one rank per host
         #: (the first) joins the others' first ranks in a gloo group (see _hierarchy)
@@ -72,9 +72,9 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         self._leaders: Any = None
         self._hosts: list[list[int]] = []
         if size > 1:
-            hosts = _host_map(store, rank, size)
+            hosts = ranks_by_host(store, rank, size)
             if len(hosts) == 1:
-                self._seg = _attach(store, rank, size)
+                self._seg = attach(store, rank, size)
             else:
                 self._hierarchy(store, hosts, timeout)
 
@@ -93,10 +93,10 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         return self._seg is not None or (self._local is not None and self._local.uses_shared_memory)
 
     # ------------------------------------------------------------------ collectives
-    @_poison_on_error
+    @poison_on_error
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        _check_op(op, tensors)
+        check_op(op, tensors)
         if self._hierarchical and all_cpu(tensors):
             job = partial(for_each, partial(self._hier_all_reduce, op=op), tensors)
             return self._run(job, tensors, tensors)
@@ -104,20 +104,20 @@ class ShmProcessGroup(TwoLevels, Exchanges):
             return self._gloo.allreduce(tensors, opts_or(_c10d.AllreduceOptions, opts))
         return self._reduce_each(tensors, op, None)
 
-    @_poison_on_error
+    @poison_on_error
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if self._hierarchical:
             return self.allreduce(tensors, opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        _check_op(op, tensors)
+        check_op(op, tensors)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.allreduce_coalesced(tensors, opts or _c10d.AllreduceCoalescedOptions())
         return self._reduce_each(tensors, op, None)
 
-    @_poison_on_error
+    @poison_on_error
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         ArgCheck(NAME, "reduce", self._size).root(opts.rootRank)
-        _check_op(opts.reduceOp, tensors)
+        check_op(opts.reduceOp, tensors)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.reduce(tensors, opts)
         return self._reduce_each(tensors, opts.reduceOp, opts.rootRank)
@@ -130,13 +130,13 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         )
 
     def _all_reduce_one(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
-        fn, code, average, dtype_code = _reduction(op, tensor.dtype)
+        fn, code, average, dtype_code = reduction(op, tensor.dtype)
         seg = self._seg
         assert seg is not None
         flat, writeback = _flat(tensor)
         n = flat.numel()
         self._begin(
-            _KIND_ALL_REDUCE if root is None else _KIND_REDUCE,
+            KIND_ALL_REDUCE if root is None else KIND_REDUCE,
             n,
             dtype_code,
             code,
@@ -145,7 +145,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         if n == 0:  # nothing moves, but the ranks meet: a peer's non-empty call fails here, not later
             self._barrier("all_reduce")
             return
-        if n * flat.element_size() <= _SMALL_BYTES:
+        if n * flat.element_size() <= SMALL_BYTES:
             self._all_reduce_small(flat, fn, root)
             if average and root in (None, self._rank):
                 flat.div_(self._size)
@@ -160,7 +160,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
             c = min(per, n - k * per)
             return flat[k * per : k * per + c], c, c * me // size, c * (me + 1) // size
 
-        def copy_in(k: int, bank: _Bank) -> None:
+        def copy_in(k: int, bank: Bank) -> None:
             # the peers need every slice of this rank's chunk but [a, b), which this rank reduces
             # itself, straight from its own tensor
             part, c, a, b = span(k)
@@ -170,13 +170,13 @@ class ShmProcessGroup(TwoLevels, Exchanges):
             if b < c:
                 self._copy(slot[b:c], part[b:c])
 
-        def reduce(k: int, bank: _Bank) -> None:
+        def reduce(k: int, bank: Bank) -> None:
             part, _, a, b = span(k)
             if b > a:
                 sources = [part[a:b] if j == me else bank.slots[j].view(dtype)[a:b] for j in range(size)]
                 self._reduce(fn, bank.out.view(dtype)[a:b], sources)
 
-        def copy_out(k: int, bank: _Bank) -> None:
+        def copy_out(k: int, bank: Bank) -> None:
             part, c, _, _ = span(k)
             if average:  # the division on the way out, not one more pass over the tensor
                 self._split(lambda d, s: torch.div(s, size, out=d), part, bank.out.view(dtype)[:c])
@@ -202,10 +202,10 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         slots[self._rank][:n].copy_(flat)
         self._barrier("all_reduce")
         if root is None or root == self._rank:
-            _reduce_into(fn, flat, [s[:n] for s in slots])
+            reduce_into(fn, flat, [s[:n] for s in slots])
         self._mail ^= 1
 
-    @_poison_on_error
+    @poison_on_error
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         ArgCheck(NAME, "broadcast", self._size).root(root)
@@ -225,13 +225,13 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         flat, writeback = _flat(t)
         raw = flat.view(torch.uint8)
         n, cap = raw.numel(), seg.chunk * self._size  # a broadcast chunk fills a bank's slots
-        self._begin(_KIND_BROADCAST, n, root=root)
+        self._begin(KIND_BROADCAST, n, root=root)
 
-        def put(k: int, bank: _Bank) -> None:
+        def put(k: int, bank: Bank) -> None:
             c = min(cap, n - k * cap)
             self._copy(bank.slot_area[:c], raw[k * cap : k * cap + c])
 
-        def take(k: int, bank: _Bank) -> None:
+        def take(k: int, bank: Bank) -> None:
             c = min(cap, n - k * cap)
             self._copy(raw[k * cap : k * cap + c], bank.slot_area[:c])
 
@@ -241,7 +241,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         if writeback and not root_here:
             t.copy_(flat.view(t.shape))
 
-    @_poison_on_error
+    @poison_on_error
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         ArgCheck(NAME, "all_gather_into_tensor", self._size).whole(output, input, "output")
         if self._seg is None or not all_cpu([output, input]):
@@ -253,7 +253,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.all_gather_single(output, input, opts)
 
-    @_poison_on_error
+    @poison_on_error
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -276,18 +276,18 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         return self._poisoning(self._run, partial(self._gather_uneven, out, block, sizes), [block], out)  # type: ignore[no-any-return]
 
     def _gather_uneven(self, out: torch.Tensor, block: torch.Tensor, sizes: list[int]) -> None:
-        self._begin(_KIND_ALL_GATHER_UNEVEN, sum(sizes))  # in bytes, all of them: the same on every rank
-        self._gather_chunks(_bytes_of(block)[0], list(out.split_with_sizes(sizes)), sizes, "all_gather")
+        self._begin(KIND_ALL_GATHER_UNEVEN, sum(sizes))  # in bytes, all of them: the same on every rank
+        self._gather_chunks(bytes_of(block)[0], list(out.split_with_sizes(sizes)), sizes, "all_gather")
 
     def _gather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
-        raw = _bytes_of(inp)[0]
-        self._begin(_KIND_ALL_GATHER, raw.numel())
+        raw = bytes_of(inp)[0]
+        self._begin(KIND_ALL_GATHER, raw.numel())
         self._gather_chunks(raw, outs, [raw.numel()] * self._size, "all_gather")
 
-    @_poison_on_error
+    @poison_on_error
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        _reduce_fn(op, input.dtype)
+        reduce_fn(op, input.dtype)
         ArgCheck(NAME, "reduce_scatter_tensor", self._size).whole(input, output, "input")
         if self._seg is None or not all_cpu([output, input]):
             return self._gloo._reduce_scatter_base(output, input, opts or _c10d.ReduceScatterOptions())
@@ -297,13 +297,13 @@ class ShmProcessGroup(TwoLevels, Exchanges):
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.reduce_scatter_single(output, input, opts)
 
-    @_poison_on_error
+    @poison_on_error
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         ArgCheck(NAME, "reduce_scatter", self._size).per_rank(inputs, outputs, "input")
-        _check_op(op, outputs)
+        check_op(op, outputs)
         if self._seg is None or not all_cpu(outputs + [t for ts in inputs for t in ts]):
             return self._gloo.reduce_scatter(outputs, inputs, opts or _c10d.ReduceScatterOptions())
         stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
@@ -315,19 +315,19 @@ class ShmProcessGroup(TwoLevels, Exchanges):
 
     def _reduce_scatter(self, output: torch.Tensor, rows: torch.Tensor, op: Any) -> None:
         """``rows`` [size, n]: row r is this rank's contribution to rank r's output."""
-        fn, code, average, dtype_code = _reduction(op, rows.dtype)
+        fn, code, average, dtype_code = reduction(op, rows.dtype)
         seg = self._seg
         assert seg is not None
         out_flat, writeback = _flat(output)
         n = out_flat.numel()
         size, me = self._size, self._rank
         per = seg.chunk // rows.element_size() // size
-        self._begin(_KIND_REDUCE_SCATTER, n, dtype_code, code)
+        self._begin(KIND_REDUCE_SCATTER, n, dtype_code, code)
 
-        def grid(bank: _Bank, j: int) -> torch.Tensor:
+        def grid(bank: Bank, j: int) -> torch.Tensor:
             return bank.slots[j].view(rows.dtype)[: per * size].view(size, per)
 
-        def put(k: int, bank: _Bank) -> None:
+        def put(k: int, bank: Bank) -> None:
             # every row but this rank's own, which it reduces straight from ``rows``
             lo, c = k * per, min(per, n - k * per)
             mine = grid(bank, me)
@@ -336,7 +336,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
             if me < size - 1:
                 mine[me + 1 :, :c].copy_(rows[me + 1 :, lo : lo + c])
 
-        def reduce(k: int, bank: _Bank) -> None:
+        def reduce(k: int, bank: Bank) -> None:
             lo, c = k * per, min(per, n - k * per)
             sources = [rows[me, lo : lo + c] if j == me else grid(bank, j)[me, :c] for j in range(size)]
             self._reduce(fn, out_flat[lo : lo + c], sources)
@@ -347,7 +347,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         if writeback:
             output.copy_(out_flat.view(output.shape))
 
-    @_poison_on_error
+    @poison_on_error
     def barrier(self, opts: Any = None) -> Any:
         if self._hierarchical:
             return self._run(self._hier_barrier, [], None)
@@ -356,7 +356,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         return self._run(self._barrier_call, [], None)
 
     def _barrier_call(self) -> None:
-        self._begin(_KIND_BARRIER, 0)
+        self._begin(KIND_BARRIER, 0)
         self._barrier("barrier")
 
     def send(self, tensors: Any, dst: int, tag: int) -> Any:

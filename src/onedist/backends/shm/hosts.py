@@ -40,7 +40,7 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _host_map(store: Any, rank: int, size: int) -> list[list[int]]:
+def ranks_by_host(store: Any, rank: int, size: int) -> list[list[int]]:
     """The group's ranks by host, hosts in the order of their first rank."""
     store.set(f"onedist-shm/host/{rank}", _host_id())
     ids = [store.get(f"onedist-shm/host/{r}").decode() for r in range(size)]

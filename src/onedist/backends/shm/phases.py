@@ -12,11 +12,11 @@ import torch
 
 from .._pygroup import flat as _flat
 from .protocol import SegmentSync
-from .reductions import _reduce_into
-from .segment import _Bank
+from .reductions import reduce_into
+from .segment import Bank
 
 #: copies and reductions are split over the helper threads in parts of at least this many bytes
-_SPLIT_BYTES = 512 << 10
+SPLIT_BYTES = 512 << 10
 
 
 class ChunkMover(SegmentSync):
@@ -31,14 +31,14 @@ class ChunkMover(SegmentSync):
         self._split(lambda d, s: d.copy_(s), dst, src)
 
     def _reduce(self, fn: Callable[..., Any], dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
-        self._split(lambda d, *srcs: _reduce_into(fn, d, list(srcs)), dst, *sources)
+        self._split(lambda d, *srcs: reduce_into(fn, d, list(srcs)), dst, *sources)
 
     def _split(self, work: Callable[..., Any], *tensors: torch.Tensor) -> None:
         """``work(*tensors)``, split over the helper threads when there are idle cores for them
         (one core's memory bandwidth is what bounds a rank; torch's kernels release the GIL)."""
         pool = self._helpers
         n = tensors[0].shape[0]
-        parts = min(self._parts, n * tensors[0].element_size() // _SPLIT_BYTES)
+        parts = min(self._parts, n * tensors[0].element_size() // SPLIT_BYTES)
         if pool is None or parts < 2:
             work(*tensors)
             return
@@ -51,7 +51,7 @@ class ChunkMover(SegmentSync):
     def _phases(
         self,
         n: int,
-        stages: Sequence[Optional[Callable[[int, _Bank], None]]],
+        stages: Sequence[Optional[Callable[[int, Bank], None]]],
         what: str,
         overlap: bool = False,
         ends_in_result: bool = False,
@@ -103,7 +103,7 @@ class ChunkMover(SegmentSync):
                 self._barrier(what)
 
 
-def _helper_pool(size: int) -> Optional[ThreadPoolExecutor]:
+def helper_pool(size: int) -> Optional[ThreadPoolExecutor]:
     """Threads that share a rank's copies and reductions: as many as leave a core per rank
     (``ONEDIST_SHM_THREADS`` sets the count per rank, helpers included), at most 4 per rank."""
     raw = os.environ.get("ONEDIST_SHM_THREADS")
@@ -120,7 +120,7 @@ def _helper_pool(size: int) -> Optional[ThreadPoolExecutor]:
     return ThreadPoolExecutor(threads - 1, thread_name_prefix="onedist-shm-copy")
 
 
-def _bytes_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def bytes_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """``t`` as flat bytes: (the bytes, the flat tensor they view, whether that is a copy to write
     back into ``t``)."""
     flat, writeback = _flat(t)

@@ -2,9 +2,9 @@
 
 Ranks meet at barriers made of per-rank generation counters in the segment (one writer each),
 waited on with ``futex(2)`` after a short spin; beside its counter each rank writes the call it
-is making (a ``_CALL`` record), which its peers compare after the barrier (see the package
+is making (a ``CALL_RECORD``), which its peers compare after the barrier (see the package
 docstring). A rank that fails inside a collective marks the segment so that its peers raise at
-once (:func:`_poison_on_error`).
+once (:func:`poison_on_error`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError
 from .._pygroup import OrderedGroup, op_name
-from .segment import _HEADER, _LINE, _Segment
+from .segment import HEADER_BYTES, LINE_BYTES, Segment
 
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
@@ -30,29 +30,29 @@ _MASK = 0xFFFFFFFF
 _HALF = 0x80000000
 #: what a rank is calling at a barrier (see ShmProcessGroup._barrier): kind, reduce op, root,
 #: dtype, count (elements, or bytes where the dtype does not matter), step within the call
-_CALL = struct.Struct("<iiiiqi")
+CALL_RECORD = struct.Struct("<iiiiqi")
 _STEP = struct.Struct("<i")  # the record's last field
 #: where, in a rank's counter line, its call for a barrier of even / odd generation goes: a peer
 #: reads it after that barrier, and the rank cannot write the slot again before the barrier after next
-_CALL_AT = (8, 8 + _CALL.size)
-assert _CALL_AT[1] + _CALL.size <= 64
-_KIND_ALL_REDUCE, _KIND_REDUCE, _KIND_BROADCAST, _KIND_ALL_GATHER = 1, 2, 3, 4
-_KIND_REDUCE_SCATTER, _KIND_BARRIER = 5, 6
-_KIND_GATHER, _KIND_SCATTER, _KIND_ALL_TO_ALL = 7, 8, 9
-_KIND_ALL_GATHER_COALESCED = 10  # gloo runs it, after one barrier that checks the calls (_agree)
-_KIND_ALL_GATHER_UNEVEN = 11
-_KINDS = {
-    _KIND_ALL_REDUCE: "all_reduce",
-    _KIND_REDUCE: "reduce",
-    _KIND_BROADCAST: "broadcast",
-    _KIND_ALL_GATHER: "all_gather",
-    _KIND_REDUCE_SCATTER: "reduce_scatter",
-    _KIND_BARRIER: "barrier",
-    _KIND_GATHER: "gather",
-    _KIND_SCATTER: "scatter",
-    _KIND_ALL_TO_ALL: "all_to_all",
-    _KIND_ALL_GATHER_COALESCED: "all_gather_coalesced",
-    _KIND_ALL_GATHER_UNEVEN: "all_gather_uneven",  # onedist.all_gather of tensors whose sizes differ
+_CALL_AT = (8, 8 + CALL_RECORD.size)
+assert _CALL_AT[1] + CALL_RECORD.size <= 64
+KIND_ALL_REDUCE, KIND_REDUCE, KIND_BROADCAST, KIND_ALL_GATHER = 1, 2, 3, 4
+KIND_REDUCE_SCATTER, KIND_BARRIER = 5, 6
+KIND_GATHER, KIND_SCATTER, KIND_ALL_TO_ALL = 7, 8, 9
+KIND_ALL_GATHER_COALESCED = 10  # gloo runs it, after one barrier that checks the calls (_agree)
+KIND_ALL_GATHER_UNEVEN = 11
+KIND_NAMES = {
+    KIND_ALL_REDUCE: "all_reduce",
+    KIND_REDUCE: "reduce",
+    KIND_BROADCAST: "broadcast",
+    KIND_ALL_GATHER: "all_gather",
+    KIND_REDUCE_SCATTER: "reduce_scatter",
+    KIND_BARRIER: "barrier",
+    KIND_GATHER: "gather",
+    KIND_SCATTER: "scatter",
+    KIND_ALL_TO_ALL: "all_to_all",
+    KIND_ALL_GATHER_COALESCED: "all_gather_coalesced",
+    KIND_ALL_GATHER_UNEVEN: "all_gather_uneven",  # onedist.all_gather of tensors whose sizes differ
 }
 _DTYPES: list[torch.dtype] = []  # code - 1 -> dtype: every torch dtype, sorted by name (see _dtypes)
 _DTYPE_CODES: dict[torch.dtype, int] = {}
@@ -66,16 +66,16 @@ def _dtypes() -> list[torch.dtype]:
     return _DTYPES
 
 
-def _dtype_code(dtype: torch.dtype) -> int:
+def dtype_code(dtype: torch.dtype) -> int:
     """A number for ``dtype`` that is the same in every process running this torch (from 1)."""
     _dtypes()
     return _DTYPE_CODES.get(dtype, -1)
 
 
 def _describe(call: tuple[int, ...]) -> str:
-    """One rank's call (a _CALL record), as a user would write it."""
+    """One rank's call (a CALL_RECORD), as a user would write it."""
     kind, op, root, dtype, count, step = call
-    name = _KINDS.get(kind)
+    name = KIND_NAMES.get(kind)
     if name is None:
         return "nothing onedist knows (its shared memory was written by something else)"
     if name == "barrier":
@@ -139,7 +139,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _poison_on_error(method: Callable[..., Any]) -> Callable[..., Any]:
+def poison_on_error(method: Callable[..., Any]) -> Callable[..., Any]:
     """A rank that fails inside a shm collective marks the segment, so that its peers, waiting in
     the same collective, raise at once instead of at the timeout (the group is unusable after)."""
 
@@ -155,7 +155,7 @@ class SegmentSync(OrderedGroup):
     """The protocol side of :class:`~.group.ShmProcessGroup`: what a rank calls, the barriers that
     check it, and the marks that fail the group for every rank (set up by its ``__init__``)."""
 
-    _seg: Optional[_Segment]
+    _seg: Optional[Segment]
     _rank: int
     _size: int
     _timeout: float
@@ -167,7 +167,7 @@ class SegmentSync(OrderedGroup):
     _shown_as: Optional[list[int]]
 
     def _poisoning(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``call(*args, **kwargs)``, marking the segment when it fails (see _poison_on_error)."""
+        """``call(*args, **kwargs)``, marking the segment when it fails (see poison_on_error)."""
         gen = self._gen
         try:
             return call(*args, **kwargs)
@@ -187,9 +187,9 @@ class SegmentSync(OrderedGroup):
     # ------------------------------------------------------------------ synchronisation
     def _begin(self, kind: int, count: int, dtype: int = 0, op: int = -1, root: int = -1) -> None:
         """What this rank calls now, for the check at each of the call's barriers (see _barrier):
-        ``count`` elements of the dtype numbered ``dtype`` (see _reduction), or bytes where the
+        ``count`` elements of the dtype numbered ``dtype`` (see reductions.reduction), or bytes where the
         dtype does not matter (0); ``op``, ``root``: -1 where the call has none."""
-        self._record = _CALL.pack(kind, op, root, dtype, count, 0)
+        self._record = CALL_RECORD.pack(kind, op, root, dtype, count, 0)
         self._step = 0
 
     def _barrier(self, what: str) -> None:
@@ -201,15 +201,15 @@ class SegmentSync(OrderedGroup):
             raise self._aborted(what)
         self._gen = g = (self._gen + 1) & _MASK
         counters, mm = seg.counters, seg.mm
-        stride = _LINE // 4
-        at = _HEADER + _CALL_AT[g & 1]
+        stride = LINE_BYTES // 4
+        at = HEADER_BYTES + _CALL_AT[g & 1]
         mine = self._record if not self._step else self._record[:-4] + _STEP.pack(self._step)
-        mm[at + self._rank * _LINE : at + self._rank * _LINE + _CALL.size] = mine  # before the counter
+        mine_at = at + self._rank * LINE_BYTES
+        mm[mine_at : mine_at + CALL_RECORD.size] = mine  # before the counter
         counters[self._rank * stride] = g - (1 << 32) if g >= _HALF else g
         syscall = _futex()
-        syscall(
-            _SYS_FUTEX, ctypes.c_void_p(seg.base + self._rank * _LINE), _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0
-        )
+        my_counter = ctypes.c_void_p(seg.base + self._rank * LINE_BYTES)
+        syscall(_SYS_FUTEX, my_counter, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
         for j in self._others:
             idx = j * stride
             if (counters[idx] - g) & _MASK < _HALF:
@@ -221,7 +221,7 @@ class SegmentSync(OrderedGroup):
                 self._block(j, g, what)
         self._step += 1
         for j in self._others:
-            if mm[at + j * _LINE : at + j * _LINE + _CALL.size] != mine:
+            if mm[at + j * LINE_BYTES : at + j * LINE_BYTES + CALL_RECORD.size] != mine:
                 raise self._mismatch(at)
 
     def _mismatch(self, at: int) -> CollectiveMismatchError:
@@ -232,7 +232,7 @@ class SegmentSync(OrderedGroup):
         rule out; should it happen, the group is marked failed."""
         seg = self._seg
         assert seg is not None
-        calls = [_CALL.unpack_from(seg.mm, at + j * _LINE) for j in range(self._size)]
+        calls = [CALL_RECORD.unpack_from(seg.mm, at + j * LINE_BYTES) for j in range(self._size)]
         usable = not any(c[-1] for c in calls)
         if not usable:
             self._mark(None)
@@ -271,8 +271,8 @@ class SegmentSync(OrderedGroup):
     def _block(self, j: int, g: int, what: str) -> None:
         seg = self._seg
         assert seg is not None
-        counters, idx = seg.counters, j * (_LINE // 4)
-        addr = ctypes.c_void_p(seg.base + j * _LINE)
+        counters, idx = seg.counters, j * (LINE_BYTES // 4)
+        addr = ctypes.c_void_p(seg.base + j * LINE_BYTES)
         syscall = _futex()
         ts = _Timespec(0, int(_WAIT_SLICE_S * 1e9))
         deadline = time.monotonic() + self._timeout

@@ -13,17 +13,17 @@ import torch
 import torch.distributed as dist
 
 from .._pygroup import averages, op_name
-from .protocol import _dtype_code
+from .protocol import dtype_code
 
 _REDUCE: dict[Any, Callable[..., Any]] = {}
 
 
-def _reduce_fn(op: Any, dtype: torch.dtype) -> Callable[..., Any]:
-    """The elementwise function of reduce op ``op`` on ``dtype`` (see :func:`_reduction`)."""
-    return _reduction(op, dtype)[0]
+def reduce_fn(op: Any, dtype: torch.dtype) -> Callable[..., Any]:
+    """The elementwise function of reduce op ``op`` on ``dtype`` (see :func:`reduction`)."""
+    return reduction(op, dtype)[0]
 
 
-def _reduction(op: Any, dtype: torch.dtype) -> tuple[Callable[..., Any], int, bool, int]:
+def reduction(op: Any, dtype: torch.dtype) -> tuple[Callable[..., Any], int, bool, int]:
     """Reduce op ``op`` on ``dtype``: its elementwise function (for bool tensors: SUM is or,
     PRODUCT is and; AVG is SUM, divided by the group size afterwards, see
     :func:`._pygroup.averages`), the op's number and the dtype's (for the call check, see
@@ -53,21 +53,21 @@ def _reduction(op: Any, dtype: torch.dtype) -> tuple[Callable[..., Any], int, bo
         )
     if dtype == torch.bool and fn in (torch.add, torch.mul):
         fn = torch.logical_or if fn is torch.add else torch.logical_and
-    answer = _FNS[(kind, dtype)] = (fn, int(kind), averages(kind), _dtype_code(dtype))
+    answer = _FNS[(kind, dtype)] = (fn, int(kind), averages(kind), dtype_code(dtype))
     return answer
 
 
 _FNS: dict[tuple[Any, torch.dtype], tuple[Callable[..., Any], int, bool, int]] = {}
 
 
-def _check_op(op: Any, tensors: Sequence[torch.Tensor]) -> None:
+def check_op(op: Any, tensors: Sequence[torch.Tensor]) -> None:
     """Raise, on every rank and before anything moves, when ``op`` cannot reduce one of
-    ``tensors`` (see :func:`_reduce_fn`)."""
+    ``tensors`` (see :func:`reduce_fn`)."""
     for t in tensors:
-        _reduce_fn(op, t.dtype)
+        reduce_fn(op, t.dtype)
 
 
-def _reduce_into(fn: Callable[..., Any], dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
+def reduce_into(fn: Callable[..., Any], dst: torch.Tensor, sources: list[torch.Tensor]) -> None:
     """``dst = sources[0] fn sources[1] fn ...``, in that order (the same bits on every rank)."""
     if len(sources) == 1:
         dst.copy_(sources[0])

@@ -26,11 +26,11 @@ NAME = "shm"
 #: less on many ranks with a small L3 cache, see _chunk_bytes)
 DEFAULT_CHUNK = 4 << 20
 _MIN_CHUNK = 256 << 10
-_LINE = 64  # one cache line per rank's counter: no false sharing between writers
-_HEADER = 4096
+LINE_BYTES = 64  # one cache line per rank's counter: no false sharing between writers
+HEADER_BYTES = 4096  # pids, abort flag and culprit, before the counter lines
 #: an all_reduce of at most this many bytes is one step (every rank reduces all of it, after one
 #: barrier, not two): a small collective's time is its barriers and torch calls, not its bytes
-_SMALL_BYTES = 16 << 10
+SMALL_BYTES = 16 << 10
 
 
 def supported() -> bool:
@@ -40,7 +40,7 @@ def supported() -> bool:
     )
 
 
-class _Bank:
+class Bank:
     """One of the segment's two banks: a slot per rank, then the result area, ``chunk`` bytes each
     (contiguous: a broadcast moves ``slot_area``, all the slots, at a time)."""
 
@@ -48,7 +48,7 @@ class _Bank:
         self.slot_area = data[: size * chunk]
         self.slots = [data[i * chunk : (i + 1) * chunk] for i in range(size)]
         self.out = data[size * chunk : (size + 1) * chunk]  # empty in a mailbox
-        self.at: list[int] = []  # each slot's offset in the segment (see _Segment)
+        self.at: list[int] = []  # each slot's offset in the segment (see Segment)
         self._typed: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def typed_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -60,39 +60,37 @@ class _Bank:
         return views
 
 
-class _Segment:
+class Segment:
     """The mapped segment: per-rank counters, then two banks (see ShmProcessGroup._phases)."""
 
     def __init__(self, mm: mmap.mmap, size: int, chunk: int) -> None:
         self.chunk = chunk
         self.mm = mm
         self.data = torch.frombuffer(mm, dtype=torch.uint8)  # shares the mapping
-        ctrl = _HEADER
-        self.counters = (ctypes.c_int32 * (size * _LINE // 4)).from_buffer(mm, ctrl)
+        ctrl = HEADER_BYTES
+        self.counters = (ctypes.c_int32 * (size * LINE_BYTES // 4)).from_buffer(mm, ctrl)
         self.base = ctypes.addressof(self.counters)
         self.pids = (ctypes.c_int64 * size).from_buffer(mm, 64)
         self.abort = ctypes.c_int32.from_buffer(mm, 16)  # 1 + the rank at fault, 0 while healthy
         self.abort_exited = ctypes.c_int32.from_buffer(mm, 20)  # 1: that rank died, 0: it raised
-        data0 = ctrl + _round(size * _LINE)
+        data0 = ctrl + round_up(size * LINE_BYTES)
         bank = (size + 1) * chunk
-        self.banks = [
-            _Bank(self.data[data0 + i * bank : data0 + (i + 1) * bank], size, chunk) for i in (0, 1)
-        ]
-        # two mailboxes for small all_reduces (a slot of _SMALL_BYTES per rank each), which they
+        self.banks = [Bank(self.data[data0 + i * bank : data0 + (i + 1) * bank], size, chunk) for i in (0, 1)]
+        # two mailboxes for small all_reduces (a slot of SMALL_BYTES per rank each), which they
         # alternate between; nothing else uses them, so they never move the banks
-        mail0, box = data0 + 2 * bank, size * _SMALL_BYTES
+        mail0, box = data0 + 2 * bank, size * SMALL_BYTES
         self.mailboxes = [
-            _Bank(self.data[mail0 + i * box : mail0 + (i + 1) * box], size, _SMALL_BYTES) for i in (0, 1)
+            Bank(self.data[mail0 + i * box : mail0 + (i + 1) * box], size, SMALL_BYTES) for i in (0, 1)
         ]
         for b in self.banks + self.mailboxes:
             b.at = [s.data_ptr() - self.data.data_ptr() for s in b.slots]
 
     @staticmethod
     def nbytes(size: int, chunk: int) -> int:
-        return _HEADER + _round(size * _LINE) + 2 * (size + 1) * chunk + 2 * size * _SMALL_BYTES
+        return HEADER_BYTES + round_up(size * LINE_BYTES) + 2 * (size + 1) * chunk + 2 * size * SMALL_BYTES
 
 
-def _round(n: int, to: int = 4096) -> int:
+def round_up(n: int, to: int = 4096) -> int:
     return (n + to - 1) // to * to
 
 
@@ -136,10 +134,10 @@ def _chunk_bytes(size: int) -> int:
         raise bad_value(
             "ONEDIST_SHM_CHUNK_MB", "ONEDIST_SHM_CHUNK_MB", raw, "a number of MiB from 0.0625 to 1024"
         )
-    return _round(int(mb * (1 << 20)), 4096)
+    return round_up(int(mb * (1 << 20)), 4096)
 
 
-def _attach(store: Any, rank: int, size: int) -> Optional[_Segment]:
+def attach(store: Any, rank: int, size: int) -> Optional[Segment]:
     """Create (rank 0) or open the group's segment; None on every rank when any rank cannot.
 
     Every rank checks its own ``ONEDIST_SHM_CHUNK_MB`` (a bad value raises on each), but the slot
@@ -151,13 +149,13 @@ def _attach(store: Any, rank: int, size: int) -> Optional[_Segment]:
     try:
         if rank == 0:
             fd = os.memfd_create("onedist-shm", os.MFD_CLOEXEC)
-            os.ftruncate(fd, _Segment.nbytes(size, chunk))
+            os.ftruncate(fd, Segment.nbytes(size, chunk))
             store.set("onedist-shm/segment", f"{os.getpid()}:{fd}:{chunk}")
         else:
             pid, rfd, published = store.get("onedist-shm/segment").decode().split(":")
             chunk = int(published)
             fd = os.open(f"/proc/{pid}/fd/{rfd}", os.O_RDWR)
-        nbytes = _Segment.nbytes(size, chunk)
+        nbytes = Segment.nbytes(size, chunk)
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         struct.pack_into("q", mm, 64 + 8 * rank, os.getpid())  # for the peers' liveness checks
     except OSError as e:
@@ -175,4 +173,4 @@ def _attach(store: Any, rank: int, size: int) -> Optional[_Segment]:
         if mm is not None:
             mm.close()
         return None
-    return _Segment(mm, size, chunk)
+    return Segment(mm, size, chunk)
