@@ -11,16 +11,18 @@ Detection order (the first that matches wins):
 0. ``pytorchjob`` — a Kubeflow PyTorchJob pod's own process (its RANK is the pod's index), when
    the job has one process per pod; with more, no launcher has started this pod's workers yet
    (:func:`pod_start_problem`). Before torchrun's variables, which the operator also sets.
-1. ``torchelastic`` — torchrun / ``torch.distributed.launch`` / ``onedist run`` (which sets the same
-   variables). First, because torchrun is often started *inside* an ``srun`` or ``mpirun`` step
-   and then the SLURM / MPI variables describe the agents, not the workers.
-2. ``horovod`` — horovodrun; before MPI because horovodrun may launch through ``mpirun``.
-3. ``openmpi``, ``mvapich``, ``mpich`` (PMI: MPICH, Intel MPI, and ``srun --mpi=pmi2``) — before
+1. ``ray`` — a Ray Train worker (``TorchTrainer``): torchrun's variables in a Ray worker process.
+   Before torchrun's, whose variables Ray sets too (all but ``GROUP_*``).
+2. ``torchelastic`` — torchrun / ``torch.distributed.launch`` / ``onedist run`` (which sets the same
+   variables). Before the rest, because torchrun is often started *inside* an ``srun`` or
+   ``mpirun`` step and then the SLURM / MPI variables describe the agents, not the workers.
+3. ``horovod`` — horovodrun; before MPI because horovodrun may launch through ``mpirun``.
+4. ``openmpi``, ``mvapich``, ``mpich`` (PMI: MPICH, Intel MPI, and ``srun --mpi=pmi2``) — before
    SLURM, because ``mpirun`` inside an ``salloc`` leaves SLURM variables that describe the
    allocation, not the ranks.
-4. ``slurm`` — a task started by ``srun`` (SLURM_STEP_ID is set); an ``sbatch`` script itself is
+5. ``slurm`` — a task started by ``srun`` (SLURM_STEP_ID is set); an ``sbatch`` script itself is
    not a distributed run.
-5. ``lsf`` — IBM ``jsrun`` (JSM_NAMESPACE_*).
+6. ``lsf`` — IBM ``jsrun`` (JSM_NAMESPACE_*).
 
 Example:
     >>> from onedist.environments import detect
@@ -301,6 +303,39 @@ class TorchElastic(Environment):
         )
 
 
+class RayTrain(Environment):
+    """A Ray Train worker: ``TorchTrainer`` runs the training function in a Ray worker process.
+
+    Ray Train (2.x, ``ray/train/torch/config.py``: ``_set_torch_distributed_env_vars`` and
+    ``_TorchBackend.on_start``) sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (no ``GROUP_*``), and
+    creates the default process group before the function runs: onedist adopts that group. Every
+    Ray worker process has ``RAY_JOB_ID``; torchrun started inside a Ray task sets
+    ``TORCHELASTIC_RUN_ID``, and is torchrun's.
+
+    Example:
+        >>> from onedist.environments import detect
+        >>> env = detect({"RAY_JOB_ID": "01000000", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+        ...               "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.5",
+        ...               "MASTER_PORT": "43483"})
+        >>> (env.name, env.rank, env.local_rank, env.nproc_per_node, env.node_rank, env.nnodes)
+        ('ray', 1, 1, 2, 0, None)
+    """
+
+    name = "ray"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return (
+            "RAY_JOB_ID" in environ and "TORCHELASTIC_RUN_ID" not in environ and TorchElastic.detect(environ)
+        )
+
+    @classmethod
+    def parse(cls, environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+        env = TorchElastic.parse(environ)
+        return None if env is None else replace(env, name=cls.name)
+
+
 class Horovod(Environment):
     """horovodrun (gloo or MPI controller)."""
 
@@ -486,6 +521,7 @@ class Lsf(Environment):
 #: the detection order (see the module docstring for why)
 ENVIRONMENTS: tuple[type[Environment], ...] = (
     PyTorchJob,
+    RayTrain,
     TorchElastic,
     Horovod,
     OpenMpi,
