@@ -69,16 +69,19 @@ def check_uneven_loop_equals_torch_join(sync_bn: bool, divide_by_world: bool) ->
     totals = {"loss": 0.0, "n": 0}
     steps, gathered = 0, []
     start = time.perf_counter()
+    dev = od.device()  # CPU, or this rank's GPU on nccl (tests/test_gpu.py)
     with od.join(model, optimizer, divide_by_initial_world_size=divide_by_world):
         for x, y in batches_of(rank):
             optimizer.zero_grad()
-            out = model(x)
-            loss = torch.nn.functional.mse_loss(out, y)
+            out = model(x.to(dev))
+            loss = torch.nn.functional.mse_loss(out, y.to(dev))
             loss.backward()
             optimizer.step()
             metrics = od.all_reduce({"loss": loss.item() * len(x), "n": len(x)})
             totals = {k: totals[k] + metrics[k] for k in totals}
-            rows = od.all_gather(torch.cat([out.detach(), torch.full((len(x), 1), float(rank))], 1))
+            rows = od.all_gather(
+                torch.cat([out.detach(), torch.full((len(x), 1), float(rank), device=dev)], 1)
+            )
             gathered.append(sorted({int(r) for r in rows[:, 1].tolist()}))
             steps += 1
     seconds = time.perf_counter() - start
@@ -88,12 +91,12 @@ def check_uneven_loop_equals_torch_join(sync_bn: bool, divide_by_world: bool) ->
         assert abs(totals[k] - expected[k]) <= 1e-6 * max(1.0, abs(expected[k])), (k, totals, expected)
     for step, ranks in enumerate(gathered):  # the samples of the ranks still in their loops, exactly
         assert ranks == [r for r in range(world_size) if step < 10 + 3 * r], (step, ranks)
-    weights = [p.detach() for p in od.unwrap(model).parameters()]
+    weights = [p.detach().cpu() for p in od.unwrap(model).parameters()]
     diff = max(float((a - b).abs().max()) for a, b in zip(weights, ref["weights"]))
     assert diff <= 1e-6, diff
     for mine, theirs in zip(od.unwrap(model).buffers(), ref["buffers"]):  # the last rank's statistics
-        assert torch.allclose(mine.double(), theirs.double(), atol=1e-6), (mine, theirs)
-    same = od.all_gather(torch.cat([w.reshape(-1) for w in weights]).reshape(1, -1))
+        assert torch.allclose(mine.cpu().double(), theirs.double(), atol=1e-6), (mine, theirs)
+    same = od.all_gather(torch.cat([w.reshape(-1) for w in weights]).reshape(1, -1).to(dev)).cpu()
     assert bool((same == same[0]).all()), "the ranks hold different weights after od.join"
     return {"steps": steps, "seconds": seconds, "difference": diff, "weights": [w.tolist() for w in weights]}
 
@@ -149,7 +152,7 @@ def check_broadcast_from_a_finished_rank_raises_everywhere() -> dict[str, Any]:
     try:
         with od.join(model):
             for step, (x, _) in enumerate(batches_of(rank, count=3 + rank)):
-                model(x).sum().backward()
+                model(x.to(od.device())).sum().backward()
                 od.broadcast(torch.tensor([step]), src=0)
     except od.JoinedRankError as e:
         error = e
@@ -171,7 +174,7 @@ def check_calls_that_need_a_finished_rank_raise() -> list[str]:
         try:
             with od.join(model):
                 for x, _ in batches_of(rank, count=2 + rank):
-                    model(x).sum().backward()
+                    model(x.to(od.device())).sum().backward()
                     if call == "group":
                         od.all_reduce(torch.ones(1), group=list(range(world_size - 1)) or [0])
                     elif rank == 1:  # rank 0 receives while it is in its loop
@@ -210,7 +213,7 @@ def check_join_arguments() -> None:
             else:
                 raise AssertionError("nested od.join did not raise")
         for x, _ in batches_of(od.get_rank(), count=2):
-            model(x).sum().backward()
+            model(x.to(od.device())).sum().backward()
 
 
 def check_each_collective_over_the_ranks_still_in_their_loops() -> int:
@@ -221,7 +224,7 @@ def check_each_collective_over_the_ranks_still_in_their_loops() -> int:
     steps = 0
     with od.join(model):
         for step, (x, _) in enumerate(batches_of(rank, count=2 + rank)):
-            model(x).sum().backward()
+            model(x.to(od.device())).sum().backward()
             active = [r for r in range(od.get_world_size()) if step < 2 + r]
             last = active[-1]
             assert od.all_reduce(float(rank + 1), "PRODUCT") == float(torch.tensor(active).add(1).prod())

@@ -9,7 +9,7 @@ import pytest
 from onedist.environments import (
     ClusterEnv,
     PartialLayout,
-    detect,
+    detect_cluster,
     expand_nodelist,
     expand_tasks_per_node,
     gpu_index,
@@ -47,7 +47,7 @@ SRUN_3_PLUS_1 = {
 
 
 def test_torchrun_variables_give_the_full_layout():
-    env = detect(TORCHRUN_NODE1)
+    env = detect_cluster(TORCHRUN_NODE1)
     assert env == ClusterEnv("torchelastic", 5, 6, 1, 2, 2, 3, "n0", 29500)
     assert layout_from_environ(TORCHRUN_NODE1, rank=5, world_size=6) == PartialLayout(1, 2, 2, 3)
 
@@ -129,7 +129,7 @@ def test_tasks_per_node_garbage_names_the_value():
 
 
 def test_srun_uneven_three_plus_one():
-    env = detect(SRUN_3_PLUS_1)
+    env = detect_cluster(SRUN_3_PLUS_1)
     assert env is not None and env.name == "slurm"
     assert (env.rank, env.world_size, env.local_rank, env.nproc_per_node, env.node_rank, env.nnodes) == (
         3,
@@ -141,15 +141,15 @@ def test_srun_uneven_three_plus_one():
     )
     assert env.master_addr == "gpu-a01"
     assert env.master_port == 20000 + 123456 % 20000 and env.master_port_derived
-    rank1 = detect({**SRUN_3_PLUS_1, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0"})
+    rank1 = detect_cluster({**SRUN_3_PLUS_1, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0"})
     assert rank1 is not None and (rank1.local_rank, rank1.nproc_per_node, rank1.node_rank) == (1, 3, 0)
     assert rank1.master_port == env.master_port  # every task derives the same port
-    step2 = detect({**SRUN_3_PLUS_1, "SLURM_STEP_ID": "2"})  # a second step running at once
+    step2 = detect_cluster({**SRUN_3_PLUS_1, "SLURM_STEP_ID": "2"})  # a second step running at once
     assert step2.master_port == 20000 + (123456 + 2 * 7919) % 20000 != env.master_port
 
 
 def test_srun_respects_master_port_and_repetition_counts():
-    env = detect(
+    env = detect_cluster(
         {
             **SRUN_3_PLUS_1,
             "MASTER_PORT": "29400",
@@ -166,18 +166,18 @@ def test_srun_respects_master_port_and_repetition_counts():
 
 def test_sbatch_script_itself_is_not_a_distributed_run():
     batch = {k: v for k, v in SRUN_3_PLUS_1.items() if k != "SLURM_STEP_ID"}
-    assert detect(batch) is None
+    assert detect_cluster(batch) is None
 
 
 def test_torchrun_inside_srun_uses_torchrun_values():
     inside = {**SRUN_3_PLUS_1, **TORCHRUN_NODE1}
-    env = detect(inside)
+    env = detect_cluster(inside)
     assert env is not None and env.name == "torchelastic" and env.rank == 5
 
 
 # ---------------------------------------------------------------------------- MPI, Horovod, LSF
 def test_open_mpi_single_node():
-    env = detect(
+    env = detect_cluster(
         {
             "OMPI_COMM_WORLD_RANK": "1",
             "OMPI_COMM_WORLD_SIZE": "3",
@@ -190,7 +190,7 @@ def test_open_mpi_single_node():
 
 
 def test_open_mpi_multi_node_needs_rank_zero_host():
-    env = detect(
+    env = detect_cluster(
         {
             "OMPI_COMM_WORLD_RANK": "3",
             "OMPI_COMM_WORLD_SIZE": "4",
@@ -199,17 +199,19 @@ def test_open_mpi_multi_node_needs_rank_zero_host():
         }
     )
     assert env is not None and env.master_addr is None and env.node_rank is None and env.nproc_per_node == 1
-    with_master = detect({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": "h0"})
+    with_master = detect_cluster(
+        {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "MASTER_ADDR": "h0"}
+    )
     assert with_master is not None and with_master.master_addr == "h0"
 
 
 def test_open_mpi_inside_salloc_wins_over_slurm():
-    env = detect({**SRUN_3_PLUS_1, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
+    env = detect_cluster({**SRUN_3_PLUS_1, "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
     assert env is not None and env.name == "openmpi" and env.world_size == 2
 
 
 def test_mpich_intel_pmi_and_mvapich():
-    pmi = detect(
+    pmi = detect_cluster(
         {
             "PMI_RANK": "2",
             "PMI_SIZE": "4",
@@ -226,7 +228,7 @@ def test_mpich_intel_pmi_and_mvapich():
         2,
     )
     assert pmi.master_port == 20000 + 770 % 20000
-    mv = detect(
+    mv = detect_cluster(
         {
             "MV2_COMM_WORLD_RANK": "0",
             "MV2_COMM_WORLD_SIZE": "2",
@@ -241,16 +243,16 @@ def test_mpich_hydra_without_a_job_name():
     """What MPICH 4.0.2's mpiexec.hydra -n 2 set here (no PMI_KVSNAME): on one node the port comes
     from the ranks' parent, the hydra proxy (the same for every rank of the node)."""
     hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
-    env = detect(hydra)
+    env = detect_cluster(hydra)
     assert env is not None and (env.name, env.rank, env.world_size, env.nnodes) == ("mpich", 1, 2, 1)
     assert env.master_addr == "127.0.0.1" and env.master_port_derived
     assert env.master_port == 20000 + os.getppid() % 20000
-    two_nodes = detect({**hydra, "PMI_SIZE": "4"})  # several nodes: each has its own proxy
+    two_nodes = detect_cluster({**hydra, "PMI_SIZE": "4"})  # several nodes: each has its own proxy
     assert two_nodes is not None and two_nodes.master_port is None and two_nodes.master_addr is None
 
 
 def test_horovodrun():
-    env = detect(
+    env = detect_cluster(
         {
             "HOROVOD_RANK": "3",
             "HOROVOD_SIZE": "4",
@@ -267,7 +269,7 @@ def test_horovodrun():
 
 
 def test_lsf_jsrun():
-    env = detect(
+    env = detect_cluster(
         {
             "LSB_JOBID": "5555",
             "JSM_NAMESPACE_RANK": "1",
@@ -282,7 +284,7 @@ def test_lsf_jsrun():
 
 
 def test_rank_outside_world_is_not_trusted():
-    assert detect({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "4"}) is None
+    assert detect_cluster({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "4"}) is None
 
 
 @pytest.mark.parametrize(

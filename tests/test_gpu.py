@@ -276,3 +276,21 @@ def test_sharding_and_sharded_checkpoints_on_nccl(n: int, tmp_path) -> None:
     with od.Parallel(backend="nccl", nproc_per_node=n) as parallel:
         res = parallel.run(_sharded_on_gpu, str(tmp_path))
     assert res["relative_difference"] <= 1e-5 and res["files"] == (n if n > 1 else 0), res
+
+
+def _uneven_on_gpu(local_rank: int) -> dict:
+    import checks_join
+
+    out = checks_join.check_uneven_loop_equals_torch_join(sync_bn=True, divide_by_world=False)
+    checks_join.check_broadcast_from_a_finished_rank_raises_everywhere()
+    return {"steps": out["steps"], "difference": out["difference"]}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="od.join on nccl needs 2 GPUs (one rank per GPU)")
+def test_uneven_data_inside_od_join_on_nccl() -> None:
+    """od.join on nccl (tests/checks_join.py): rank r with 10 + 3r batches, SyncBatchNorm, a metrics
+    all_reduce and an all_gather every step; torch's Join's weights; a refused broadcast."""
+    n = min(torch.cuda.device_count(), 3)
+    with od.Parallel(backend="nccl", nproc_per_node=n) as parallel:
+        res = parallel.run(_uneven_on_gpu)
+    assert res["steps"] == 10 and res["difference"] <= 1e-5, res

@@ -25,7 +25,7 @@ from onedist._diagnose import warnings as launch_warnings
 from onedist.environments import (
     ClusterEnv,
     KubernetesJob,
-    detect,
+    detect_cluster,
     kubernetes_job,
     kubernetes_warnings,
     pod_start_problem,
@@ -139,7 +139,7 @@ def torchrun_worker(rank: int, local_rank: int, nproc: int, node: int, nnodes: i
 # ============================================================================ detection (plain dicts)
 def test_pytorchjob_pod_with_one_process_per_pod_is_that_rank():
     pod = pytorchjob_pod(1, pods=2)
-    assert detect(pod) == ClusterEnv("pytorchjob", 1, 2, 0, 1, 1, 2, "pyjob-master-0", 23456)
+    assert detect_cluster(pod) == ClusterEnv("pytorchjob", 1, 2, 0, 1, 1, 2, "pyjob-master-0", 23456)
     assert kubernetes_job(pod) == KubernetesJob("pytorchjob", False, "2", 1, "auto", "pyjob-master-0", 23456)
     assert pod_start_problem(pod) is None and kubernetes_warnings(pod) == []
 
@@ -147,7 +147,7 @@ def test_pytorchjob_pod_with_one_process_per_pod_is_that_rank():
 def test_pytorchjob_rank_is_a_node_index_when_nproc_per_node_is_2():
     """Lightning-AI #13374: with nprocPerNode 2, RANK=1 is pod 1, not process 1 of WORLD_SIZE=4."""
     pod = pytorchjob_pod(1, pods=2, nproc="2")
-    assert detect(pod) is None  # this process is no rank: a launcher must start the pod's workers
+    assert detect_cluster(pod) is None  # this process is no rank: a launcher must start the pod's workers
     problem = pod_start_problem(pod)
     assert problem is not None and "RANK=1 is the pod's index" in problem and "WORLD_SIZE=4" in problem
     assert "HINT: start the container's script with `onedist run train.py`" in problem
@@ -158,7 +158,7 @@ def test_pytorchjob_rank_is_a_node_index_when_nproc_per_node_is_2():
 def test_a_worker_in_a_pod_has_its_launchers_ranks():
     """torchrun / onedist run overwrite RANK and WORLD_SIZE; the pod's PET_* are inherited."""
     worker = {**pytorchjob_pod(1, pods=2, nproc="2"), **torchrun_worker(3, 1, 2, 1, 2)}
-    assert detect(worker) == ClusterEnv("torchelastic", 3, 4, 1, 2, 1, 2, "10.0.0.1", 29500)
+    assert detect_cluster(worker) == ClusterEnv("torchelastic", 3, 4, 1, 2, 1, 2, "10.0.0.1", 29500)
     job = kubernetes_job(worker)
     assert job is not None and job.operator == "pytorchjob" and job.workers_started
     assert pod_start_problem(worker) is None
@@ -166,12 +166,12 @@ def test_a_worker_in_a_pod_has_its_launchers_ranks():
 
 def test_trainjob_pod():
     pod = trainjob_pod(1, nodes=2, nproc="2")
-    assert detect(pod) is None  # only PET_*: torchrun (or onedist run) makes the ranks
+    assert detect_cluster(pod) is None  # only PET_*: torchrun (or onedist run) makes the ranks
     assert kubernetes_job(pod) == KubernetesJob("trainjob", False, "2", 1, "2", "tjob-node-0-0.tjob", 29500)
     problem = pod_start_problem(pod)
     assert problem is not None and "would train alone" in problem
     worker = {**pod, **torchrun_worker(2, 0, 2, 1, 2)}
-    assert detect(worker) == ClusterEnv("torchelastic", 2, 4, 0, 2, 1, 2, "10.0.0.1", 29500)
+    assert detect_cluster(worker) == ClusterEnv("torchelastic", 2, 4, 0, 2, 1, 2, "10.0.0.1", 29500)
     assert pod_start_problem(worker) is None
     assert pod_start_problem(trainjob_pod(0, nodes=1, nproc="1")) is None  # one process: nothing to start
 
@@ -180,12 +180,12 @@ def test_torchx_worker():
     env, _ = torchx_ddp(0, nnodes=2, nproc=2)
     job = kubernetes_job({**env, **torchrun_worker(1, 1, 2, 0, 2)})
     assert job is not None and job.operator == "torchx" and job.workers_started
-    assert detect({**env, **torchrun_worker(1, 1, 2, 0, 2)}).name == "torchelastic"
+    assert detect_cluster({**env, **torchrun_worker(1, 1, 2, 0, 2)}).name == "torchelastic"
 
 
 def test_elastic_pytorchjob_is_named_and_warned_about():
     pod = pytorchjob_elastic_pod()
-    assert kubernetes_job(pod).operator == "pytorchjob" and detect(pod) is None
+    assert kubernetes_job(pod).operator == "pytorchjob" and detect_cluster(pod) is None
     (warning,) = kubernetes_warnings(pod)
     assert "PET_NNODES=1:4" in warning and "needs torchrun" in warning and "HINT:" in warning
 

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from onedist.environments import detect
+from onedist.environments import detect_cluster
 
 # the module's cluster starts inside the first test's timeout; a loaded 2-core machine is slow
 pytestmark = [pytest.mark.launcher, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -150,14 +150,14 @@ def test_ray_train_worker_environment_is_detected() -> None:
         "WORLD_SIZE": "2",
         "ACCELERATE_TORCH_DEVICE": "cpu",
     }
-    env = detect(ray_worker)
+    env = detect_cluster(ray_worker)
     assert env is not None
     assert (env.name, env.rank, env.world_size, env.local_rank, env.nproc_per_node) == ("ray", 1, 2, 1, 2)
     assert (env.node_rank, env.nnodes, env.master_addr, env.master_port) == (0, 1, "192.0.2.2", 43483)
     # torchrun inside a Ray task is torchrun's; a Ray worker without RANK is not a rank
-    torchrun = detect({**ray_worker, "TORCHELASTIC_RUN_ID": "x"})
+    torchrun = detect_cluster({**ray_worker, "TORCHELASTIC_RUN_ID": "x"})
     assert torchrun is not None and torchrun.name == "torchelastic"
-    assert detect({"RAY_JOB_ID": "01000000", "RAY_RAYLET_PID": "6837"}) is None
+    assert detect_cluster({"RAY_JOB_ID": "01000000", "RAY_RAYLET_PID": "6837"}) is None
 
 
 def test_unchanged_script_under_torchtrainer(uninterrupted: Path, tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ._net import is_loopback
-from .environments import ClusterEnv, detect, expand_nodelist, kubernetes_warnings
+from .environments import ClusterEnv, detect_cluster, expand_nodelist, kubernetes_warnings
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -314,7 +314,7 @@ def _int(environ: Mapping[str, str], *names: str) -> Optional[int]:
 
 def _detect(environ: Mapping[str, str]) -> Optional[ClusterEnv]:
     try:
-        return detect(environ)
+        return detect_cluster(environ)
     except Exception:  # a malformed SLURM node list or tasks-per-node: diagnose the rest anyway
         return None
 

@@ -42,9 +42,9 @@ def _info() -> dict[str, Any]:
     import onedist
 
     from ._diagnose import network_report, warnings as launch_warnings
-    from .environments import detect, kubernetes_job
+    from .environments import detect_cluster, kubernetes_job
 
-    env = detect(os.environ)
+    env = detect_cluster(os.environ)
     job = kubernetes_job(os.environ)
     optional = {}
     for module in ("horovod", "torch_xla", "mpi4py", "hostlist"):

@@ -111,7 +111,7 @@ def _one_host_several_processes(nnodes: Optional[int], nprocs: Optional[int]) ->
     """True when the run has several processes, all on this host (as far as anyone can tell)."""
     if nnodes is not None and nprocs is not None:
         return nnodes == 1 and nprocs > 1
-    from .environments import detect as launcher_env
+    from .environments import detect_cluster as launcher_env
 
     env = launcher_env(os.environ)
     if env is None:

@@ -2,7 +2,7 @@
 
 "Environment" means what a launcher (torchrun, ``onedist run``, SLURM ``srun``, ``mpirun``,
 ``horovodrun``, LSF ``jsrun``) left in ``os.environ``. Each launcher has one small class with a
-static :meth:`~Environment.detect` and a pure parser of an ``environ`` mapping; :func:`detect` tries
+static :meth:`~Environment.matches` and a pure parser of an ``environ`` mapping; :func:`detect_cluster` tries
 them in the order below and returns the first match as a :class:`ClusterEnv` with every value it
 could derive. Nothing here imports torch or talks to another process.
 
@@ -25,8 +25,8 @@ Detection order (the first that matches wins):
 6. ``lsf`` — IBM ``jsrun`` (JSM_NAMESPACE_*).
 
 Example:
-    >>> from onedist.environments import detect
-    >>> env = detect({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
+    >>> from onedist.environments import detect_cluster
+    >>> env = detect_cluster({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
     ...               "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_NODEID": "1",
     ...               "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "3,1",
     ...               "SLURM_STEP_NODELIST": "node[07-08]"})
@@ -53,7 +53,7 @@ __all__ = [
     "Environment",
     "KubernetesJob",
     "PartialLayout",
-    "detect",
+    "detect_cluster",
     "expand_nodelist",
     "expand_tasks_per_node",
     "gpu_index",
@@ -200,7 +200,7 @@ class Environment:
     name: ClassVar[str]
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         """True when this launcher started the process (cheap: variable presence)."""
         raise NotImplementedError
 
@@ -254,7 +254,7 @@ class PyTorchJob(Environment):
     name = "pytorchjob"
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         return _pytorchjob_pod(environ)
 
     @classmethod
@@ -281,7 +281,7 @@ class TorchElastic(Environment):
     name = "torchelastic"
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         has_ranks = _int(environ, "RANK") is not None and _int(environ, "WORLD_SIZE") is not None
         return has_ranks and not _pytorchjob_pod(environ)  # a PyTorchJob pod's RANK is a node rank
 
@@ -314,8 +314,8 @@ class RayTrain(Environment):
     ``TORCHELASTIC_RUN_ID``, and is torchrun's.
 
     Example:
-        >>> from onedist.environments import detect
-        >>> env = detect({"RAY_JOB_ID": "01000000", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+        >>> from onedist.environments import detect_cluster
+        >>> env = detect_cluster({"RAY_JOB_ID": "01000000", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
         ...               "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "0", "MASTER_ADDR": "10.0.0.5",
         ...               "MASTER_PORT": "43483"})
         >>> (env.name, env.rank, env.local_rank, env.nproc_per_node, env.node_rank, env.nnodes)
@@ -325,9 +325,9 @@ class RayTrain(Environment):
     name = "ray"
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         return (
-            "RAY_JOB_ID" in environ and "TORCHELASTIC_RUN_ID" not in environ and TorchElastic.detect(environ)
+            "RAY_JOB_ID" in environ and "TORCHELASTIC_RUN_ID" not in environ and TorchElastic.matches(environ)
         )
 
     @classmethod
@@ -342,7 +342,7 @@ class Horovod(Environment):
     name = "horovod"
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         return "HOROVOD_RANK" in environ and "HOROVOD_SIZE" in environ
 
     @classmethod
@@ -410,7 +410,7 @@ class OpenMpi(_Mpi):
     JOB_ID = ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE")
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         return "OMPI_COMM_WORLD_SIZE" in environ
 
 
@@ -423,7 +423,7 @@ class Mvapich(_Mpi):
     JOB_ID = ("MPIRUN_ID", "SLURM_JOB_ID")
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         return "MV2_COMM_WORLD_SIZE" in environ
 
 
@@ -436,7 +436,7 @@ class Mpich(_Mpi):
     JOB_ID = ("PMI_KVSNAME", "PMIX_NAMESPACE", "SLURM_JOB_ID")
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         return "PMI_SIZE" in environ and ("PMI_RANK" in environ or "PMIX_RANK" in environ)
 
 
@@ -446,7 +446,7 @@ class Slurm(Environment):
     name = "slurm"
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         # an sbatch script has SLURM_PROCID=0 too, but no step: it is not one of N tasks
         return "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ and "SLURM_NTASKS" in environ
 
@@ -493,7 +493,7 @@ class Lsf(Environment):
     name = "lsf"
 
     @staticmethod
-    def detect(environ: Mapping[str, str]) -> bool:
+    def matches(environ: Mapping[str, str]) -> bool:
         return "LSB_JOBID" in environ and "JSM_NAMESPACE_SIZE" in environ and "JSM_NAMESPACE_RANK" in environ
 
     @classmethod
@@ -532,14 +532,14 @@ ENVIRONMENTS: tuple[type[Environment], ...] = (
 )
 
 
-def detect(environ: Mapping[str, str]) -> Optional[ClusterEnv]:
+def detect_cluster(environ: Mapping[str, str]) -> Optional[ClusterEnv]:
     """The environment of the launcher that started this process, or None (a plain process).
 
     Values that contradict each other (a rank outside the world, a local rank outside its node)
     are dropped, not trusted.
     """
     for cls in ENVIRONMENTS:
-        if cls.detect(environ):
+        if cls.matches(environ):
             env = cls.parse(environ)
             if env is not None and 0 <= env.rank < env.world_size:
                 return _sanitize(env)
@@ -594,7 +594,7 @@ def gpu_index(local_rank: int, visible_gpus: int, exclusive: bool, sharing: int 
 
 
 def launched_externally(environ: Mapping[str, str]) -> bool:
-    """True when some launcher started this process (:func:`detect` finds an environment).
+    """True when some launcher started this process (:func:`detect_cluster` finds an environment).
 
     Example:
         >>> launched_externally({"RANK": "0", "WORLD_SIZE": "2"})
@@ -602,7 +602,7 @@ def launched_externally(environ: Mapping[str, str]) -> bool:
         >>> launched_externally({})
         False
     """
-    return detect(environ) is not None
+    return detect_cluster(environ) is not None
 
 
 def layout_from_environ(environ: Mapping[str, str], rank: int, world_size: int) -> PartialLayout:
@@ -621,7 +621,7 @@ def layout_from_environ(environ: Mapping[str, str], rank: int, world_size: int) 
         >>> layout_from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, rank=1, world_size=2)
         PartialLayout(local_rank=1, nproc_per_node=None, node_rank=None, nnodes=None)
     """
-    env = detect(environ)
+    env = detect_cluster(environ)
     if env is None:
         # torchrun-style variables without RANK/WORLD_SIZE (a lone LOCAL_RANK from
         # torch.distributed.launch --use_env, a node rank set by a job script) are still hints

@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any, Optional
 
 from ._net import LOOPBACK
-from .environments import detect, launched_externally
+from .environments import detect_cluster, launched_externally
 from .errors import bad_value
 from .launchers.spec import START_METHODS, LaunchSpec, available_start_methods, check_max_restarts
 from .log import setup_logger
@@ -33,7 +33,7 @@ def _warn_if_srun_was_skipped() -> None:
 
     from ._diagnose import srun_warnings
 
-    for text in srun_warnings(os.environ, detect(os.environ), shutil.which):
+    for text in srun_warnings(os.environ, detect_cluster(os.environ), shutil.which):
         logger.warning("onedist: %s", text)
 
 
@@ -147,7 +147,7 @@ class Parallel:
             "master_addr": master_addr,
             "master_port": master_port,
         }
-        launcher = detect(os.environ)
+        launcher = detect_cluster(os.environ)
         hosts_rank0 = (node_rank or 0) == 0 and (launcher is None or launcher.rank == 0)
         check_parallel_args(backend, init_method, spawn_args, hosts_rank0)
         self.backend = backend
@@ -220,7 +220,7 @@ class Parallel:
 
     @staticmethod
     def _check_against_launcher(given: dict[str, Any]) -> None:
-        env = detect(os.environ)
+        env = detect_cluster(os.environ)
         if env is None:  # a group created by the user: nothing to compare with
             return
         expected = {

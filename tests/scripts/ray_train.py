@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import onedist as od
-from onedist.environments import detect
+from onedist.environments import detect_cluster
 
 SAMPLES, FEATURES, BATCH = 96, 8, 16  # global batch 16: 8 per rank, 6 steps an epoch on 2 ranks
 
@@ -48,7 +48,7 @@ def collectives(out: Path) -> None:
         "nproc_per_node": od.get_nproc_per_node(),
         "nnodes": od.get_nnodes(),
         "backend": od.backend(),
-        "environment": getattr(detect(os.environ), "name", None),  # what `onedist info` names
+        "environment": getattr(detect_cluster(os.environ), "name", None),  # what `onedist info` names
         "main_thread": threading.current_thread() is threading.main_thread(),
         "reduced": od.all_reduce({"n": rank + 1, "t": torch.tensor([float(rank), 1.0])}),
         "gathered": od.all_gather(torch.full((rank + 1,), float(rank))).tolist(),  # uneven sizes

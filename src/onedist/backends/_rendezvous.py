@@ -30,7 +30,7 @@ from .._net import (
     rendezvous_port,
     tcp_init_would_hang,
 )
-from ..environments import ClusterEnv, detect, pod_start_problem
+from ..environments import ClusterEnv, detect_cluster, pod_start_problem
 from ..errors import (
     OnedistRuntimeError,
     OnedistTimeoutError,
@@ -60,7 +60,7 @@ def prepare_env_rendezvous(
     if problem is not None:  # a pod that needed torchrun / onedist run: it would hang or train alone
         raise OnedistValueError(f"onedist.initialize: {problem}")
     if rank is None and world_size is None and "RANK" not in env and "WORLD_SIZE" not in env:
-        cluster = detect(env)
+        cluster = detect_cluster(env)
         if cluster is not None:
             cluster = _agree_master(cluster)
             if cluster.master_addr is None:
@@ -108,7 +108,7 @@ def prepare_env_rendezvous(
 def rank_world_from_env(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
     """``rank``/``world_size`` for a tcp:// or file:// rendezvous: as given, else what the
     launcher that started this process says, else a group of one (as in ignite)."""
-    cluster = detect(os.environ)
+    cluster = detect_cluster(os.environ)
     if rank is None:
         rank = cluster.rank if cluster is not None else 0
     if world_size is None:
@@ -147,7 +147,7 @@ def _ignite_default(name: str, env_world: Any, env_set: dict[str, Optional[str]]
 
 
 def _nnodes_from_env(env: Any) -> Optional[int]:
-    cluster = detect(env)
+    cluster = detect_cluster(env)
     if cluster is None:
         return None
     if cluster.nnodes is not None:

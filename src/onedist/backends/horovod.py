@@ -628,9 +628,9 @@ def _launcher_rank_size() -> tuple[int, int]:
     A process started by another launcher (torchrun, ``onedist run``, srun, mpirun without an MPI
     build of Horovod) cannot join a Horovod job: say so now instead of training N separate runs.
     """
-    from ..environments import detect
+    from ..environments import detect_cluster
 
-    env = detect(os.environ)
+    env = detect_cluster(os.environ)
     if env is None:
         return 0, 1
     if env.name == "horovod":

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import IO, Any, Optional
 
 from .._net import LOOPBACK, rendezvous_port
-from ..environments import detect, kubernetes_job
+from ..environments import detect_cluster, kubernetes_job
 from ..errors import OnedistValueError
 from .nodes import Agents, AgentsError
 from .pet import apply_pet_defaults, flag_or_variable, ignored_variables
@@ -571,7 +571,7 @@ def main(args: argparse.Namespace) -> int:
         nproc = _nproc(str(args.nproc_per_node), flag_or_variable(args, "nproc_per_node"))
         show = _output_ranks(args.output_ranks)
         pod = kubernetes_job(os.environ)
-        env = None if pod is not None and not pod.workers_started else detect(os.environ)
+        env = None if pod is not None and not pod.workers_started else detect_cluster(os.environ)
         if env is not None:
             if nproc > 1 and env.nproc_per_node not in (None, nproc):
                 raise _UsageError(
