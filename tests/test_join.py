@@ -1,10 +1,12 @@
 """od.join (uneven data): the loop of issue 38 on gloo and shm pools of 2 and 3 ranks and serially,
 against torch's Join replayed in one process (tests/checks_join.py) and torch's Join itself on
 gloo; calls that need a finished rank; arguments; the digits example's --uneven switch under
-Parallel and `onedist run`. mpi4py under mpirun: test_mpi.py."""
+Parallel and `onedist run`, and the uneven loop itself started by Parallel (mpirun for mpi4py) and
+`onedist run`. mpi4py in a shared mpirun pool: test_mpi.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 import checks_join
 from conftest import Runner
 from onedist.backends.shm import supported as shm_supported
+from prereqs import mpirun_missing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DIGITS = os.path.join(os.path.dirname(HERE), "examples", "digits.py")
@@ -80,27 +83,49 @@ def test_bad_arguments_raise_naming_them(world):
     Runner(world, "gloo")(checks_join.check_join_arguments)
 
 
-def _digits(launcher: list[str], *args: str) -> str:
+SCRIPT = os.path.join(HERE, "scripts", "join_uneven.py")
+LAUNCHED = [
+    ("parallel", "gloo", 3),
+    ("parallel", "shm", 2),
+    ("parallel", "mpi", 2),
+    ("onedist-run", "gloo", 2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher, backend, n", LAUNCHED, ids=[f"{a}-{b}-ws{n}" for a, b, n in LAUNCHED])
+def test_uneven_loop_under_parallel_and_onedist_run(launcher, backend, n):
+    """The same loop as above, started by od.Parallel (mpirun for mpi4py) and by `onedist run`."""
+    if backend == "shm" and not shm_supported():
+        pytest.skip("shm is not supported on this machine")
+    if backend == "mpi" and mpirun_missing() is not None:
+        pytest.skip(str(mpirun_missing()))
+    if launcher == "parallel":
+        cmd = [sys.executable, SCRIPT, backend, str(n)]
+    else:
+        cmd = [sys.executable, "-m", "onedist", "run", "-n", str(n), SCRIPT, backend, "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert [o["steps"] for o in out] == [10 + 3 * r for r in range(n)], out
+    assert all(o["difference"] <= 1e-6 for o in out), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["parallel", "onedist-run"])
+def test_digits_uneven_ends_with_identical_parameters(launcher):
+    """examples/digits.py --uneven (rank r trains on world_size - 1 - r batches fewer)."""
+    if launcher == "parallel":
+        cmd = [sys.executable, DIGITS, "--nproc-per-node", "3", "--backend", "gloo"]
+    else:
+        cmd = [sys.executable, "-m", "onedist", "run", "-n", "2", DIGITS, "--backend", "gloo"]
     proc = subprocess.run(
-        [*launcher, DIGITS, *args, "--uneven", "--epochs", "2", "--target", "0.5"],
+        [*cmd, "--uneven", "--epochs", "2", "--target", "0.5"],
         capture_output=True,
         text=True,
         timeout=240,
         cwd=HERE,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["gloo"] + (["shm"] if shm_supported() else []))
-def test_digits_uneven_under_parallel(backend):
-    out = _digits([sys.executable], "--nproc-per-node", "3", "--backend", backend)
-    assert "parameters identical on 3 process(es)" in out, out
-
-
-@pytest.mark.slow
-@pytest.mark.launcher
-def test_digits_uneven_under_onedist_run():
-    out = _digits([sys.executable, "-m", "onedist", "run", "-n", "2"], "--backend", "gloo")
-    assert "parameters identical on 2 process(es)" in out, out
+    assert "parameters identical on" in proc.stdout, proc.stdout
