@@ -317,6 +317,7 @@ def check_digits_example_trains() -> dict[str, Any]:
         accumulate=1,
         precision="32",
         sharding=None,
+        uneven=False,
     )
     accuracy = digits.training(od.get_local_rank(), args)
     _materialize()
