@@ -7,6 +7,11 @@
 #   .ci/xla_tests.sh                      # the venv in build/xla-venv (ignored by git)
 #   ONEDIST_XLA_VENV=/tmp/xla .ci/xla_tests.sh -k ws1     # another place; extra args go to pytest
 #
+# Then the training loop's tests (accumulation, precision, sharding, od.join) on gloo in the same
+# venv: they reach into DDP's and FSDP2's internals, which change between torch releases (od.join
+# broke on torch < 2.13 until DDP's buffer switch was read through a name every release has), and
+# this venv's torch is the oldest the project meets (~45 s).
+#
 # Fails loudly: when torch_xla does not import, and when a test is skipped for lack of it
 # (ONEDIST_REQUIRE_XLA=1 turns that skip into a failure).
 set -euo pipefail
@@ -35,3 +40,7 @@ fi
 # CPU_NUM_DEVICES from the caller would change what the tests spawn: they set it themselves
 env -u CPU_NUM_DEVICES PJRT_DEVICE=CPU ONEDIST_REQUIRE_XLA=1 \
     "$VENV/bin/python" -m pytest tests/test_xla.py -p no:cacheprovider -q -rsx --timeout=1200 "$@"
+
+# pyproject's pytest options point at this checkout's src and tests (pythonpath): same code, older torch
+"$VENV/bin/python" -m pytest tests/test_loop.py tests/test_sharding.py tests/test_join.py \
+    -p no:cacheprovider -q -rsx --timeout=300 -k "gloo or serial"

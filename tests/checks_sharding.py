@@ -208,7 +208,9 @@ def check_accumulation_on_a_sharded_model() -> dict[str, Any]:
     import torch.distributed as dist
 
     calls = [0]
-    plain = dist.reduce_scatter_single
+    # FSDP2's reduce-scatter: reduce_scatter_single since torch 2.13, reduce_scatter_tensor before
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    plain = getattr(dist, name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
@@ -230,13 +232,13 @@ def check_accumulation_on_a_sharded_model() -> dict[str, Any]:
         whole = (getattr(p, "full_tensor", lambda p=p: p)() for p in model.parameters())
         return torch.cat([p.detach().flatten() for p in whole]), per_window
 
-    dist.reduce_scatter_single = counted
+    setattr(dist, name, counted)
     try:
         ddp, _ = train(None, 2)
         fsdp, fsdp_windows = train("fsdp", 2)
         _, plain_steps = train("fsdp", 1)
     finally:
-        dist.reduce_scatter_single = plain
+        setattr(dist, name, plain)
     diff = float((fsdp - ddp).norm() / ddp.norm())
     assert diff <= 1e-5, diff
     assert fsdp_windows == plain_steps, (fsdp_windows, plain_steps)

@@ -229,7 +229,14 @@ def _precision_16_mixed(local_rank: int) -> dict:
         od.backward(torch.nn.functional.cross_entropy(out, yb))
         opt.step()
         opt.zero_grad()
-        _step(ref, ref_opt, scaler, xb, yb)
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            logits = ref(xb)
+        # the loss on the float32 logits, outside autocast (what auto_model returns; Fabric too):
+        # the loss computed inside autocast differs by ~1e-5 after one step (H200, torch 2.11)
+        scaler.scale(torch.nn.functional.cross_entropy(logits.float(), yb)).backward()
+        scaler.step(ref_opt)
+        scaler.update()
     diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
     before = [p.detach().clone() for p in model.parameters()]
     bad = torch.full((8, 16), float("inf"), device=dev)
@@ -244,11 +251,11 @@ def _precision_16_mixed(local_rank: int) -> dict:
 
 
 def test_16_mixed_scales_unscales_and_skips_an_inf_step_on_gpu() -> None:
-    """precision="16-mixed" on nccl: the same parameters as autocast + GradScaler by hand; a step
+    """precision="16-mixed" on nccl: bit for bit the parameters of autocast + GradScaler by hand; a step
     whose gradients are inf is skipped (the parameters stay) and the next one trains."""
     with od.Parallel(backend="nccl", nproc_per_node=1) as parallel:
         res = parallel.run(_precision_16_mixed)
-    assert res["max_diff"] < 1e-6 and res["skipped_inf_step"] and res["next_step_moved"], res
+    assert res["max_diff"] == 0.0 and res["skipped_inf_step"] and res["next_step_moved"], res
 
 
 def _sharded_on_gpu(local_rank: int, tmpdir: str) -> dict:

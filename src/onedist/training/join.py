@@ -120,7 +120,8 @@ class Join:
         self._divide_by_world = divide_by_initial_world_size
         self._ranks: Optional[JoinedRanks] = None
         self._hooks: list[Any] = []
-        self._buffer_sync = [d is not None and d.forward_sync_buffers for d in self._ddps]
+        # broadcast_buffers: DDP's attribute up to torch 2.12, a property of forward_sync_buffers since
+        self._buffer_sync = [d is not None and d.broadcast_buffers for d in self._ddps]
 
     def ranks_in_loop(self) -> tuple[int, ...]:
         """The global ranks still in their loops, as of the last step check (every rank before
@@ -174,7 +175,7 @@ class Join:
         if ddp is None:
             return
         if buffers:  # DDP broadcasts them from rank 0: from the lowest rank in its loop instead
-            ddp.forward_sync_buffers = not ranks.left
+            ddp.broadcast_buffers = not ranks.left
             if ranks.left:
                 _broadcast_tensors(list(ddp.modules_buffers), ranks.active[0], ranks.group)
         if divisor:  # DDP's reducer divides by this work's result: the ranks in their loops
@@ -213,7 +214,7 @@ class Join:
     def _restore(self) -> None:
         for ddp, synced in zip(self._ddps, self._buffer_sync):
             if ddp is not None:
-                ddp.forward_sync_buffers = synced
+                ddp.broadcast_buffers = synced
                 if not self._divide_by_world:  # the reducer keeps the last divisor it was given
                     work = _done_work(current().world_size, ddp.device)
                     ddp.reducer._set_forward_pass_work_handle(work, True)
