@@ -174,3 +174,105 @@ def test_no_underscore_name_imported_across_modules() -> None:
     found, read = _private_names_imported()
     assert read > 300  # the imports are really read
     assert found == []
+
+
+def _ways_of_starting() -> list[str]:
+    """The launcher modules, as pyproject's independence contract lists them (the one list)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = text[text.index('name = "Each way of starting is a module of its own') :]
+    block = block[block.index("modules = [") : block.index("]")]
+    return re.findall(r'"(onedist\.launchers\.\w+)"', block)
+
+
+@pytest.mark.parametrize("module", _ways_of_starting())
+def test_every_way_of_starting_implements_the_launcher_interface(module: str) -> None:
+    """Each launcher module defines one concrete ``Launcher`` subclass (Fabric's ``_Launcher`` is
+    the model: docs/architecture.md), and no free ``launch`` function beside it."""
+    import importlib
+    import inspect
+
+    from onedist.launchers.launcher import Launcher
+
+    tree = ast.parse((PACKAGE.parent / (module.replace(".", "/") + ".py")).read_text())
+    assert not any(isinstance(n, ast.FunctionDef) and n.name == "launch" for n in tree.body), module
+    loaded = importlib.import_module(module)
+    classes = [
+        c
+        for c in vars(loaded).values()
+        if inspect.isclass(c) and c.__module__ == module and issubclass(c, Launcher)
+    ]
+    assert len(classes) == 1, (module, classes)
+    assert not inspect.isabstract(classes[0]), classes[0]
+    assert isinstance(classes[0].__dict__.get("name"), str), f"{classes[0]} names itself (Launcher.name)"
+
+
+def test_launchers_are_chosen_by_plain_imports() -> None:
+    """No onedist module imported by a string in the launchers (``importlib.import_module``): a
+    dispatch the layer contracts cannot see is refused."""
+    found = []
+    for path in sorted((PACKAGE / "launchers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            if getattr(node.func, "attr", getattr(node.func, "id", "")) not in (
+                "import_module",
+                "__import__",
+            ):
+                continue
+            target = node.args[0]
+            named = isinstance(target, ast.Constant) and not str(target.value).startswith(("onedist", "."))
+            if not named:  # a computed name, or one of onedist's modules
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(target)}")
+    assert found == []
+
+
+#: the launch arguments (LaunchSpec's fields that only a launch has)
+LAUNCH_ARGUMENTS = frozenset(
+    {
+        "nproc_per_node",
+        "nnodes",
+        "node_rank",
+        "master_addr",
+        "master_port",
+        "max_restarts",
+        "start_method",
+        "hosts",
+    }
+)
+#: conditions that name a launch argument but check what happens at run time, not an argument
+RUNTIME_CHECKS = {
+    "backends/_rendezvous.py": "initialize: what the environment says about the rendezvous",
+    "launchers/nodes.py": "the launchers of several nodes agreeing with each other at run time",
+    "launchers/processes.py:_with_start_method": "a notebook's function once CUDA is initialised",
+}
+
+
+def _launch_argument_checks() -> list[str]:
+    """Every ``if <condition on a launch argument>: ... raise`` outside launchers/spec.py, as
+    ``file:function:line``; the :data:`RUNTIME_CHECKS` left out."""
+    found = []
+    for path in _sources():
+        where = str(path.relative_to(PACKAGE))
+        if where == "launchers/spec.py" or where in RUNTIME_CHECKS:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if (
+                not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                or f"{where}:{fn.name}" in RUNTIME_CHECKS
+            ):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.If) or not any(isinstance(n, ast.Raise) for n in ast.walk(node)):
+                    continue
+                named = {getattr(n, "id", None) or getattr(n, "attr", None) for n in ast.walk(node.test)}
+                named |= {n.value for n in ast.walk(node.test) if isinstance(n, ast.Constant)}
+                if named & LAUNCH_ARGUMENTS:
+                    found.append(f"{where}:{fn.name}:{node.lineno}")
+    return found
+
+
+def test_launch_arguments_are_checked_only_in_launch_spec() -> None:
+    """spawn, Parallel and `onedist run` check their launch arguments with launchers/spec.py's
+    functions (LaunchSpec.build and the front ends' checks beside it): a condition on one that
+    raises anywhere else is a second validator."""
+    assert _launch_argument_checks() == []

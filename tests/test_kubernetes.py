@@ -33,6 +33,7 @@ from onedist.environments import (
 from onedist.errors import OnedistValueError
 from onedist.launchers.pet import apply_pet_defaults
 from onedist.launchers.run import build_parser
+from onedist.launchers.spec import check_run_values
 from test_netns import CLUSTER, _both, needs_netns
 from test_run import SCRIPT, _check_agree, _env, _onedist
 
@@ -192,15 +193,17 @@ def test_elastic_pytorchjob_is_named_and_warned_about():
 
 # ============================================================================ PET_* defaults
 def _parse(*argv: str, environ: dict) -> argparse.Namespace:
+    """What `onedist run` does with its command line first: the PET_* defaults, each value checked."""
     args = build_parser().parse_args([*argv, "train.py"])
     args.from_environment = apply_pet_defaults(args, environ)
+    check_run_values(args)
     return args
 
 
 def test_every_pet_flag_torchrun_reads_is_a_default_here():
     environ = {**trainjob_pod(1, nodes=2, nproc="4"), "PET_MAX_RESTARTS": "2", "PET_RDZV_ID": "job"}
     args = _parse(environ=environ)
-    assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("4", "2", 1)
+    assert (args.nproc_per_node, args.nnodes, args.node_rank) == ("4", 2, 1)  # --nnodes checked: an int
     assert (args.master_addr, args.master_port) == ("tjob-node-0-0.tjob", 29500)
     assert (args.max_restarts, args.rdzv_id, args.module) == (2, "job", False)
     explicit = _parse("-n", "1", "--node_rank", "0", "--master-addr", "other", environ=environ)
@@ -208,7 +211,7 @@ def test_every_pet_flag_torchrun_reads_is_a_default_here():
     assert set(explicit.from_environment) == {"nnodes", "master_port", "rdzv_id", "max_restarts"}
     empty = _parse(environ={})
     defaults = (empty.nproc_per_node, empty.nnodes, empty.master_addr, empty.rdzv_backend)
-    assert defaults == ("1", "1", "127.0.0.1", "static")
+    assert defaults == ("1", 1, "127.0.0.1", "static")
 
 
 def test_torchrun_pet_flags_are_all_known():
@@ -241,7 +244,8 @@ def test_torchrun_pet_flags_are_all_known():
 def test_a_bad_pet_value_names_the_variable(name, value, allowed):
     with pytest.raises(OnedistValueError) as caught:
         _parse(environ={name: value})
-    assert str(caught.value).startswith(f"{name}={value!r} is not allowed; allowed: {allowed}")
+    shown = int(value) if name in ("PET_NODE_RANK", "PET_MASTER_PORT") else repr(value)  # ints as numbers
+    assert str(caught.value).startswith(f"{name}={shown} is not allowed; allowed: {allowed}")
     if name != "PET_NO_PYTHON":  # the flag wins: the variable is not even read
         flag = "--" + name[4:].lower().replace("_", "-")
         explicit = [flag] if name == "PET_STANDALONE" else [flag, "1" if "PORT" not in name else "29500"]

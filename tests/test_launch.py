@@ -13,6 +13,8 @@ import pytest
 
 import onedist as od
 import workers
+from onedist.launchers.launcher import Launcher
+from onedist.launchers.report import Failure
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -303,3 +305,39 @@ def test_finalize_returns_once_the_gloo_threads_that_outlive_the_group_are_idle(
     # the premise: DDP kept the group and its threads, and the callback ran on one of them
     assert rank0["gloo_threads"] > 0 and rank0["on_gloo_thread"], rank0
     assert rank0["napped"], rank0  # finalize waited for it
+
+
+class _Scripted(Launcher):
+    """A Launcher whose attempts fail as scripted: the restart loop on its own, in this process
+    (the real launchers' restarts run in test_restarts.py)."""
+
+    name = "scripted"
+
+    def __init__(self, failing_attempts: int, max_restarts: int) -> None:
+        super().__init__(max_restarts)
+        self.failing, self.numbers = failing_attempts, []
+
+    def attempt(self, number: int) -> list[Failure]:
+        self.numbers.append(number)
+        if number < self.failing:
+            return [Failure(rank=1, local_rank=1, pid=None, when=0.0, exc_type="ValueError", message="boom")]
+        return []
+
+    def results(self) -> list:
+        return ["done"]
+
+
+@pytest.mark.parametrize("failing, max_restarts", [(0, 0), (2, 2), (3, 2), (1, 0)])
+def test_the_restart_loop_restarts_while_allowed_then_raises_the_failure(failing, max_restarts, capsys):
+    launcher = _Scripted(failing, max_restarts)
+    if failing > max_restarts:
+        with pytest.raises(od.WorkerFailedError, match="rank 1.*ValueError: boom"):
+            launcher.launch()
+    else:
+        assert launcher.launch() == ["done"]
+    assert launcher.numbers == list(range(min(failing, max_restarts) + 1))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"scripted: rank 1 failed (ValueError: boom); restarting the workers (attempt {n} of {max_restarts})"
+        for n in range(1, min(failing, max_restarts) + 1)
+    ]

@@ -231,12 +231,15 @@ def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["-n", "0"], "--nproc-per-node=0 is not allowed"),
+        (["-n", "0"], "--nproc-per-node='0' is not allowed"),
         (["-n", "two"], "--nproc-per-node='two' is not allowed"),
         (["--output-ranks", "a"], "--output-ranks='a' is not allowed"),
         (["--nnodes", "2"], "--master-port is needed with --nnodes > 1"),
         (["--nnodes", "2", "--node-rank", "2", "--master-port", "1"], "--node-rank=2 is not allowed"),
-        (["--nnodes", "1:4"], "--nnodes=1:4 is not allowed; allowed: N or N:N"),
+        (["--nnodes", "1:4"], "--nnodes='1:4' is not allowed; allowed: N or N:N"),
+        (["--nnodes", "0"], "--nnodes='0' is not allowed"),
+        (["--master-port", "70000"], "--master-port=70000 is not allowed; allowed: an int in 1..65535"),
+        (["-n", "2", "--backend", "glooo"], "backend='glooo' is not a known backend"),
         (["--rdzv-backend", "etcd"], "--rdzv-backend='etcd' is not allowed; allowed: 'static', 'c10d'"),
         (["--max-restarts", "-1"], "--max-restarts=-1 is not allowed; allowed: an int >= 0"),
         (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"], "--node-rank is needed"),

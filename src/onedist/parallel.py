@@ -3,7 +3,8 @@
 ``Parallel`` only decides: serial (``backend=None``), external (a launcher such as torchrun
 already started the processes, or a group exists: it initialises on ``__enter__``), or start the
 workers (:func:`onedist.spawn`, or the re-exec start method for functions that cannot be
-pickled). Its argument checks, in ignite's order and words, are in ``_parallel_args.py``.
+pickled). Its argument checks, in ignite's order and words, are in ``launchers/spec.py`` with
+every other launch argument's.
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ from typing import Any, Optional
 
 from ._net import LOOPBACK
 from .environments import detect_cluster, launched_externally
-from .errors import bad_value
-from .launchers.spec import START_METHODS, LaunchSpec, available_start_methods, check_max_restarts
+from .launchers.spec import (
+    LaunchSpec,
+    check_against_launcher,
+    check_max_restarts,
+    check_no_spawn_args,
+    check_parallel_args,
+    check_parallel_kwargs,
+    check_serial_args,
+    port_number,
+)
 from .log import setup_logger
 
 __all__ = ["Parallel"]
@@ -130,15 +139,13 @@ class Parallel:
         init_method: Optional[str] = None,
         **spawn_kwargs: Any,
     ) -> None:
-        self._check_spawn_kwargs(spawn_kwargs)
+        check_parallel_kwargs(spawn_kwargs, self._SPAWN_KWARGS)
         check_max_restarts(
             "Parallel",
             spawn_kwargs.get("max_restarts", 0),
             nnodes=1 if nnodes is None else nnodes,
             start_method=spawn_kwargs.get("start_method", "spawn"),
         )
-        from ._parallel_args import check_parallel_args, port_number
-
         master_port = port_number("Parallel", master_port)
         spawn_args = {
             "nproc_per_node": nproc_per_node,
@@ -162,46 +169,15 @@ class Parallel:
         self._log = setup_logger("onedist.Parallel")
         self.mode = self._choose_mode({k: v for k, v in spawn_args.items() if v is not None})
 
-    @classmethod
-    def _check_spawn_kwargs(cls, spawn_kwargs: dict[str, Any]) -> None:
-        """Only the keyword arguments ``timeout``, ``start_method`` and ``hosts``, the start method
-        one of spawn's or "subprocess", and no ``hosts`` with "subprocess"."""
-        unknown = sorted(set(spawn_kwargs) - set(cls._SPAWN_KWARGS))
-        if unknown:
-            raise bad_value(
-                "Parallel",
-                unknown[0],
-                spawn_kwargs[unknown[0]],
-                "keyword arguments " + ", ".join(cls._SPAWN_KWARGS),
-            )
-        method = spawn_kwargs.get("start_method", "spawn")
-        if method not in (*START_METHODS, "subprocess"):
-            raise bad_value("Parallel", "start_method", method, [*available_start_methods(), "subprocess"])
-        if method == "subprocess" and spawn_kwargs.get("hosts") is not None:
-            raise bad_value(
-                "Parallel",
-                "hosts",
-                spawn_kwargs["hosts"],
-                "None with start_method='subprocess' (hosts is for backend 'horovod', whose "
-                "workers horovod.run starts)",
-            )
-
     def _choose_mode(self, given: dict[str, Any]) -> str:
         """The mode: "serial", "external" (only initialise), "subprocess" or "spawn"; ``given``:
         the spawn arguments that are not None."""
         if self.backend is None:
-            if self.init_method is not None:
-                raise bad_value(
-                    "Parallel",
-                    "init_method",
-                    self.init_method,
-                    "None when backend is None (serial run)",
-                    hint="pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
-                )
+            check_serial_args(self.init_method)
             _warn_if_srun_was_skipped()
             return "serial"
         if launched_externally(os.environ) or _context_active():
-            self._check_against_launcher(given)
+            check_against_launcher(given, detect_cluster(os.environ))
             return "external"
         if self.nproc_per_node is not None and self.spawn_kwargs.get("start_method") == "subprocess":
             from .launchers.reexec import command_line
@@ -210,37 +186,9 @@ class Parallel:
             return "subprocess"
         if self.nproc_per_node is not None:
             return "spawn"
-        if given:
-            first = next(iter(given))
-            raise bad_value(
-                "Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)"
-            )
+        check_no_spawn_args(given)
         _warn_if_srun_was_skipped()
         return "external"
-
-    @staticmethod
-    def _check_against_launcher(given: dict[str, Any]) -> None:
-        env = detect_cluster(os.environ)
-        if env is None:  # a group created by the user: nothing to compare with
-            return
-        expected = {
-            "nproc_per_node": env.nproc_per_node,
-            "nnodes": env.nnodes,
-            "node_rank": env.node_rank,
-            "master_addr": env.master_addr,
-            "master_port": None if env.master_port_derived else env.master_port,
-        }
-        for key, value in given.items():
-            known = expected.get(key)
-            if known is not None and str(value) != str(known):
-                raise bad_value(
-                    "Parallel",
-                    key,
-                    value,
-                    f"{known!r}, the value the launcher that started this process set",
-                    hint="an external launcher (torchrun, srun, ...) already started the processes; drop the "
-                    "spawn arguments or make them match",
-                )
 
     def __enter__(self) -> Parallel:
         if self.mode == "external" and not _context_active():
@@ -336,13 +284,9 @@ class Parallel:
             caller="Parallel" if self.mode == "subprocess" else "spawn",
             **self.spawn_kwargs,
         )
-        if self.mode == "subprocess":
-            from .launchers.reexec import run_subprocess
-
-            return run_subprocess(spec)
         from .launchers.spawn import launch
 
-        return launch(spec)[0]
+        return launch(spec)[0]  # local rank 0's result
 
     def __exit__(
         self,

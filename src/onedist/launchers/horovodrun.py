@@ -15,49 +15,42 @@ import os
 import tempfile
 import traceback
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from ..errors import LaunchArgumentError, OnedistRuntimeError, WorkerFailedError, bad_type, bad_value
-from .checks import check_one_host_launch
+from ..errors import OnedistRuntimeError, WorkerFailedError
+from .launcher import SingleAttemptLauncher
 from .report import reported_failure_error
 from .spec import LaunchSpec
 from .worker import call_worker_fn, exit_failed, worker_threads_env, write_failure_report
 
-__all__ = ["launch"]
+__all__ = ["HorovodrunLauncher"]
 
 logger = logging.getLogger("onedist")
 
 
-def launch(spec: LaunchSpec) -> Optional[list[Any]]:
-    """Start ``nproc_per_node`` workers through ``horovod.run`` (Gloo controller), on this host or,
-    with ``hosts`` ("host1:slots,host2:slots", as ignite passes it), over those hosts.
+class HorovodrunLauncher(SingleAttemptLauncher):
+    """``nproc_per_node`` workers started through ``horovod.run`` (Gloo controller), on this host
+    or, with ``hosts`` ("host1:slots,host2:slots", as ignite passes it), over those hosts.
 
     Each worker runs ``fn(local_rank, *args, **kwargs)`` inside an initialised horovod context;
     the results come back in rank order. A failing worker ends the run (Horovod stops the
-    others) and :class:`~onedist.WorkerFailedError` is raised with its rank and traceback.
+    others) and :class:`~onedist.WorkerFailedError` is raised with its rank and traceback first.
+    Not restarted: restart the whole job from outside.
     """
-    fn, args, kwargs, hosts, timeout = spec.fn, spec.args, spec.kwargs, spec.hosts, spec.timeout
-    nproc_per_node, nnodes = spec.nproc_per_node, spec.nnodes
-    hint = (
-        "spawn('horovod', ...) starts the processes through horovod.run, which picks its own "
-        "rendezvous; for several hosts pass hosts='host1:n1,host2:n2' (nproc_per_node is then "
-        "the total), or run `horovodrun -np N -H host1:n1,host2:n2 python script.py` "
-        "(Parallel(backend='horovod') then only initialises)"
-    )
-    if nnodes != 1:  # (node_rank < nnodes is checked already) ignite's words and error type
-        raise bad_value(
-            "spawn",
-            "nnodes",
-            nnodes,
-            "1 with backend 'horovod'",
-            hint=hint,
-            says="For multi-node configuration, please set 'hosts' argument instead",
-            error=LaunchArgumentError,
-        )
-    host_list = _check_hosts(hosts, nproc_per_node) if hosts is not None else f"localhost:{nproc_per_node}"
-    check_one_host_launch(spec, hint)
+
+    name = "onedist.spawn (horovod.run)"
+
+    def run(self) -> list[Any]:
+        return _run(self.spec)
+
+
+def _run(spec: LaunchSpec) -> list[Any]:
+    """horovod.run in a child process; the workers' results, or their failure raised."""
+    fn, args, kwargs, timeout = spec.fn, spec.args, spec.kwargs, spec.timeout
+    nproc_per_node = spec.nproc_per_node
+    host_list = spec.hosts if spec.hosts is not None else f"localhost:{nproc_per_node}"
     try:
         import horovod
     except ImportError as e:  # reported as unavailable before this; kept for a broken install
@@ -137,29 +130,6 @@ def _worker(
 def _report_failure(exc: BaseException, report_dir: str) -> None:
     rank = int(os.environ.get("HOROVOD_RANK", "0"))
     write_failure_report(exc, report_dir, rank, int(os.environ.get("HOROVOD_LOCAL_RANK", str(rank))))
-
-
-def _check_hosts(hosts: Any, nproc: int) -> str:
-    """``hosts`` as horovod.run takes it: "host:slots" items, comma-separated, with at least
-    ``nproc`` slots in all."""
-    allowed = "a str 'host1:slots,host2:slots' (slots: an int >= 1)"
-    if not isinstance(hosts, str):
-        raise bad_type("spawn", "hosts", hosts, allowed)
-    slots = 0
-    for item in hosts.split(","):
-        name, _, count = item.strip().rpartition(":")
-        if not name or not count.isdigit() or int(count) < 1:
-            raise bad_value("spawn", "hosts", hosts, allowed)
-        slots += int(count)
-    if slots < nproc:
-        raise bad_value(
-            "spawn",
-            "hosts",
-            hosts,
-            f"hosts with at least nproc_per_node={nproc} slots in all (these have {slots})",
-            hint="with hosts, nproc_per_node is the number of processes over all hosts",
-        )
-    return hosts
 
 
 def _horovod_run(payload: bytes, nproc: int, hosts: str, conn: Any) -> None:

@@ -25,9 +25,9 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from ..errors import BackendUnavailableError, WorkerFailedError
-from .checks import check_one_host_launch, check_picklable
+from .checks import check_picklable
+from .launcher import SingleAttemptLauncher
 from .report import reported_failure_error
-from .spec import LaunchSpec
 from .worker import call_worker_fn, exit_failed, worker_threads_env, write_failure_report, write_result
 
 logger = logging.getLogger("onedist")
@@ -122,21 +122,17 @@ def _run(
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def launch(spec: LaunchSpec) -> Optional[list[Any]]:
-    """Start the ranks of ``spawn("mpi", ...)`` with mpirun on this host (None for a world of one,
-    which onedist's own process launcher starts)."""
-    if spec.nproc_per_node * spec.nnodes == 1:
-        return None
-    # MPI's processes come from its launcher (processes spawned here would each be an MPI
-    # world of one): mpirun starts them, on this host
-    check_one_host_launch(
-        spec,
-        "spawn('mpi', ...) starts the ranks on this host through mpirun, which connects them "
-        "itself; for several hosts run `mpirun -np N -H host1:n1,host2:n2 python script.py` "
-        "(Parallel(backend='mpi') then only initialises)",
-    )
-    threads = worker_threads_env(spec.nproc_per_node)
-    return _run(spec.fn, spec.args, spec.kwargs, spec.nproc_per_node, spec.timeout, threads)
+class MpirunLauncher(SingleAttemptLauncher):
+    """The ranks of ``spawn("mpi", ...)`` (a world of more than one), started by mpirun on this
+    host: MPI's processes come from its launcher (processes spawned here would each be an MPI world
+    of one). Not restarted: restart the whole job from outside."""
+
+    name = "onedist.spawn (mpirun)"
+
+    def run(self) -> list[Any]:
+        spec = self.spec
+        threads = worker_threads_env(spec.nproc_per_node)
+        return _run(spec.fn, spec.args, spec.kwargs, spec.nproc_per_node, spec.timeout, threads)
 
 
 def _main(job_dir: str) -> None:

@@ -5,7 +5,8 @@ torchrun declares most flags with ``action=env`` (``torch/distributed/argparse_u
 it. Kubernetes operators start torchrun with only these variables set (Kubeflow Trainer v2 sets
 ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``,
 ``PET_MASTER_PORT`` and no flag), so ``onedist run`` reads the same variables for the same flags.
-Every value is checked here, and a bad one is named with its variable, so a typo in a pod spec
+Every value is converted here and checked with its flag's rules (``launchers/spec.py``); a bad
+one is named with its variable, so a typo in a pod spec
 does not surface as a message about a flag nobody typed.
 
 Example:
@@ -26,42 +27,26 @@ from typing import Any, Optional
 from .._net import LOOPBACK
 from ..errors import OnedistValueError
 
-__all__ = ["IGNORED", "PET_FLAGS", "apply_pet_defaults", "flag_or_variable", "ignored_variables"]
+__all__ = [
+    "IGNORED",
+    "PET_FLAGS",
+    "apply_pet_defaults",
+    "flag_or_variable",
+    "ignored_variables",
+    "variable_hint",
+]
 
 
-def _int_at_least(low: int, high: Optional[int] = None) -> Callable[[str, str], int]:
-    def check(name: str, text: str) -> int:
-        allowed = f"an int in {low}..{high}" if high is not None else f"an int >= {low}"
+def _int(allowed: str) -> Callable[[str, str], int]:
+    """The variable's text as an int (its range is checked with the flag's, in spec.py)."""
+
+    def convert(name: str, text: str) -> int:
         try:
-            value = int(text)
+            return int(text)
         except ValueError:
             raise _bad(name, text, allowed) from None
-        if value < low or (high is not None and value > high):
-            raise _bad(name, text, allowed)
-        return value
 
-    return check
-
-
-def _nproc(name: str, text: str) -> str:
-    if text in ("auto", "cpu", "gpu") or (text.isdigit() and int(text) >= 1):
-        return text
-    raise _bad(name, text, "an int >= 1, 'auto', 'cpu' or 'gpu'")
-
-
-def _nnodes(name: str, text: str) -> str:
-    match = re.fullmatch(r"(\d+)(?::(\d+))?", text.strip())
-    if match is None or int(match.group(1)) < 1:
-        raise _bad(name, text, "N or N:N with N >= 1")
-    if match.group(2) is not None and match.group(2) != match.group(1):
-        # Kubeflow's elasticPolicy with minReplicas/maxReplicas sets "min:max"
-        raise _bad(
-            name,
-            text,
-            "N or N:N (an elastic node count needs the group re-formed as nodes come and go, which "
-            "onedist run does not do; torchrun does)",
-        )
-    return match.group(1)
+    return convert
 
 
 def _text(name: str, text: str) -> Optional[str]:
@@ -79,15 +64,6 @@ def _switch(name: str, text: str) -> bool:
         raise _bad(name, text, "an int (0 = off, anything else = on) or empty (on)") from None
 
 
-def _choice(*allowed: str) -> Callable[[str, str], str]:
-    def check(name: str, text: str) -> str:
-        if text not in allowed:
-            raise _bad(name, text, ", ".join(repr(a) for a in allowed))
-        return text
-
-    return check
-
-
 def _tee(name: str, text: str) -> str:
     if re.fullmatch(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", text) is None:
         raise _bad(name, text, "0, 1, 2, 3 or LOCAL_RANK:N,... with N in 0..3 (torchrun's --tee)")
@@ -99,17 +75,18 @@ def _any(name: str, text: str) -> str:
 
 
 #: onedist run's flags that torchrun reads from a ``PET_*`` variable when the flag is not given
-#: (torch/distributed/run.py, ``action=env`` / ``check_env``): dest -> (variable, check, default)
+#: (torch/distributed/run.py, ``action=env`` / ``check_env``): dest -> (variable, conversion of
+#: its text to the flag's type, default). The values' rules are the flags' (launchers/spec.py).
 PET_FLAGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
-    "nproc_per_node": ("PET_NPROC_PER_NODE", _nproc, "1"),
-    "nnodes": ("PET_NNODES", _nnodes, "1"),
-    "node_rank": ("PET_NODE_RANK", _int_at_least(0), None),
+    "nproc_per_node": ("PET_NPROC_PER_NODE", _any, "1"),
+    "nnodes": ("PET_NNODES", _any, "1"),
+    "node_rank": ("PET_NODE_RANK", _int("an int >= 0"), None),
     "master_addr": ("PET_MASTER_ADDR", _text, LOOPBACK),
-    "master_port": ("PET_MASTER_PORT", _int_at_least(1, 65535), None),
+    "master_port": ("PET_MASTER_PORT", _int("an int in 1..65535"), None),
     "rdzv_endpoint": ("PET_RDZV_ENDPOINT", _text, None),
-    "rdzv_backend": ("PET_RDZV_BACKEND", _choice("static", "c10d"), "static"),
+    "rdzv_backend": ("PET_RDZV_BACKEND", _any, "static"),
     "rdzv_id": ("PET_RDZV_ID", _any, None),
-    "max_restarts": ("PET_MAX_RESTARTS", _int_at_least(0), 0),
+    "max_restarts": ("PET_MAX_RESTARTS", _int("an int >= 0"), 0),
     "standalone": ("PET_STANDALONE", _switch, False),
     "module": ("PET_MODULE", _switch, False),
     "role": ("PET_ROLE", _any, "default"),
@@ -137,9 +114,16 @@ IGNORED = (
 
 
 def _bad(name: str, text: str, allowed: str) -> OnedistValueError:
-    return OnedistValueError(
-        f"{name}={text!r} is not allowed; allowed: {allowed}\n"
-        f"HINT: torchrun reads {name} as the default of its flag, and so does onedist run; fix or unset "
+    return OnedistValueError(f"{name}={text!r} is not allowed; allowed: {allowed}" + variable_hint(name))
+
+
+def variable_hint(name: str) -> str:
+    """The HINT line of an error about ``name`` when it is a ``PET_*`` variable (else nothing): in a
+    pod, nobody typed it."""
+    if not name.startswith("PET_"):
+        return ""
+    return (
+        f"\nHINT: torchrun reads {name} as the default of its flag, and so does onedist run; fix or unset "
         "the variable (in a Kubernetes pod: the job's spec), or pass the flag, which wins"
     )
 

@@ -57,12 +57,21 @@ from typing import Any, Optional, cast
 from .._net import STORE_FD_ENV, discard_store_fd, rendezvous_port
 from ..environments import TORCHRUN_VARS
 from ..errors import OnedistRuntimeError, WorkerFailedError, bad_value, format_user_traceback
+from .launcher import SingleAttemptLauncher
 from .report import Failure, failure_error, failure_report
 from .spec import LaunchSpec
 from .supervisor import GRACE_S, POLL_S, TERM_S, PopenWorker, Supervisor
 from .worker import call_worker_fn, torchrun_env, worker_threads_env, write_error_file
 
-__all__ = ["ERROR_FILE_ENV", "MAIN_GRACE_S", "MARKER_ENV", "child_init_args", "command_line", "record_error"]
+__all__ = [
+    "ERROR_FILE_ENV",
+    "MAIN_GRACE_S",
+    "MARKER_ENV",
+    "ReexecLauncher",
+    "child_init_args",
+    "command_line",
+    "record_error",
+]
 
 MARKER_ENV = "ONEDIST_REEXEC"  # set in the children: "a Parallel(start_method='subprocess') started me"
 ERROR_FILE_ENV = "ONEDIST_ERROR_FILE"  # where a child writes its exception (as `onedist run` workers do)
@@ -453,7 +462,18 @@ class _Launch:
             raise failure_error(failures)
 
 
-def run_subprocess(spec: LaunchSpec) -> Any:
+class ReexecLauncher(SingleAttemptLauncher):
+    """``Parallel(start_method="subprocess")``: ``fn`` of ``spec`` here as local rank 0 and in
+    re-executed children (see the module docstring); ``[fn's return value here]``. Not restarted
+    (this process is rank 0 itself)."""
+
+    name = "onedist.Parallel (subprocess)"
+
+    def run(self) -> list[Any]:
+        return [_run_subprocess(self.spec)]  # a failure is raised here, in rank 0, where fn ran
+
+
+def _run_subprocess(spec: LaunchSpec) -> Any:
     """Run ``fn(local_rank, *args, **kwargs)`` of ``spec`` here as local rank 0 and in re-executed
     children. See the module docstring. Returns ``fn``'s return value here."""
     _check_can_start()

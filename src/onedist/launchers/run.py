@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import functools
-import glob
 import os
 import shutil
 import signal
@@ -47,13 +45,15 @@ from typing import IO, Any, Optional
 from .._net import LOOPBACK, rendezvous_port
 from ..environments import detect_cluster, kubernetes_job
 from ..errors import OnedistValueError
+from .launcher import Launcher
 from .nodes import Agents, AgentsError
-from .pet import apply_pet_defaults, flag_or_variable, ignored_variables
-from .report import Failure, failure_report, restart_line
+from .pet import apply_pet_defaults, ignored_variables
+from .report import Failure, failure_report
+from .spec import check_run_backend, check_run_nodes, check_run_nproc_against, check_run_values
 from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
-__all__ = ["build_parser", "main"]
+__all__ = ["RunLauncher", "build_parser", "main"]
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -160,39 +160,8 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def visible_gpus(environ: Optional[dict[str, str]] = None) -> int:
-    """GPUs this process may use, without importing torch (CUDA_VISIBLE_DEVICES or /dev/nvidiaN)."""
-    env = os.environ if environ is None else environ
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    return len(glob.glob("/dev/nvidia[0-9]*"))
-
-
 class _UsageError(Exception):
     pass
-
-
-def _nproc(value: str, source: str = "--nproc-per-node") -> int:
-    """The number of workers ``value`` asks for; ``source`` names where it came from in errors."""
-    if value == "auto":
-        return max(1, visible_gpus())
-    if value == "cpu":  # as torchrun: one per CPU the OS reports
-        return os.cpu_count() or 1
-    if value == "gpu":
-        if visible_gpus() < 1:
-            raise _UsageError(
-                f"{source}='gpu' is not allowed here: no GPU is visible; allowed: an int >= 1, 'auto', 'cpu'"
-            )
-        return visible_gpus()
-    allowed = "an int >= 1, 'auto', 'cpu' or 'gpu'"
-    try:
-        n = int(value)
-    except ValueError:
-        raise _UsageError(f"{source}={value!r} is not allowed; allowed: {allowed}") from None
-    if n < 1:
-        raise _UsageError(f"{source}={n} is not allowed; allowed: {allowed}")
-    return n
 
 
 def _output_ranks(value: Optional[str]) -> Optional[set[int]]:
@@ -228,65 +197,6 @@ def _pump(stream: IO[bytes], out: IO[bytes], prefix: bytes, show: bool, lock: th
                 out.write(line if own and line.startswith(own) else prefix + line)
                 out.flush()
     stream.close()
-
-
-def _rendezvous_args(args: argparse.Namespace) -> None:
-    """torchrun's rendezvous flags in onedist run's terms: ``--nnodes`` as an int, ``--node-rank``
-    given (0 by default), ``--rdzv-endpoint`` as master address and port. An error names the
-    ``PET_*`` variable a value came from instead of its flag."""
-    name = functools.partial(flag_or_variable, args)
-    low, _, high = str(args.nnodes).partition(":")
-    if not low.isdigit() or (high and high != low):
-        raise _UsageError(
-            f"{name('nnodes')}={args.nnodes} is not allowed; allowed: N or N:N (elastic node counts need "
-            "re-forming the group, which onedist run does not do)"
-        )
-    args.nnodes = int(low)
-    if args.rdzv_backend not in ("static", "c10d"):
-        raise _UsageError(
-            f"{name('rdzv_backend')}={args.rdzv_backend!r} is not allowed; allowed: 'static', 'c10d'"
-        )
-    if args.max_restarts < 0:
-        raise _UsageError(
-            f"{name('max_restarts')}={args.max_restarts} is not allowed; allowed: an int >= 0 "
-            "(how many times the workers are started again after a failure)"
-        )
-    if args.node_rank is None:
-        if args.nnodes > 1 and args.rdzv_backend == "c10d":
-            raise _UsageError(
-                f"--node-rank is needed with {name('nnodes')}={args.nnodes} and {name('rdzv_backend')}=c10d: "
-                "torchrun's c10d rendezvous numbers the nodes as they arrive, onedist run numbers them "
-                "statically; pass --node-rank=<0..N-1> (or PET_NODE_RANK) on each node"
-            )
-        args.node_rank = 0
-    if args.rdzv_endpoint is not None:
-        if args.master_port is not None or args.master_addr != LOOPBACK:
-            raise _UsageError("--rdzv-endpoint and --master-addr/--master-port name the same thing: pass one")
-        host, colon, port = args.rdzv_endpoint.rpartition(":")
-        if not colon:  # torchrun's default port
-            host, port = args.rdzv_endpoint, "29400"
-        if not host or not port.isdigit() or not 0 <= int(port) < 65536 or (port == "0" and args.nnodes > 1):
-            raise _UsageError(
-                f"{name('rdzv_endpoint')}={args.rdzv_endpoint!r} is not allowed; allowed: HOST[:PORT] "
-                "(PORT 0, a free port, on one node only)"
-            )
-        # port 0: a free one, as torchrun picks (TorchX's dist.ddp passes localhost:0 on one node)
-        args.master_addr, args.master_port = host, int(port) or None
-
-
-def _check_nodes(args: argparse.Namespace) -> None:
-    """The node flags, in onedist run's terms (see :func:`_rendezvous_args`), or the usage error."""
-    _rendezvous_args(args)
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise _UsageError(
-            f"{flag_or_variable(args, 'node_rank')}={args.node_rank} is not allowed with "
-            f"{flag_or_variable(args, 'nnodes')}={args.nnodes}; allowed: 0..{args.nnodes - 1}"
-        )
-    if args.nnodes > 1 and args.master_port is None:
-        raise _UsageError(
-            "--master-port is needed with --nnodes > 1 (every node must use the same one); "
-            "pass --master-addr=<node 0's address> --master-port=<free port on node 0> on every node"
-        )
 
 
 def _base_env(args: argparse.Namespace, nproc: int) -> dict[str, str]:
@@ -361,50 +271,78 @@ def _start_pumps(
     return pumps
 
 
-def _launch(args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> int:
-    _check_nodes(args)
-    args.rdzv_id = args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}"  # one run id for every attempt
-    received: list[int] = []
-    current: list[Supervisor[PopenWorker]] = [Supervisor()]
+class RunLauncher(Launcher):
+    """``onedist run``: this node's ``nproc`` workers, each running the script (torchrun's
+    variables set), restarted while ``--max-restarts`` allows; with several nodes and restarts the
+    nodes' launchers agree on each restart (:class:`~.nodes.Agents`). ``[exit status]``; a signal
+    to the launcher is forwarded to the workers and ends the job (never restarted)."""
 
-    def forward(signum: int, frame: Any) -> None:
-        received.append(signum)
-        current[0].signal_all(signum)
+    name = "onedist run"
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    agents: Optional[Agents] = None
-    try:
-        if args.nnodes > 1 and args.max_restarts > 0:  # the nodes' launchers agree on each restart
-            agents = Agents(args.master_addr, args.master_port, args.node_rank, args.nnodes,
-                            args.max_restarts, args.rdzv_id)  # fmt: skip
-            args.rdzv_id = agents.run_id  # node 0's, unless every node was given --rdzv-id
-        attempt = 0
-        while True:
-            current[0] = Supervisor()
-            code, failures = _attempt(args, nproc, show, attempt, current[0], received, agents)
-            if agents is not None:
-                verdict = agents.verdict(attempt, failures, received[0] if received else None)
-                if verdict.why:
-                    sys.stderr.write(verdict.why)
-                if verdict.action != "restart":
-                    return code if verdict.action == "done" or code != 0 else 1
-                failures = verdict.failures
-            # a signal to the launcher ends the job: only a worker's own failure is restarted
-            elif code == 0 or received or attempt >= args.max_restarts:
-                return code
-            attempt += 1
-            sys.stderr.write(restart_line("onedist run", failures, attempt, args.max_restarts))
-            sys.stderr.flush()
-    except AgentsError as e:
-        if agents is not None:
-            agents.abort(e)
-        sys.stderr.write(f"onedist run: node {args.node_rank}: {e}\n")
-        return 1
-    finally:
-        if agents is not None:
-            agents.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    def __init__(self, args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> None:
+        super().__init__(args.max_restarts)
+        self.args, self.nproc, self.show = args, nproc, show
+        self.received: list[int] = []
+        self.supervisor = Supervisor[PopenWorker]()
+        self.agents: Optional[Agents] = None
+        self.code = 0
+
+    def attempt(self, number: int) -> list[Failure]:
+        self.supervisor = Supervisor()
+        self.code, failures = _attempt(
+            self.args, self.nproc, self.show, number, self.supervisor, self.received, self.agents
+        )
+        return failures
+
+    def restart(self, number: int, failures: list[Failure]) -> Optional[list[Failure]]:
+        if self.agents is not None:
+            verdict = self.agents.verdict(number, failures, self.received[0] if self.received else None)
+            if verdict.why:
+                sys.stderr.write(verdict.why)
+            if verdict.action != "restart":
+                self.code = self.code if verdict.action == "done" or self.code != 0 else 1
+                return None
+            return verdict.failures
+        # a signal to the launcher ends the job: only a worker's own failure is restarted
+        if self.code == 0 or self.received or number >= self.max_restarts:
+            return None
+        return failures
+
+    def finish(self, failures: list[Failure]) -> list[Any]:
+        return [self.code]  # the failure's report is printed already (see _wait)
+
+    def results(self) -> list[Any]:
+        return [self.code]
+
+    def launch(self) -> list[Any]:
+        """The restart loop, with the signals forwarded to the workers and, for several nodes
+        with restarts, the nodes' launchers met first."""
+        args = self.args
+        check_run_nodes(args)
+        check_run_backend(args.backend, args.nnodes, self.nproc)
+        args.rdzv_id = args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}"  # one run id for every attempt
+
+        def forward(signum: int, frame: Any) -> None:
+            self.received.append(signum)
+            self.supervisor.signal_all(signum)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            if args.nnodes > 1 and args.max_restarts > 0:  # the nodes' launchers agree on each restart
+                self.agents = Agents(args.master_addr, args.master_port, args.node_rank, args.nnodes,
+                                     args.max_restarts, args.rdzv_id)  # fmt: skip
+                args.rdzv_id = self.agents.run_id  # node 0's, unless every node was given --rdzv-id
+            return super().launch()
+        except AgentsError as e:
+            if self.agents is not None:
+                self.agents.abort(e)
+            sys.stderr.write(f"onedist run: node {args.node_rank}: {e}\n")
+            return [1]
+        finally:
+            if self.agents is not None:
+                self.agents.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
 def _attempt(
@@ -567,19 +505,15 @@ def main(args: argparse.Namespace) -> int:
     """
     try:
         args.from_environment = apply_pet_defaults(args, os.environ)
+        nproc = check_run_values(args)
         _report_environment(args)
-        nproc = _nproc(str(args.nproc_per_node), flag_or_variable(args, "nproc_per_node"))
         show = _output_ranks(args.output_ranks)
         pod = kubernetes_job(os.environ)
         env = None if pod is not None and not pod.workers_started else detect_cluster(os.environ)
         if env is not None:
-            if nproc > 1 and env.nproc_per_node not in (None, nproc):
-                raise _UsageError(
-                    f"--nproc-per-node={nproc} disagrees with the {env.name} launcher that started this "
-                    f"process ({env.nproc_per_node} per node); it started the workers already: drop the flag"
-                )
+            check_run_nproc_against(nproc, env)
             return _run_in_place(args)
-        return _launch(args, nproc, show)
+        return int(RunLauncher(args, nproc, show).launch()[0])
     except (_UsageError, OnedistValueError) as e:
         sys.stderr.write(f"onedist run: {e}\n")
         return 2

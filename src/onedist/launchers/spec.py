@@ -1,25 +1,66 @@
-"""The arguments of one launch, checked once: :class:`LaunchSpec`.
+"""The arguments of one launch, checked in one place: :class:`LaunchSpec` and its front ends.
 
-:meth:`LaunchSpec.build` is the one place where the launch arguments of :func:`onedist.spawn` and
-``Parallel(nproc_per_node=...)`` are checked; each error names the argument, the value given and
-what is allowed. Every launcher then takes the spec, never the arguments one by one.
+:meth:`LaunchSpec.build` checks the launch arguments of :func:`onedist.spawn` and of ``Parallel``'s
+launches, those a backend's own launcher cannot honour included (mpirun, horovod.run and xmp.spawn
+start the workers of one host); every launcher then takes the spec, never the arguments one by
+one. Beside it, the same rules in the words each front end's users know: ``Parallel``'s checks at
+construction, in ignite's order and words, and ``onedist run``'s, naming the flag or the
+``PET_*`` variable a value came from. Each error names the argument, the value given and what is
+allowed. ``tests/test_architecture.py`` fails on a check of a launch argument anywhere else.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
+import glob
 import multiprocessing
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
-from .._net import LOOPBACK
-from ..errors import bad_type, bad_value
+from .._net import LOOPBACK, is_loopback, tcp_init_would_hang
+from ..errors import BackendUnavailableError, LaunchArgumentError, OnedistValueError, bad_type, bad_value
+from .pet import flag_or_variable, variable_hint
 
-__all__ = ["START_METHODS", "LaunchSpec", "available_start_methods", "check_max_restarts"]
+__all__ = [
+    "LaunchSpec",
+    "OWN_LAUNCHERS",
+    "START_METHODS",
+    "available_start_methods",
+    "check_against_launcher",
+    "check_max_restarts",
+    "check_no_spawn_args",
+    "check_parallel_args",
+    "check_parallel_kwargs",
+    "check_run_backend",
+    "check_run_nodes",
+    "check_run_nproc_against",
+    "check_run_values",
+    "check_serial_args",
+    "check_xla_device_count",
+    "port_number",
+    "visible_gpus",
+]
 
 #: multiprocessing's start methods that spawn takes (those this platform has)
 START_METHODS = ("spawn", "fork", "forkserver")
+
+#: backends whose workers a launcher of their own starts, on one host: the hint their errors give
+OWN_LAUNCHERS = {
+    "mpi": "spawn('mpi', ...) starts the ranks on this host through mpirun, which connects them "
+    "itself; for several hosts run `mpirun -np N -H host1:n1,host2:n2 python script.py` "
+    "(Parallel(backend='mpi') then only initialises)",
+    "horovod": "spawn('horovod', ...) starts the processes through horovod.run, which picks its own "
+    "rendezvous; for several hosts pass hosts='host1:n1,host2:n2' (nproc_per_node is then "
+    "the total), or run `horovodrun -np N -H host1:n1,host2:n2 python script.py` "
+    "(Parallel(backend='horovod') then only initialises)",
+    "xla-tpu": "xmp.spawn starts the replicas of this host and PJRT finds the other hosts of a "
+    "TPU slice itself: run the same script on every host (e.g. `gcloud compute tpus tpu-vm "
+    "ssh NAME --worker=all --command='python train.py'`) with nnodes=1",
+}
 
 
 @dataclass(frozen=True)
@@ -83,8 +124,11 @@ class LaunchSpec:
         backend_class(name)  # initialize's error for a backend unknown or not installed here
         td = check_timeout(caller, timeout)
         args, kwargs = tuple(args), dict(kwargs or {})
-        return cls(name, fn, args, kwargs, nproc_per_node, nnodes, node_rank, master_addr, master_port,
+        spec = cls(name, fn, args, kwargs, nproc_per_node, nnodes, node_rank, master_addr, master_port,
                    init_method, td, start_method, hosts, max_restarts)  # fmt: skip
+        if name in OWN_LAUNCHERS and start_method != "subprocess":
+            _check_own_launcher(spec)
+        return spec
 
     @property
     def world_size(self) -> int:
@@ -196,3 +240,379 @@ def check_max_restarts(func: str, value: Any, *, nnodes: Any = 1, start_method: 
             "0 with start_method='subprocess' (this process is rank 0 itself: it cannot restart it)",
             hint="use start_method 'spawn' or 'fork', or `onedist run --max-restarts N script.py`",
         )
+
+
+def _check_own_launcher(spec: LaunchSpec) -> None:
+    """What the backend's own launcher cannot honour: restarts (restart the whole job from
+    outside), and, for a world of more than one, anything beyond this host's processes."""
+    if spec.max_restarts:
+        raise bad_value(
+            "spawn",
+            "max_restarts",
+            spec.max_restarts,
+            f"0 with backend {spec.backend!r}, whose workers its own launcher starts",
+            hint="restart the whole job from outside (e.g. a loop around mpirun), with od.resume",
+        )
+    hint = OWN_LAUNCHERS[spec.backend]
+    if spec.backend == "horovod" and spec.nnodes != 1:  # (before the others) ignite's words and error type
+        raise bad_value(
+            "spawn",
+            "nnodes",
+            spec.nnodes,
+            "1 with backend 'horovod'",
+            hint=hint,
+            says="For multi-node configuration, please set 'hosts' argument instead",
+            error=LaunchArgumentError,
+        )
+    if spec.backend == "horovod" and spec.hosts is not None:
+        _check_hosts(spec.hosts, spec.nproc_per_node)
+    if spec.backend == "mpi" and spec.world_size == 1:  # onedist's process launcher starts it
+        return
+    xla = spec.backend == "xla-tpu"
+    for arg, value, allowed, ok in (
+        ("nnodes", spec.nnodes, "1", spec.nnodes == 1),
+        ("node_rank", spec.node_rank, "0", spec.node_rank == 0),
+        ("master_addr", spec.master_addr, "a loopback address ('127.0.0.1')", is_loopback(spec.master_addr)),
+        ("master_port", spec.master_port, "None", spec.master_port is None),
+        ("init_method", spec.init_method, "None" if xla else "None or 'env://'",
+         spec.init_method is None or (not xla and spec.init_method == "env://")),
+        ("timeout", spec.timeout, "None (XLA collectives take no timeout)", not xla or spec.timeout is None),
+        ("start_method", spec.start_method, "'spawn'", xla or spec.start_method == "spawn"),
+    ):  # fmt: skip
+        if not ok:
+            raise bad_value("spawn", arg, value, f"{allowed} with backend {spec.backend!r}", hint=hint)
+
+
+def _check_hosts(hosts: Any, nproc: int) -> None:
+    """``hosts`` as horovod.run takes it: "host:slots" items, comma-separated, with at least
+    ``nproc`` slots in all."""
+    allowed = "a str 'host1:slots,host2:slots' (slots: an int >= 1)"
+    if not isinstance(hosts, str):
+        raise bad_type("spawn", "hosts", hosts, allowed)
+    slots = 0
+    for item in hosts.split(","):
+        name, _, count = item.strip().rpartition(":")
+        if not name or not count.isdigit() or int(count) < 1:
+            raise bad_value("spawn", "hosts", hosts, allowed)
+        slots += int(count)
+    if slots < nproc:
+        raise bad_value(
+            "spawn",
+            "hosts",
+            hosts,
+            f"hosts with at least nproc_per_node={nproc} slots in all (these have {slots})",
+            hint="with hosts, nproc_per_node is the number of processes over all hosts",
+        )
+
+
+def check_xla_device_count(nproc_per_node: int, devices: int, device_type: str) -> None:
+    """``nproc_per_node`` of an XLA launch against the devices of this host, which only the
+    replicas xmp.spawn started can count (torch_xla forbids xmp.spawn once this process used XLA)."""
+    if devices != nproc_per_node:
+        raise bad_value(
+            "spawn",
+            "nproc_per_node",
+            nproc_per_node,
+            f"1 or {devices}, the number of XLA devices on this host (PJRT_DEVICE={device_type})",
+        )
+
+
+# ============================================================================ Parallel's arguments
+# Checked when Parallel is constructed, in ignite's order and with its words: an ignite user's
+# ``try``/``pytest.raises(match=...)`` keeps working (each message holds the phrase ignite raises,
+# "Unknown backend", "should positive", ..., then onedist's "given / allowed / HINT").
+
+SPAWN_ARGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+def _ignite_error(ignite_words: str, arg: str, value: Any, allowed: str, hint: str = "") -> OnedistValueError:
+    msg = f"onedist.Parallel: {ignite_words}\n  given: {arg}={value!r}; allowed: {allowed}"
+    return OnedistValueError(msg + (f"\nHINT: {hint}" if hint else ""))
+
+
+def port_number(func: str, value: Any) -> Optional[int]:
+    """``master_port`` as an int: ignite (and argparse's ``type=str``) pass digit strings too."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise bad_type(func, "master_port", value, "None, an int in 1..65535 or a string of digits")
+
+
+def check_parallel_args(
+    backend: Any, init_method: Any, spawn_args: dict[str, Any], hosts_rank0: bool
+) -> None:
+    """Raise the first problem ignite's ``Parallel`` would raise, in its order. ``hosts_rank0``:
+    this process or its workers include global rank 0 (a tcp:// rendezvous is then hosted here)."""
+    from ..backends import available_backends
+
+    if backend is not None:
+        if not isinstance(backend, str):
+            raise bad_type("Parallel", "backend", backend, "str, e.g. 'gloo', 'nccl' or 'auto', or None")
+        here = available_backends()
+        if backend != "auto" and backend not in here:
+            raise BackendUnavailableError(
+                f"onedist.Parallel: Unknown backend '{backend}'. Available backends: {here}\n"
+                f"  given: backend={backend!r}; allowed: {', '.join(repr(b) for b in (*here, 'auto'))} "
+                "or None (serial)\nHINT: `onedist info` says what each missing backend needs"
+            )
+    else:
+        for name in SPAWN_ARGS:
+            value = spawn_args[name]
+            if value is not None:
+                raise _ignite_error(
+                    f"If backend is None, argument '{name}' should be also None, but given {value}",
+                    name,
+                    value,
+                    "None when backend is None (serial run)",
+                    "pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
+                )
+    tcp = isinstance(init_method, str) and init_method.startswith("tcp://")
+    if tcp and hosts_rank0 and tcp_init_would_hang(init_method):
+        raise _ignite_error(
+            f"TCP initialization via init_method='{init_method}' will hang. To fix this, please configure "
+            "MASTER_ADDR and MASTER_PORT in the environment and use 'env://' (or omit init_method).",
+            "init_method",
+            init_method,
+            "'env://', 'file:///path', or 'tcp://host:port' where host is an address of this machine",
+        )
+    if backend is not None and spawn_args["nproc_per_node"] is not None:
+        _check_spawn_shape(init_method, **spawn_args)
+
+
+def _check_spawn_shape(
+    init_method: Any, nproc_per_node: Any, nnodes: Any, node_rank: Any, master_addr: Any, master_port: Any
+) -> None:
+    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes), ("node_rank", node_rank)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise bad_type("Parallel", name, value, "int")
+    if nproc_per_node < 1:
+        raise _ignite_error(
+            f"Argument nproc_per_node should positive, but given {nproc_per_node}",
+            "nproc_per_node",
+            nproc_per_node,
+            "an int >= 1",
+        )
+    nnodes = 1 if nnodes is None else nnodes
+    if nnodes < 1:
+        raise _ignite_error(
+            f"Argument nnodes should positive, but given {nnodes}", "nnodes", nnodes, "an int >= 1"
+        )
+    if node_rank is None and nnodes > 1:
+        raise _ignite_error(
+            "If number of nodes larger than one, arguments node_rank should be given",
+            "node_rank",
+            None,
+            f"0..{nnodes - 1} (this node's index)",
+        )
+    node_rank = 0 if node_rank is None else node_rank
+    if not 0 <= node_rank < nnodes:
+        raise _ignite_error(
+            f"Argument node_rank should be between 0 and {nnodes - 1}, but given {node_rank}",
+            "node_rank",
+            node_rank,
+            f"0..{nnodes - 1}",
+        )
+    if nnodes > 1 and (master_addr is None or master_port is None) and init_method is None:
+        raise _ignite_error(
+            "If number of nodes larger than one, arguments master_addr and master_port or init_method "
+            f"should be specified, but given master_addr={master_addr}, master_port={master_port} and "
+            f"init_method={init_method}.",
+            "master_addr, master_port",
+            (master_addr, master_port),
+            "node 0's address and a free port on it, the same on every node",
+        )
+
+
+def check_parallel_kwargs(spawn_kwargs: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    """Parallel's ``**spawn_kwargs``: only ``known``, the start method one of spawn's or
+    "subprocess", no ``hosts`` with "subprocess", and ``max_restarts`` as :func:`check_max_restarts`."""
+    unknown = sorted(set(spawn_kwargs) - set(known))
+    if unknown:
+        raise bad_value(
+            "Parallel", unknown[0], spawn_kwargs[unknown[0]], "keyword arguments " + ", ".join(known)
+        )
+    method = spawn_kwargs.get("start_method", "spawn")
+    if method not in (*START_METHODS, "subprocess"):
+        raise bad_value("Parallel", "start_method", method, [*available_start_methods(), "subprocess"])
+    if method == "subprocess" and spawn_kwargs.get("hosts") is not None:
+        raise bad_value(
+            "Parallel",
+            "hosts",
+            spawn_kwargs["hosts"],
+            "None with start_method='subprocess' (hosts is for backend 'horovod', whose "
+            "workers horovod.run starts)",
+        )
+
+
+def check_serial_args(init_method: Any) -> None:
+    """``Parallel(backend=None)``: a serial run takes no ``init_method``."""
+    if init_method is not None:
+        raise bad_value(
+            "Parallel",
+            "init_method",
+            init_method,
+            "None when backend is None (serial run)",
+            hint="pass backend='gloo' (CPU) or 'nccl' (GPU) to run distributed",
+        )
+
+
+def check_no_spawn_args(given: Mapping[str, Any]) -> None:
+    """Parallel without ``nproc_per_node`` and without a launcher: no other spawn argument."""
+    if given:
+        first = next(iter(given))
+        raise bad_value("Parallel", first, given[first], "None unless nproc_per_node is given (spawn mode)")
+
+
+def check_against_launcher(given: Mapping[str, Any], env: Any) -> None:
+    """Parallel's spawn arguments ``given`` under a launcher that started the processes already
+    (``env``: the detected environment, or None for a group the user made): each must match it."""
+    if env is None:  # a group created by the user: nothing to compare with
+        return
+    expected = {
+        "nproc_per_node": env.nproc_per_node,
+        "nnodes": env.nnodes,
+        "node_rank": env.node_rank,
+        "master_addr": env.master_addr,
+        "master_port": None if env.master_port_derived else env.master_port,
+    }
+    for key, value in given.items():
+        known = expected.get(key)
+        if known is not None and str(value) != str(known):
+            raise bad_value(
+                "Parallel",
+                key,
+                value,
+                f"{known!r}, the value the launcher that started this process set",
+                hint="an external launcher (torchrun, srun, ...) already started the processes; drop the "
+                "spawn arguments or make them match",
+            )
+
+
+# ============================================================================ onedist run's arguments
+# torchrun's flags, each defaulting to its PET_* variable (pet.py converts the variable's text);
+# an error names the flag, or the variable the value came from (``onedist run: <error>``, exit 2).
+
+
+def visible_gpus(environ: Optional[dict[str, str]] = None) -> int:
+    """GPUs this process may use, without importing torch (CUDA_VISIBLE_DEVICES or /dev/nvidiaN)."""
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def check_run_values(args: argparse.Namespace) -> int:
+    """Each launch flag's value (typed, or taken from its ``PET_*`` variable), converted in place
+    (``--nnodes`` to an int); the number of workers ``--nproc-per-node`` asks for. The rules that
+    tie flags together are :func:`check_run_nodes`'s, for the runs that start workers."""
+    nproc = _run_nproc(args)
+    low, _, high = str(args.nnodes).strip().partition(":")
+    if not low.isdigit() or int(low) < 1 or (high and high != low):
+        # Kubeflow's elasticPolicy with minReplicas/maxReplicas sets "min:max"
+        raise _run_error(
+            args,
+            "nnodes",
+            args.nnodes,
+            "N or N:N (an elastic node count needs the group re-formed as nodes come and go, which "
+            "onedist run does not do; torchrun does), N >= 1",
+        )
+    args.nnodes = int(low)
+    for dest, ok, allowed in (
+        ("node_rank", args.node_rank is None or args.node_rank >= 0, "an int >= 0"),
+        ("master_port", args.master_port is None or 1 <= args.master_port <= 65535, "an int in 1..65535"),
+        ("rdzv_backend", args.rdzv_backend in ("static", "c10d"), "'static', 'c10d'"),
+        ("max_restarts", args.max_restarts >= 0,
+         "an int >= 0 (how many times the workers are started again after a failure)"),
+    ):  # fmt: skip
+        if not ok:
+            raise _run_error(args, dest, getattr(args, dest), allowed)
+    return nproc
+
+
+def _run_error(args: argparse.Namespace, dest: str, value: Any, allowed: str) -> OnedistValueError:
+    """``<flag or PET_* variable>=<value> is not allowed; allowed: ...`` (a variable's HINT after)."""
+    name = flag_or_variable(args, dest)
+    return OnedistValueError(f"{name}={value!r} is not allowed; allowed: {allowed}" + variable_hint(name))
+
+
+def _run_nproc(args: argparse.Namespace) -> int:
+    """The number of workers ``--nproc-per-node`` asks for (a number, 'auto', 'cpu' or 'gpu')."""
+    value = str(args.nproc_per_node)
+    if value == "auto":
+        return max(1, visible_gpus())
+    if value == "cpu":  # as torchrun: one per CPU the OS reports
+        return os.cpu_count() or 1
+    if value == "gpu":
+        if visible_gpus() < 1:
+            raise _run_error(args, "nproc_per_node", value, "an int >= 1, 'auto', 'cpu' (no GPU is visible)")
+        return visible_gpus()
+    if not value.strip().isdigit() or int(value) < 1:
+        raise _run_error(args, "nproc_per_node", value, "an int >= 1, 'auto', 'cpu' or 'gpu'")
+    return int(value)
+
+
+def check_run_nodes(args: argparse.Namespace) -> None:
+    """The node flags together, for a run that starts workers: ``--node-rank`` given (0 by default)
+    and below ``--nnodes``, ``--rdzv-endpoint`` as master address and port, a fixed port for
+    several nodes. After :func:`check_run_values`."""
+    name = functools.partial(flag_or_variable, args)
+    if args.node_rank is None:
+        if args.nnodes > 1 and args.rdzv_backend == "c10d":
+            raise OnedistValueError(
+                f"--node-rank is needed with {name('nnodes')}={args.nnodes} and {name('rdzv_backend')}=c10d: "
+                "torchrun's c10d rendezvous numbers the nodes as they arrive, onedist run numbers them "
+                "statically; pass --node-rank=<0..N-1> (or PET_NODE_RANK) on each node"
+            )
+        args.node_rank = 0
+    if args.rdzv_endpoint is not None:
+        _run_endpoint(args)
+    if not args.node_rank < args.nnodes:
+        raise OnedistValueError(
+            f"{name('node_rank')}={args.node_rank} is not allowed with "
+            f"{name('nnodes')}={args.nnodes}; allowed: 0..{args.nnodes - 1}"
+        )
+    if args.nnodes > 1 and args.master_port is None:
+        raise OnedistValueError(
+            "--master-port is needed with --nnodes > 1 (every node must use the same one); "
+            "pass --master-addr=<node 0's address> --master-port=<free port on node 0> on every node"
+        )
+
+
+def _run_endpoint(args: argparse.Namespace) -> None:
+    """``--rdzv-endpoint HOST[:PORT]`` as ``--master-addr`` and ``--master-port``."""
+    if args.master_port is not None or args.master_addr != LOOPBACK:
+        raise OnedistValueError(
+            "--rdzv-endpoint and --master-addr/--master-port name the same thing: pass one"
+        )
+    host, colon, port = args.rdzv_endpoint.rpartition(":")
+    if not colon:  # torchrun's default port
+        host, port = args.rdzv_endpoint, "29400"
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536 or (port == "0" and args.nnodes > 1):
+        raise _run_error(
+            args, "rdzv_endpoint", args.rdzv_endpoint, "HOST[:PORT] (PORT 0, a free port, on one node only)"
+        )
+    # port 0: a free one, as torchrun picks (TorchX's dist.ddp passes localhost:0 on one node)
+    args.master_addr, args.master_port = host, int(port) or None
+
+
+def check_run_nproc_against(nproc: int, env: Any) -> None:
+    """``--nproc-per-node`` under a launcher ``env`` that started this process (its workers exist)."""
+    if nproc > 1 and env.nproc_per_node not in (None, nproc):
+        raise OnedistValueError(
+            f"--nproc-per-node={nproc} disagrees with the {env.name} launcher that started this "
+            f"process ({env.nproc_per_node} per node); it started the workers already: drop the flag"
+        )
+
+
+def check_run_backend(backend: Optional[str], nnodes: int, nproc: int) -> None:
+    """``--backend``: a name the workers' ``initialize`` will take (``auto`` resolved as it will
+    be there), checked before any worker starts rather than in each of them."""
+    if backend:
+        from ..context import backend_class, resolve_backend_name
+
+        try:
+            backend_class(resolve_backend_name(backend, nnodes, nproc))
+        except BackendUnavailableError as e:  # initialize's words, after the flag's
+            raise BackendUnavailableError(f"--backend={backend!r} cannot start the workers: {e}") from None

@@ -16,49 +16,40 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
-from .._net import is_loopback
 from ..backends import xla as xla_backend
-from ..errors import OnedistRuntimeError, WorkerFailedError, bad_value
+from ..errors import OnedistRuntimeError, WorkerFailedError
 from .checks import check_picklable
+from .launcher import SingleAttemptLauncher
 from .report import Failure, failure_report, reported_failure_error
-from .spec import LaunchSpec
+from .spec import LaunchSpec, check_xla_device_count
 from .worker import call_worker_fn, exit_failed, write_failure_report, write_result
 
-__all__ = ["launch"]
+__all__ = ["XmpLauncher"]
 
 
-def launch(spec: LaunchSpec) -> Optional[list[Any]]:
-    """Run ``fn(local_rank, *args, **kwargs)`` on ``nproc_per_node`` XLA devices via ``xmp.spawn``.
+class XmpLauncher(SingleAttemptLauncher):
+    """``fn(local_rank, *args, **kwargs)`` on ``nproc_per_node`` XLA devices via ``xmp.spawn``.
 
     ``nproc_per_node=1`` runs ``fn`` here, on this process's one device. More needs as many
     XLA devices on this host: on the PJRT CPU device onedist sets ``CPU_NUM_DEVICES`` to
     ``nproc_per_node`` for the run (unless set) and ``xmp.spawn`` starts one process with a
     thread per device; on a TPU host the number must be the host's device count. A failing
     worker ends the run within seconds and :class:`~onedist.WorkerFailedError` is raised with
-    its rank and traceback first.
+    its rank and traceback first. Not restarted: restart the whole job from outside.
     """
+
+    name = "onedist.spawn (xmp.spawn)"
+
+    def run(self) -> list[Any]:
+        return _run(self.spec)
+
+
+def _run(spec: LaunchSpec) -> list[Any]:
+    """The replicas' results in rank order, or their failure raised."""
     fn, args, kwargs = spec.fn, spec.args, spec.kwargs
     nproc_per_node, start_method = spec.nproc_per_node, spec.start_method
-    for arg, value, allowed, ok in (
-        ("nnodes", spec.nnodes, "1", spec.nnodes == 1),
-        ("node_rank", spec.node_rank, "0", spec.node_rank == 0),
-        ("master_addr", spec.master_addr, "a loopback address ('127.0.0.1')", is_loopback(spec.master_addr)),
-        ("master_port", spec.master_port, "None", spec.master_port is None),
-        ("init_method", spec.init_method, "None", spec.init_method is None),
-        ("timeout", spec.timeout, "None (XLA collectives take no timeout)", spec.timeout is None),
-    ):
-        if not ok:
-            raise bad_value(
-                "spawn",
-                arg,
-                value,
-                f"{allowed} with backend 'xla-tpu'",
-                hint="xmp.spawn starts the replicas of this host and PJRT finds the other hosts of a "
-                "TPU slice itself: run the same script on every host (e.g. `gcloud compute tpus tpu-vm "
-                "ssh NAME --worker=all --command='python train.py'`) with nnodes=1",
-            )
     xla_backend._import_torch_xla("spawn")
     import torch_xla
     import torch_xla.runtime as xr
@@ -152,14 +143,7 @@ def _worker(
     xla_backend._tls.launched = True
     rank, local_rank = int(xr.global_ordinal()), int(xr.local_ordinal())
     try:
-        devices = int(xr.local_device_count())
-        if devices != nproc:
-            raise bad_value(
-                "spawn",
-                "nproc_per_node",
-                nproc,
-                f"1 or {devices}, the number of XLA devices on this host (PJRT_DEVICE={xr.device_type()})",
-            )
+        check_xla_device_count(nproc, int(xr.local_device_count()), str(xr.device_type()))
         result = call_worker_fn(fn, local_rank, args, kwargs)
     except BaseException as e:
         write_failure_report(
