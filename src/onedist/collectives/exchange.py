@@ -263,6 +263,15 @@ def slices(buf: Optional[torch.Tensor], sizes: list[int]) -> list[Optional[torch
 
 
 def gather_values(func: str, value: Any, group: GroupLike, async_op: bool, merge: bool) -> Any:
+    """Every rank's ``value``, on any group: the tensors concatenated or the values merged
+    (``merge``), else a list, one entry per rank.
+
+    A plain tensor on a merged channel (CPU bytes: gloo, shm, mpi) goes into its slot without
+    tensor ops (:func:`W.tensor_slot`: the same bytes as :func:`pack_or_error`'s); when every rank
+    sent its dtype and shape with the data inline (a metric, a small batch), the result is one
+    copy out of the received slots, read before anything else is made (each microsecond between
+    two small collectives costs the pair several on busy cores, issue 24). Anything else, or a
+    mismatch, takes the general way from the same slots."""
     b = current()
     g, me, ranks = resolve_group(func, b, group)
     if me < 0:  # all_gather gives its input back (as ignite); all_gather_object a list, as torch
@@ -272,35 +281,17 @@ def gather_values(func: str, value: Any, group: GroupLike, async_op: bool, merge
     fast = (
         W.tensor_slot(value, ch.slot, size) if merge and ch.merged and type(value) is torch.Tensor else None
     )
-    call = _Gather(func, b, g, me, ranks, ch)
-    if fast is not None:  # the same slot bytes as pack_or_error's, built without tensor ops
-        b.all_gather_into_(fast[0].recv, fast[0].send, ch.og, False)
-        return _from_tensor_slots(call, value, fast, async_op)
-    return _gather_packed(call, value, async_op, merge)
-
-
-def gather_world_tensor(t: torch.Tensor) -> Any:
-    """``all_gather(t)`` of a CPU tensor on the default group, synchronous: the metric or batch
-    gather of every training loop. :func:`gather_values`' way without its group look-ups; when
-    every rank sent t's dtype and shape inline, nothing but the collective and one copy (each
-    microsecond between two small collectives costs the pair several on busy cores, issue 24)."""
-    b = world.backend
-    if b.is_stale():
-        b = current()
-    size = b.world_size
-    ch = channels(b, None, "all_gather", size)
-    fast = W.tensor_slot(t, ch.slot, size) if ch.merged else None
     if fast is not None:
         bufs = fast[0]
         b.all_gather_into_(bufs.recv, bufs.send, ch.og, False)
         out = inline_result(bufs, ch)
         if out is not None:
             W.release(bufs)
-            return out
-    call = _Gather("all_gather", b, None, b.rank, tuple(range(size)), ch)
+            return AsyncResult([], lambda: out) if async_op else out
+    call = _Gather(func, b, g, me, ranks, ch)
     if fast is not None:
-        return _from_tensor_slots(call, t, fast, False)
-    return _gather_packed(call, t, False, True)  # a GPU tensor, a channel apart from the tensors'
+        return _from_tensor_slots(call, value, fast, async_op)
+    return _gather_packed(call, value, async_op, merge)
 
 
 class _Gather(NamedTuple):
@@ -409,17 +400,13 @@ def gather_tensor(
     read straight from the round-1 slots; None otherwise (the general path then parses the same
     slots, and reports errors and mismatches).
 
-    Same shape, data inline (a metric, a small batch): :func:`inline_result`. Data not inline
-    (first dimensions may differ): round 2 as the general path does it, with the same sizes (so
-    ranks on either path issue the same collectives), received into the result itself.
+    Same shape, data inline: :func:`gather_values` has read it with :func:`inline_result` (here: None).
+    Data not inline (first dimensions may differ): round 2 as the general path does it, with the
+    same sizes (so ranks on either path issue the same collectives), received into the result
+    itself.
     """
     bufs = fast[0]
     plan = bufs.plan
-    if plan.inline == W.INLINE_ALL:
-        out = inline_result(bufs, ch)
-        if out is None:
-            return None
-        return AsyncResult([], lambda: out) if async_op else out
     if plan.inline != W.INLINE_META or local.dim() == 0:
         return None
     mv, size, slot, head = bufs.recv_view, len(ranks), len(plan.template), plan.head

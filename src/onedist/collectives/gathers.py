@@ -17,7 +17,6 @@ from .exchange import (
     Channels,
     decode,
     gather_values,
-    gather_world_tensor,
     localize,
     my_blocks,
     obj_len,
@@ -62,8 +61,6 @@ def all_gather(tensor: Any, group: GroupLike = None, *, async_op: bool = False, 
         >>> od.all_gather({"n": 3}, nested=True)
         {'n': tensor([3])}
     """
-    if group is None and tensor.__class__ is torch.Tensor and not async_op:
-        return gather_world_tensor(tensor)
     merge = nested or isinstance(tensor, torch.Tensor)
     return gather_values("all_gather", tensor, group, async_op, merge=merge)
 

@@ -9,7 +9,6 @@ import torch
 from ..backends import Backend, Work
 from ..context import current
 from ..errors import OnedistTypeError, bad_value
-from ..state import world
 from .base import (
     CHECKED_OPS,
     OP_NAMES,
@@ -66,14 +65,14 @@ def all_reduce(
         >>> od.all_reduce({"loss": 0.5, "correct": 3}, op="MEAN")
         {'loss': 0.5, 'correct': 3.0}
     """
-    b = world.backend
-    if b.is_stale():
-        b = current()
+    b = current()
     opn = OP_NAMES.get(op) if op.__class__ is str else None
     if opn is None:
         opn = op_name("all_reduce", op)
     if group is None:
-        # fast path: a CPU tensor the backend reduces as it is, synchronously, with a plain op
+        # a CPU tensor the backend reduces as it is, synchronously, with a plain op: _reduce_tensor
+        # takes 1.11x this path's time for a 4-byte tensor (gloo, 2 ranks; 5 interleaved runs of
+        # bench_handwritten's timing with the path on and off, 2026-11-28)
         if (
             tensor.__class__ is torch.Tensor
             and not async_op
@@ -93,6 +92,7 @@ def all_reduce(
                     b.all_reduce_(tensor, opn, None, False)
                 return tensor
         cls = tensor.__class__
+        # _reduce_tree takes 1.41x _reduce_number's time for a Python float (the same runs)
         if (cls is float or cls is int) and not async_op and opn in _NUMBER_OPS:
             number = _reduce_number(b, tensor, opn)
             if number is not None:
@@ -180,6 +180,8 @@ def _reduce(
             fits = op != "MEAN" or x.dtype.is_floating_point or x.dtype.is_complex
             inplace = fits and (x.is_contiguous() or not _overlaps(x))
         return _reduce_tensor(b, func, x, op, g, size, dst, async_op, inplace)
+    # two dicts of metrics skip _reduce_tree's per-leaf work: it takes 1.32x _reduce_numbers' time
+    # for 100 Python floats and 1.19x _reduce_stacked's for 100 0-dim tensors (the same runs)
     if not async_op and op in _DICT_OPS and not inplace:
         flat = flat_dict(x)
         if flat is not None and flat.dtype is not None:
