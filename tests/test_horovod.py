@@ -48,6 +48,20 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Horovod's background thread runs a negotiation round with the other ranks every
+# HOROVOD_CYCLE_TIME ms (1 by default): idle ranks of a pool, two or three on 2 cores, keep the
+# CPU busy between checks. The workers these tests start get 10 ms (what each test checks does not
+# depend on it; see docs/testing.md for the CPU it saves). A value already set is kept.
+CYCLE_TIME_MS = "10"
+
+
+@pytest.fixture(autouse=True)
+def _horovod_cycle_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process's environment, which the pools, ``_env()`` and ``od.spawn`` pass on."""
+    if "HOROVOD_CYCLE_TIME" not in os.environ:
+        monkeypatch.setenv("HOROVOD_CYCLE_TIME", CYCLE_TIME_MS)
+
+
 _pools: dict[int, LaunchPool] = {}
 
 
