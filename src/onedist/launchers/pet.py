@@ -33,7 +33,7 @@ __all__ = [
     "apply_pet_defaults",
     "flag_or_variable",
     "ignored_variables",
-    "variable_hint",
+    "not_allowed",
 ]
 
 
@@ -44,7 +44,7 @@ def _int(allowed: str) -> Callable[[str, str], int]:
         try:
             return int(text)
         except ValueError:
-            raise _bad(name, text, allowed) from None
+            raise not_allowed(name, text, allowed) from None
 
     return convert
 
@@ -61,12 +61,12 @@ def _switch(name: str, text: str) -> bool:
     try:
         return bool(int(text))
     except ValueError:
-        raise _bad(name, text, "an int (0 = off, anything else = on) or empty (on)") from None
+        raise not_allowed(name, text, "an int (0 = off, anything else = on) or empty (on)") from None
 
 
 def _tee(name: str, text: str) -> str:
     if re.fullmatch(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", text) is None:
-        raise _bad(name, text, "0, 1, 2, 3 or LOCAL_RANK:N,... with N in 0..3 (torchrun's --tee)")
+        raise not_allowed(name, text, "0, 1, 2, 3 or LOCAL_RANK:N,... with N in 0..3 (torchrun's --tee)")
     return text
 
 
@@ -113,11 +113,13 @@ IGNORED = (
 )
 
 
-def _bad(name: str, text: str, allowed: str) -> OnedistValueError:
-    return OnedistValueError(f"{name}={text!r} is not allowed; allowed: {allowed}" + variable_hint(name))
+def not_allowed(name: str, value: Any, allowed: str) -> OnedistValueError:
+    """``<name>=<value> is not allowed; allowed: ...``, with the HINT of a ``PET_*`` variable when
+    ``name`` is one: the error of a flag or variable of ``onedist run`` (here and in spec.py)."""
+    return OnedistValueError(f"{name}={value!r} is not allowed; allowed: {allowed}" + _variable_hint(name))
 
 
-def variable_hint(name: str) -> str:
+def _variable_hint(name: str) -> str:
     """The HINT line of an error about ``name`` when it is a ``PET_*`` variable (else nothing): in a
     pod, nobody typed it."""
     if not name.startswith("PET_"):
@@ -147,7 +149,7 @@ def apply_pet_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> 
     """
     if environ.get("PET_NO_PYTHON", "0").strip() not in ("", "0"):
         value = environ["PET_NO_PYTHON"]
-        raise _bad("PET_NO_PYTHON", value, "0 or unset (onedist run starts Python scripts)")
+        raise not_allowed("PET_NO_PYTHON", value, "0 or unset (onedist run starts Python scripts)")
     given = {dest for dest in PET_FLAGS if getattr(args, dest, None) is not None}
     taken: dict[str, str] = {}
     for dest, (name, check, default) in PET_FLAGS.items():

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from .._net import LOOPBACK, is_loopback, tcp_init_would_hang
 from ..errors import BackendUnavailableError, LaunchArgumentError, OnedistValueError, bad_type, bad_value
-from .pet import flag_or_variable, variable_hint
+from .pet import flag_or_variable, not_allowed
 
 __all__ = [
     "LaunchSpec",
@@ -532,9 +532,8 @@ def check_run_values(args: argparse.Namespace) -> int:
 
 
 def _run_error(args: argparse.Namespace, dest: str, value: Any, allowed: str) -> OnedistValueError:
-    """``<flag or PET_* variable>=<value> is not allowed; allowed: ...`` (a variable's HINT after)."""
-    name = flag_or_variable(args, dest)
-    return OnedistValueError(f"{name}={value!r} is not allowed; allowed: {allowed}" + variable_hint(name))
+    """:func:`~.pet.not_allowed` naming the flag, or the ``PET_*`` variable the value came from."""
+    return not_allowed(flag_or_variable(args, dest), value, allowed)
 
 
 def _run_nproc(args: argparse.Namespace) -> int:
