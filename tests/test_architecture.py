@@ -44,6 +44,16 @@ def test_no_function_over_80_lines() -> None:
     assert too_long == {}
 
 
+def test_module_names_are_unique_across_layers() -> None:
+    """One role, one file name: two ``base.py`` in two layers make ``from .base import`` ambiguous
+    to a reader (issue 39); package ``__init__.py`` files are the exception by nature."""
+    by_name: dict[str, list[str]] = {}
+    for path in _sources():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}
+
+
 def _named_paths() -> list[str]:
     """The source paths docs/architecture.md names: ``onedist/x/y.py`` and ``x/`` folders."""
     text = ARCHITECTURE.read_text()

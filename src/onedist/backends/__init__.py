@@ -1,13 +1,13 @@
 """Backends: how processes communicate (one class per library, see ``registry.py``), and detection.
 
 Order matters for detection of a context created outside onedist: the first class whose
-:meth:`~onedist.backends.base.Backend.context_active` is true wins, torch.distributed's last.
+:meth:`~onedist.backends.interface.Backend.context_active` is true wins, torch.distributed's last.
 """
 
 from __future__ import annotations
 
 from ._rendezvous import announce_init_failure
-from .base import Backend, Layout, Work
+from .interface import Backend, Layout, Work
 from .registry import (
     available_backends,
     backend_classes,

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OnedistRuntimeError
-from .base import Backend, Work
+from .interface import Backend, Work
 
 _LOOPBACK = "127.0.0.1"
 _FINALIZE_WAIT_S = 30.0  # rank 0 keeps the side store this long for ranks still finishing

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import bad_type, bad_value
-from .base import Backend, Work
+from .interface import Backend, Work
 
 # hvd.DistributedOptimizer's keyword arguments that auto_optim passes through
 _OPTIM_KWARGS = (

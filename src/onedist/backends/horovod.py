@@ -63,7 +63,7 @@ from ..errors import (
 from ._environ import restore_env, set_env
 from ._horovod_store import StoreMessages, start_side_store
 from ._horovod_training import HorovodTraining
-from .base import Backend, Layout, Work
+from .interface import Backend, Layout, Work
 
 __all__ = ["HorovodBackend"]
 

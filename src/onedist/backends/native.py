@@ -26,7 +26,7 @@ from . import _gloo_threads
 from ._connections import break_connections, socket_fds
 from ._environ import restore_env
 from ._rendezvous import check_tcp_host, env_store, prepare_env_rendezvous, rank_world_from_env
-from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
+from .interface import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
 from .mpi import installed as mpi4py_installed
 
 __all__ = ["NativeBackend"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from functools import cache
 
-from .base import Backend
+from .interface import Backend
 
 # name -> (module, class), in the order available_backends() lists their names
 _REGISTRY: dict[str, tuple[str, str]] = {

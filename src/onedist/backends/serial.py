@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import OnedistRuntimeError
-from .base import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
+from .interface import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
 
 __all__ = ["SerialBackend"]
 

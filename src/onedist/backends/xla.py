@@ -67,7 +67,7 @@ from ..errors import (
     OnedistTypeError,
     bad_value,
 )
-from .base import Backend, Layout, Work
+from .interface import Backend, Layout, Work
 
 __all__ = ["XlaBackend"]
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from ..backends import Backend, Work
-from ..backends.base import NATIVE_REDUCE_DTYPES
+from ..backends.interface import NATIVE_REDUCE_DTYPES
 from ..context import current
 from ..errors import OnedistTypeError, bad_type, bad_value
 from . import wire as W

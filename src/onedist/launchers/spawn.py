@@ -103,12 +103,11 @@ def launcher_for(spec: LaunchSpec) -> Launcher:
     from it (mpirun for ``"mpi"`` beyond one process, horovod.run, xmp.spawn), else onedist's."""
     if spec.start_method == "subprocess":
         return ReexecLauncher(spec)
-    if spec.backend == "mpi" and spec.world_size > 1:
-        return MpirunLauncher(spec)
-    if spec.backend == "horovod":
-        return HorovodrunLauncher(spec)
-    if spec.backend == "xla-tpu":
-        return XmpLauncher(spec)
+    if spec.own_launcher:
+        own: dict[str, Callable[[LaunchSpec], Launcher]] = {
+            "mpi": MpirunLauncher, "horovod": HorovodrunLauncher, "xla-tpu": XmpLauncher
+        }  # fmt: skip
+        return own[spec.backend](spec)
     return ProcessLauncher(spec)
 
 

@@ -131,6 +131,14 @@ class LaunchSpec:
         return spec
 
     @property
+    def own_launcher(self) -> bool:
+        """The backend's own launcher starts the workers (mpirun for ``"mpi"`` beyond one process,
+        horovod.run, xmp.spawn); a world of one ``"mpi"`` process is onedist's to start."""
+        if self.backend not in OWN_LAUNCHERS or self.start_method == "subprocess":
+            return False
+        return not (self.backend == "mpi" and self.world_size == 1)
+
+    @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
@@ -266,7 +274,7 @@ def _check_own_launcher(spec: LaunchSpec) -> None:
         )
     if spec.backend == "horovod" and spec.hosts is not None:
         _check_hosts(spec.hosts, spec.nproc_per_node)
-    if spec.backend == "mpi" and spec.world_size == 1:  # onedist's process launcher starts it
+    if not spec.own_launcher:  # a world of one "mpi" process: onedist's process launcher starts it
         return
     xla = spec.backend == "xla-tpu"
     for arg, value, allowed, ok in (

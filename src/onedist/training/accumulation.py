@@ -5,7 +5,7 @@ Where the gradients are exchanged differs per backend, so skipping the exchange 
 * DDP (gloo, nccl, shm, mpi): in the backward pass, by DDP's reducer: ``model.no_sync()``;
 * FSDP2 (``fully_shard``): in the backward pass: ``set_requires_gradient_sync(False)``;
 * Horovod: in the backward pass, by ``hvd.DistributedOptimizer``'s hooks: the backend holds them
-  back (:meth:`~onedist.backends.base.Backend.skip_gradient_sync`);
+  back (:meth:`~onedist.backends.interface.Backend.skip_gradient_sync`);
 * XLA: at ``optimizer.step()`` (``xm.reduce_gradients``), once per step whatever the number of
   backward passes: nothing to skip;
 * one process, or a model without a wrapper: no exchange at all.

@@ -28,7 +28,7 @@ from torch.utils.data import (
     Sampler,
 )
 
-from ..backends.base import Backend
+from ..backends.interface import Backend
 from ..errors import bad_type, bad_value
 from .ddp import averager_for, check_options, wrap_ddp
 from .precision import apply_precision, check_precision, scaled_optimizer

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
 from . import cma
-from .exchange import Exchanges, Head
 from .hosts import TwoLevels, ranks_by_host
 from .phases import bytes_of, helper_pool
 from .protocol import (
@@ -34,7 +33,8 @@ from .protocol import (
     KIND_REDUCE_SCATTER,
     poison_on_error,
 )
-from .reductions import check_op, reduce_fn, reduce_into, reduction
+from .reduce_ops import check_op, reduce_fn, reduce_into, reduction
+from .scatter_gather import Exchanges, Head
 from .segment import NAME, SMALL_BYTES, Bank, Segment, attach
 
 #: collectives of at least this many bytes run on the group's thread (see ShmProcessGroup._run)

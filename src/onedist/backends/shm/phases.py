@@ -12,7 +12,7 @@ import torch
 
 from .._pygroup import flat as _flat
 from .protocol import SegmentSync
-from .reductions import reduce_into
+from .reduce_ops import reduce_into
 from .segment import Bank
 
 #: copies and reductions are split over the helper threads in parts of at least this many bytes
