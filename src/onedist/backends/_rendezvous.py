@@ -232,7 +232,10 @@ _FAILED_KEY = "onedist/init-failed/{}"
 _FAILED_COUNT = "onedist/init-failed-count"
 _READ_KEY = "onedist/init-failed-read/{}"
 _HOLD_S = 10.0  # how long a failed rank 0 hosts the store for its peers to read why
-_ANNOUNCE_CONNECT_S = 3.0  # how long a failed rank tries to reach rank 0's store
+# how long a failed rank tries to reach rank 0's store: as long as rank 0 holds it, because rank 0
+# may come up seconds later (its imports lag on a loaded machine); at 3 s, a healthy rank 0 that
+# came 4 s late never heard of the failure and waited for the whole rendezvous timeout
+_ANNOUNCE_CONNECT_S = _HOLD_S
 
 
 def _join(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
@@ -308,9 +311,10 @@ def announce_init_failure(exc: BaseException) -> None:
     """Tell the ranks waiting for this one in the ``env://`` rendezvous that it failed in initialize.
 
     Without this, a peer waits for the rank to join until the store's timeout (30 minutes by
-    default). Best effort and bounded: another rank connects to rank 0's store for at most 3 s
-    and writes its error; rank 0, whose store did not exist yet, hosts it on MASTER_PORT and keeps
-    it up until every peer has read the error, at most 10 s. Nothing without the variables of
+    default). Best effort and bounded: another rank connects to rank 0's store and writes its
+    error; rank 0, whose store did not exist yet, hosts it on MASTER_PORT and keeps
+    it up until every peer has read the error, at most 10 s; another rank tries for as long (rank 0
+    may start later). Nothing without the variables of
     ``env://`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or in a group of one.
     """
     env = os.environ
@@ -357,6 +361,7 @@ def _hold_for_peers(store: Any, world_size: int) -> None:
 def _failure_store(addr: str, port: int, world_size: int, hosting: bool) -> Any:
     timeout = timedelta(seconds=_HOLD_S if hosting else _ANNOUNCE_CONNECT_S)
     if not hosting:
+        _wait_for_listener(addr, port, timeout.total_seconds())
         return _TCPStore(addr, port, world_size, False, timeout=timeout)
     fd_text = os.environ.pop(STORE_FD_ENV, None)  # the socket a onedist launcher bound for rank 0
     if fd_text is None:
@@ -373,6 +378,21 @@ def _failure_store(addr: str, port: int, world_size: int, hosting: bool) -> Any:
         master_listen_fd=int(fd_text),
         use_libuv=True,
     )
+
+
+def _wait_for_listener(addr: str, port: int, seconds: float) -> None:
+    """Return once something listens on ``addr:port``; OSError after ``seconds``. Polled with plain
+    sockets: a TCPStore client waiting for a store that is not up yet retries beyond its timeout
+    (twice it, measured) and prints a C++ stack trace at each try."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=max(0.1, deadline - time.monotonic())).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
 
 
 _MPI_ENVIRONMENTS = ("openmpi", "mvapich", "mpich")
