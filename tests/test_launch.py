@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -37,6 +38,7 @@ def test_spawn_with_start_method_spawn_imports_the_function():
     [
         ("raise", "rank 1 (local rank 1, pid {pid}) failed with ValueError: boom on rank 1"),
         ("exit", "rank 1 (local rank 1, pid {pid}) exited with code 3"),
+        ("sys.exit", "rank 1 (local rank 1, pid {pid}) failed with SystemExit: 3"),
         ("kill", "rank 1 (local rank 1, pid {pid}) was killed by signal SIGKILL"),
     ],
 )
@@ -56,7 +58,7 @@ def test_a_failing_worker_stops_the_others_and_is_reported_first(how, headline):
         # it starts at the user's function, as mp.spawn's would without its wrapper frame
         first_frame = err.remote_traceback.splitlines()[1]
         assert first_frame.startswith(f'  File "{workers.__file__}"'), err.remote_traceback
-    else:
+    elif how != "sys.exit":
         assert err.exitcode == (3 if how == "exit" else -9)
     assert "rank 0:" in str(err) and "rank 2:" in str(err)  # the others are accounted for
     assert elapsed < 30, elapsed  # the waiting ranks were not left to the 120 s timeout
@@ -89,6 +91,36 @@ def test_spawn_unpicklable_function_says_how_to_fix():
         od.spawn("gloo", lambda i: i, nproc_per_node=2, start_method="spawn")
     with pytest.raises(od.BackendUnavailableError, match="xla-tpu"):
         od.spawn("xla-tpu", workers.report)
+
+
+TORCHRUN_WORKER_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
+                       "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
+
+
+def test_parallel_refuses_spawn_arguments_the_launcher_contradicts(monkeypatch):
+    # as a process that torchrun started sees it; nothing starts or initialises before the check
+    for name, value in TORCHRUN_WORKER_ENV.items():
+        monkeypatch.setenv(name, value)
+    message = (
+        "onedist.Parallel: nproc_per_node=3 is not allowed; allowed: 2, the value the launcher that "
+        "started this process set\nHINT: an external launcher (torchrun, srun, ...) already started"
+    )
+    with pytest.raises(od.OnedistValueError, match=re.escape(message)):
+        od.Parallel(backend="gloo", nproc_per_node=3)
+    with pytest.raises(od.OnedistValueError, match="master_port=1234 is not allowed; allowed: 29555"):
+        od.Parallel(backend="gloo", nproc_per_node=2, master_port=1234)
+    assert od.Parallel(backend="gloo", nproc_per_node=2, master_port=29555).mode == "external"
+
+
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_backends_with_their_own_launcher_refuse_restarts(backend):
+    if backend not in od.available_backends():
+        pytest.skip(f"backend {backend!r} is not installed here")
+    with pytest.raises(
+        od.OnedistValueError, match=f"max_restarts=1 is not allowed; allowed: 0 with backend '{backend}'"
+    ):
+        od.spawn(backend, workers.report, nproc_per_node=2, max_restarts=1)
 
 
 def test_parallel_modes_serial_spawn_and_errors():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def fail_on(local_rank: int, bad_rank: int, how: str) -> None:
             raise ValueError(f"boom on rank {bad_rank}")
         if how == "exit":
             os._exit(3)
+        if how == "sys.exit":
+            sys.exit(3)
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
     od.all_reduce(torch.ones(1))  # the others wait here for the failed rank
