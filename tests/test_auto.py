@@ -43,3 +43,15 @@ def test_auto_optim_identity_and_state_dict(world):
 
 def test_syncbn_uneven_batches_equal_one_batchnorm(world):
     world(checks_auto.check_syncbn_uneven_batches_equal_one_batchnorm)
+
+
+def test_unwrap_and_no_sync_look_through_torch_compile():
+    import torch
+
+    import onedist as od
+
+    inner = torch.nn.Linear(2, 2)
+    compiled = torch.compile(torch.nn.DataParallel(inner))  # compiles lazily: nothing runs here
+    assert od.unwrap(compiled) is inner
+    with od.no_sync(compiled):  # one process: nothing to skip, and no error for the wrapper
+        pass

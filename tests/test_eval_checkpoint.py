@@ -37,3 +37,20 @@ def test_checkpoint_prefixes_and_single_object(world, tmp_path):
 
 def test_checkpoint_errors_raise_on_every_rank(world, tmp_path):
     assert world(checks_eval.check_checkpoint_errors_everywhere, str(tmp_path)) == ["ok"] * world.world_size
+
+
+class _Custom:  # a pickled class instance: what weights_only=True refuses
+    def __init__(self) -> None:
+        self.value = 3
+
+
+def test_load_checkpoint_loads_only_weights_unless_told(tmp_path):
+    import torch
+
+    import onedist as od
+
+    path = tmp_path / "custom.pt"
+    od.save_checkpoint({"weights": torch.ones(2), "custom": _Custom()}, path)
+    with pytest.raises(Exception, match="(?i)weights_only"):
+        od.load_checkpoint(path)
+    assert od.load_checkpoint(path, weights_only=False)["custom"].value == 3

@@ -71,3 +71,18 @@ def test_the_scaler_skips_an_inf_step_then_lowers_the_scale_once_for_all_optimiz
     step(1.0)  # its backward lowers the scale once (two optimizers stepped), then both train
     assert cpu_scaler.get_scale() == 2.0**9
     assert not torch.equal(next(first.parameters()), moved[0])
+
+
+@pytest.mark.parametrize("alias", ["32-true", 32])
+def test_precision_aliases_of_32_change_nothing(alias):
+    import torch
+
+    import onedist as od
+
+    model = torch.nn.Linear(4, 2)
+    assert od.auto_model(model, precision=alias) is model and not model._forward_pre_hooks
+    assert model(torch.ones(1, 4)).dtype == torch.float32
+    with pytest.raises(
+        od.OnedistValueError, match=r"precision='33' is not allowed; allowed: '32', 'bf16-mixed'"
+    ):
+        od.auto_model(torch.nn.Linear(4, 2), precision="33")
