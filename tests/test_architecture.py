@@ -93,10 +93,8 @@ def _from_module(node: ast.ImportFrom, package: str) -> str:
 
 def _imports(path: Path) -> set[str]:
     """The onedist modules ``path`` imports, anywhere in it (function-level imports too)."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    if path.name == "__init__.py":
-        module = package
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -104,8 +102,16 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = _from_module(node, package)
             if base.startswith("onedist"):
-                found |= {f"{base}.{a.name}" for a in node.names} | {base}
+                # ``from pkg import sub`` reads the submodule; ``from pkg import name`` the package
+                subs = {f"{base}.{a.name}" for a in node.names}
+                modules = {s for s in subs if _is_module(s)}
+                found |= modules | ({base} if len(modules) < len(subs) else set())
     return found - {module}
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def test_no_import_circle() -> None:
