@@ -161,6 +161,15 @@ def check_broadcast_from_a_finished_rank_raises_everywhere() -> dict[str, Any]:
     assert error.call == "broadcast" and error.rank == 0, (error.call, error.rank)
     assert "needs rank 0, which has left its loop" in str(error), str(error)
     assert od.all_reduce(1) == od.get_world_size()  # the group is whole again
+    try:  # the object form names itself
+        with od.join(model):
+            for x, _ in batches_of(rank, count=3 + rank):
+                model(x.to(od.device())).sum().backward()
+                od.broadcast_object("hi" if rank == 0 else None, src=0)
+    except od.JoinedRankError as e:
+        assert e.call == "broadcast_object" and e.rank == 0, (e.call, e.rank)
+    else:
+        raise AssertionError("broadcast_object from a finished rank was not refused")
     return {"seconds": seconds, "message": str(error)}
 
 

@@ -36,7 +36,7 @@ class CallRouter(Protocol):
     """What the guard asks of an ``onedist.join`` context before each collective."""
 
     def route(
-        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], spec: dict[str, Any], group_arg: int
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], group_arg: int
     ) -> tuple[tuple[Any, ...], dict[str, Any]]: ...
 
     def check_peer(self, name: str, peer: int) -> None: ...

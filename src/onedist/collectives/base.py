@@ -100,10 +100,10 @@ def check_peer(func: str, arg: str, value: Any, b: Backend, ranks: Optional[Sequ
         raise bad_type(func, arg, value, "int (a global rank)")
     if not 0 <= value < b.world_size:
         raise bad_value(func, arg, value, f"a global rank in 0..{b.world_size - 1}")
+    if world.join is not None:  # inside onedist.join: a rank that left its loop answers no one
+        world.join.check_peer(func, value)  # (before the group: od.join narrowed the default one)
     if ranks and value not in ranks:
         raise bad_value(func, arg, value, f"a rank of the group {list(ranks)}")
-    if world.join is not None:  # inside onedist.join: a rank that left its loop answers no one
-        world.join.check_peer(func, value)
 
 
 # ============================================================================ async results

@@ -106,18 +106,20 @@ def broadcast_object(obj: Any, src: int = 0, group: GroupLike = None, *, async_o
         >>> od.broadcast_object({"lr": 0.1} if od.get_rank() == 0 else None, src=0)
         {'lr': 0.1}
     """
-    return _broadcast(obj, src, True, group, async_op)
+    return _broadcast(obj, src, True, group, async_op, func="broadcast_object")
 
 
 _BROADCAST_KINDS = (torch.Tensor, numbers.Number, str, PurePath)
 
 
-def _broadcast(tensor: Any, src: int, safe_mode: bool, group: GroupLike, async_op: bool) -> Any:
+def _broadcast(
+    tensor: Any, src: int, safe_mode: bool, group: GroupLike, async_op: bool, func: str = "broadcast"
+) -> Any:
     b = current()
-    g, me, ranks = resolve_group("broadcast", b, group)
+    g, me, ranks = resolve_group(func, b, group)
     if not isinstance(safe_mode, bool):
         raise bad_type("broadcast", "safe_mode", safe_mode, "bool")
-    check_peer("broadcast", "src", src, b, ranks)
+    check_peer(func, "src", src, b, ranks)
     if me < 0:
         return done(tensor, async_op)
     is_src = b.rank == src
@@ -146,13 +148,13 @@ def _broadcast(tensor: Any, src: int, safe_mode: bool, group: GroupLike, async_o
     packed: Optional[W.Packed] = None
     inline, err = W.INLINE_NONE, ""
     if is_src:
-        packed, inline, err = pack_or_error("broadcast", tensor, ch, slot)
+        packed, inline, err = pack_or_error(func, tensor, ch, slot)
     b.broadcast_(slot, src, ch.og, False)
     h = W.parse_headers(slot, 1)[0]
     if h.status != 0:
         if is_src:
             raise OnedistTypeError(err)
-        raise remote_error("broadcast", src, slot_message(slot, h))
+        raise remote_error(func, src, slot_message(slot, h))
     if is_src:
         n_obj = obj_len(h, ch.merged)
         obj, tens = my_blocks(packed, inline, ch, n_obj)

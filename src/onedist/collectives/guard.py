@@ -63,7 +63,7 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
             group, seq = None, -1
             try:
                 if w.join is not None and name != STEP_CHECK:  # inside onedist.join: may wait
-                    args, kwargs = w.join.route(name, args, kwargs, spec, group_arg)
+                    args, kwargs = w.join.route(name, args, kwargs, group_arg)
                 group = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
                 if group is None:
                     seq = w.world_calls = w.world_calls + 1

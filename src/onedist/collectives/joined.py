@@ -188,19 +188,14 @@ class JoinedRanks:
 
     # ------------------------------------------------------------------ what a collective becomes
     def route(
-        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], spec: dict[str, Any], group_arg: int
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], group_arg: int
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The arguments of collective ``name`` with the default group replaced by the ranks in the
-        loop; raises :class:`~onedist.JoinedRankError` for a call that needs a finished rank."""
+        loop; raises :class:`~onedist.JoinedRankError` for a group that needs a finished rank (a
+        ``src``/``dst`` that left is refused by :meth:`check_peer`, as every peer argument is)."""
         self.settle()
         if not self.left:
             return args, kwargs
-        for key in ("src", "dst"):
-            if key in spec:
-                position, default = spec[key]
-                peer = kwargs.get(key, args[position] if len(args) > position else default)
-                if peer in self.left:
-                    raise refusal(name, peer, self.left, self.active)
         given = kwargs.get("group", args[group_arg] if len(args) > group_arg else None)
         if given is not None:
             ranks = self._ranks_of(given)
