@@ -64,6 +64,10 @@ def test_a_failing_worker_stops_the_others_and_is_reported_first(how, headline):
     assert elapsed < 30, elapsed  # the waiting ranks were not left to the 120 s timeout
 
 
+def test_a_result_that_cannot_be_pickled_comes_back_as_none():
+    assert od.spawn("gloo", workers.unpicklable_on_rank_1, nproc_per_node=2, start_method="fork") == [0, None]
+
+
 def test_system_exit_zero_is_success():
     assert od.spawn("gloo", workers.exit_zero, nproc_per_node=2, start_method="fork") == [None, None]
 

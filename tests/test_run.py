@@ -254,6 +254,26 @@ def test_onedist_run_usage_errors(args, message, tmp_path):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
+def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in_place(tmp_path):
+    # a process torchrun started (its worker's variables): its workers exist already
+    script = tmp_path / "hello.py"
+    script.write_text("print('ran in place')\n")
+    env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", TORCHELASTIC_RUN_ID="test")  # fmt: skip
+    refused = subprocess.run(
+        _onedist("-n", "3", str(script)), capture_output=True, text=True, timeout=60, env=env
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert (
+        "--nproc-per-node=3 disagrees with the torchelastic launcher that started this process"
+        in refused.stderr
+    )
+    ran = subprocess.run(
+        _onedist("-n", "2", str(script)), capture_output=True, text=True, timeout=60, env=env
+    )
+    assert ran.returncode == 0 and ran.stdout == "ran in place\n", ran.stderr
+
+
 def test_python_spawns_the_same_script(tmp_path):
     """`python agree.py OUT 2`: no launcher, so Parallel spawns the workers itself."""
     proc = subprocess.run(

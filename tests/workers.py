@@ -46,6 +46,10 @@ def fail_on(local_rank: int, bad_rank: int, how: str) -> None:
     od.barrier()
 
 
+def unpicklable_on_rank_1(local_rank: int) -> object:
+    return (lambda: local_rank) if od.get_rank() == 1 else local_rank
+
+
 def exit_zero(local_rank: int) -> str:
     raise SystemExit(0)
 
