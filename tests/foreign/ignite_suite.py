@@ -130,7 +130,17 @@ def run_pass(root: Path, impl: str, name: str) -> Outcomes:
         print(f"  {impl:8s} {name:7s} {time.monotonic() - start:5.0f} s  {tail[0]}", flush=True)
         if done.returncode not in (0, 1):
             print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
-        return fold(read_jsonl(Path(out.name)), "nodeid")
+        records = read_jsonl(Path(out.name))
+        print(f"  {'':8s} {'':7s} slowest: {slowest(records)}", flush=True)
+        return fold(records, "nodeid")
+
+
+def slowest(records: list[dict[str, str]], n: int = 3) -> str:
+    """The ``n`` tests of a pass that took longest (call phase), for whoever makes the suite faster."""
+    calls = sorted((r for r in records if r["when"] == "call"), key=lambda r: -float(r.get("seconds", 0)))
+    return ", ".join(
+        f"{r['nodeid'].rsplit('/', 1)[-1]} {float(r.get('seconds', 0)):.0f} s" for r in calls[:n]
+    )
 
 
 def exempt_reason(key: str) -> str | None:

@@ -22,6 +22,7 @@ def pytest_runtest_logreport(report: Any) -> None:
         "when": report.when,
         "outcome": "xfailed" if hasattr(report, "wasxfail") else report.outcome,
         "worker": getattr(worker, "id", "main"),
+        "seconds": round(float(getattr(report, "duration", 0.0)), 2),
         # a failure's text, or a skip's reason (the runners print why a part did not apply here)
         "longrepr": str(report.longrepr)[-4000:] if report.failed or report.skipped else "",
     }
