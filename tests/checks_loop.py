@@ -208,6 +208,18 @@ def check_no_sync_and_accumulate_arguments() -> None:
         raise AssertionError("od.backward(1.0) did not raise")
 
 
+def check_no_sync_looks_through_torch_compile() -> None:
+    """od.no_sync on torch.compile's wrapper of the DDP model auto_model returned skips DDP's
+    gradient exchange (torch.compile wraps lazily: nothing compiles here)."""
+    ddp = od.auto_model(torch.nn.Linear(2, 2))
+    assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
+    compiled = torch.compile(ddp)
+    assert od.unwrap(compiled) is od.unwrap(ddp)
+    with od.no_sync(compiled):
+        assert ddp.require_backward_grad_sync is False
+    assert ddp.require_backward_grad_sync is True
+
+
 def check_bf16_mixed_runs_the_forward_in_bfloat16() -> dict[str, Any]:
     """precision="bf16-mixed": the layers compute in bfloat16, the output, parameters and gradients
     are float32, and training still equals the float32 run closely (same data, 5 steps)."""

@@ -45,7 +45,7 @@ def test_syncbn_uneven_batches_equal_one_batchnorm(world):
     world(checks_auto.check_syncbn_uneven_batches_equal_one_batchnorm)
 
 
-def test_unwrap_and_no_sync_look_through_torch_compile():
+def test_unwrap_looks_through_torch_compile():
     import torch
 
     import onedist as od
@@ -53,5 +53,3 @@ def test_unwrap_and_no_sync_look_through_torch_compile():
     inner = torch.nn.Linear(2, 2)
     compiled = torch.compile(torch.nn.DataParallel(inner))  # compiles lazily: nothing runs here
     assert od.unwrap(compiled) is inner
-    with od.no_sync(compiled):  # one process: nothing to skip, and no error for the wrapper
-        pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import checks_loop
+from conftest import Runner
 
 
 @pytest.mark.parametrize("counted_by", ["no_sync", "accumulate"])
@@ -86,3 +87,7 @@ def test_precision_aliases_of_32_change_nothing(alias):
         od.OnedistValueError, match=r"precision='33' is not allowed; allowed: '32', 'bf16-mixed'"
     ):
         od.auto_model(torch.nn.Linear(4, 2), precision="33")
+
+
+def test_no_sync_looks_through_torch_compile():
+    Runner(2)(checks_loop.check_no_sync_looks_through_torch_compile)
