@@ -193,9 +193,8 @@ def exempt_reason(key: str, backend: str) -> str | None:
 
 
 def run_passes(names: list[str], select: str) -> dict[tuple[str, str], Outcomes]:
-    """(pass, backend) -> outcomes of every run of ``names``, two at a time: the runs wait on
-    torch's per-test process start-ups and barriers more than they compute (the six took 385 s
-    for 214 CPU-s one after another), and each has its own folders, store file or port."""
+    """(pass, backend) -> outcomes of every run of ``names``, ``LANES`` at a time (why: the module
+    doc); each run has its own folders, store file or port."""
     runs = [(name, backend) for name in names for backend in ("gloo", *PASSES[name][2])]
     with ThreadPoolExecutor(max_workers=LANES) as pool:
         futures = {run: pool.submit(run_pass, run[0], run[1], select) for run in runs}
