@@ -22,6 +22,11 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 WORLDS = ["serial", 1, 2, 3, 4]
 
+#: what a worker process that torchrun started sees (local rank 0 of 2 on one node)
+TORCHRUN_WORKER_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
+                       "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
+
 _pools: dict[tuple[Any, ...], DistPool] = {}
 
 

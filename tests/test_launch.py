@@ -14,6 +14,7 @@ import pytest
 
 import onedist as od
 import workers
+from conftest import TORCHRUN_WORKER_ENV
 from onedist.launchers.launcher import Launcher
 from onedist.launchers.report import Failure
 
@@ -95,11 +96,6 @@ def test_spawn_unpicklable_function_says_how_to_fix():
         od.spawn("gloo", lambda i: i, nproc_per_node=2, start_method="spawn")
     with pytest.raises(od.BackendUnavailableError, match="xla-tpu"):
         od.spawn("xla-tpu", workers.report)
-
-
-TORCHRUN_WORKER_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
-                       "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
 
 
 def test_parallel_refuses_spawn_arguments_the_launcher_contradicts(monkeypatch):

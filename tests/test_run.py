@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TORCHRUN_WORKER_ENV
 from onedist._net import free_port
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "agree.py")
@@ -258,8 +259,7 @@ def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in
     # a process torchrun started (its worker's variables): its workers exist already
     script = tmp_path / "hello.py"
     script.write_text("print('ran in place')\n")
-    env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="29555", TORCHELASTIC_RUN_ID="test")  # fmt: skip
+    env = _env(**TORCHRUN_WORKER_ENV)
     refused = subprocess.run(
         _onedist("-n", "3", str(script)), capture_output=True, text=True, timeout=60, env=env
     )
