@@ -292,3 +292,77 @@ def test_launch_arguments_are_checked_only_in_launch_spec() -> None:
     functions (LaunchSpec.build and the front ends' checks beside it): a condition on one that
     raises anywhere else is a second validator."""
     assert _launch_argument_checks() == []
+
+
+# ---------------------------------------------------------------- who writes state.world
+# calls that change a container held in a slot of world (world.routes.clear(), ...)
+_MUTATORS = frozenset({"append", "add", "clear", "discard", "extend", "insert", "pop", "popitem", "remove",
+                       "setdefault", "update"})  # fmt: skip
+
+
+def _world_slot(node: ast.AST, aliases: set[str]) -> str | None:
+    """The slot of ``world`` that ``node`` (a store target or a mutated value) is, or None."""
+    if isinstance(node, ast.Subscript):  # world.routes[key] = ...
+        node = node.value
+    if not isinstance(node, ast.Attribute):
+        return None
+    owner = node.value
+    if isinstance(owner, ast.Name) and owner.id in aliases:
+        return node.attr
+    if isinstance(owner, ast.Attribute) and owner.attr == "world":  # state.world.x
+        return node.attr
+    return None
+
+
+def _world_writes(tree: ast.Module) -> set[str]:
+    """The slots of ``state.world`` a module assigns, augments, deletes or mutates, through the
+    name ``world`` or a local alias of it (``w = world``); the World class's own ``__init__``
+    (the initial values) is not a write."""
+    aliases = {"world"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "world":
+            aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    skip = {
+        id(n) for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "World" for n in ast.walk(c)
+    }
+    slots: set[str | None] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for target in targets:
+                parts = target.elts if isinstance(target, ast.Tuple) else [target]
+                slots |= {_world_slot(t, aliases) for t in parts}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in _MUTATORS:
+                slots.add(_world_slot(node.func.value, aliases))
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            target = node.args[0] if node.args else None
+            if isinstance(target, ast.Name) and target.id in aliases:
+                slots.add("?setattr")  # a slot named at run time cannot be checked: refused
+    return {s for s in slots if s}
+
+
+def _documented_writers() -> dict[str, set[str]]:
+    """module -> slots, from the writers' list in state.py's docstring."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / "state.py").read_text())) or ""
+    block = doc.split("(``tests/test_architecture.py`` compares this list with the code)::", 1)[1]
+    writers = {}
+    for line in block.strip("\n").split("\n\n", 1)[0].splitlines():
+        module, slots = line.split(None, 1)
+        writers[module] = {s.strip() for s in re.sub(r"\(.*\)", "", slots).split(",")}
+    return writers
+
+
+def test_state_world_is_written_only_where_state_py_says() -> None:
+    found = {}
+    for path in _sources():
+        module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+        slots = _world_writes(ast.parse(path.read_text()))
+        if slots:
+            found[module] = slots
+    assert found == _documented_writers(), (
+        "state.world is written elsewhere than state.py's docstring lists: correct the code or the "
+        f"list.\nin the code: {found}\nin the list: {_documented_writers()}"
+    )

@@ -2,13 +2,22 @@
 
 Everything onedist remembers between calls lives here, in one place, as c10d keeps its mutable
 world in one ``_World``: the active backend, debug mode, the failure machinery's flags and the
-join context. The modules that own each part write it: ``context`` the backend and what is
-derived from it (``routes``, ``group_calls``); ``collectives.guard`` the call in progress and its
-numbering (``call``, ``world_calls``, ``group_calls``, ``last_started``, ``explaining``), as
-``collectives.joined`` does for od.join's step check; ``collectives.debug`` the debug flag;
-``collectives.helpers`` ``one_rank_depth``; ``failures`` the watcher, the excepthook and
-``published``; ``training.join`` the join context. Everyone else only reads. Nothing here imports
-above the backends, so every layer can use it.
+join context. Only the modules below write it, each its own part; everyone else only reads
+(``tests/test_architecture.py`` compares this list with the code)::
+
+    state                 backend, routes (current(): re-detected when the group went stale)
+    context               backend, routes, world_calls, group_calls
+    collectives.guard     call, world_calls, group_calls, last_started, explaining
+    collectives.joined    call (od.join's step check)
+    collectives.exchange  routes (how bytes travel, derived once per group and op)
+    collectives.debug     debug
+    collectives.helpers   one_rank_depth
+    failures.channel      published
+    failures.watcher      published, watcher, watch_stop
+    failures.hooks        hook_installed, previous_hook
+    training.join         join
+
+Nothing here imports above the backends, so every layer can use it.
 
 Example:
     >>> from onedist.state import world
