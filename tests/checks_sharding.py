@@ -289,3 +289,154 @@ def check_buffers_follow_rank_0_as_under_ddp() -> None:
         buffers.append(torch.cat([b.double().flatten() for b in od.unwrap(model).buffers()]))
     ddp, fsdp = buffers
     assert float((fsdp - ddp).abs().max()) <= 1e-5 * float(ddp.abs().max()), (fsdp, ddp)
+
+
+def _all_gathers_and_reduce_scatters() -> tuple[Any, str, str]:
+    """FSDP2's collectives by name: ``*_single`` since torch 2.13, ``*_tensor`` before."""
+    import torch.distributed as dist
+
+    new = hasattr(dist, "all_gather_single")
+    return dist, *(
+        ("all_gather_single", "reduce_scatter_single")
+        if new
+        else ("all_gather_into_tensor", "reduce_scatter_tensor")
+    )
+
+
+def check_units_by_policy_and_rows_by_rank() -> dict[str, list[str]]:
+    """The units each policy makes (the FSDP2 modules, by name); each parameter's local chunk is
+    torch.chunk's of its rows; mesh= is the mesh the parameters live on."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+
+    def units(**kwargs: Any) -> list[str]:
+        model = od.auto_model(Net(), sharding="fsdp", **kwargs)
+        return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+    found = {
+        "default": units(),
+        "classes": units(policy={torch.nn.Linear}),
+        "function": units(policy=lambda m: isinstance(m, torch.nn.Linear) and m.in_features == 12),
+    }
+    ws, rank = od.get_world_size(), od.get_rank()
+    odd = od.auto_model(torch.nn.Linear(4, 5), sharding="fsdp")  # 5 rows: uneven chunks
+    for p in odd.parameters():
+        chunks = torch.chunk(p.full_tensor(), ws, dim=0)
+        mine = chunks[rank] if rank < len(chunks) else p.full_tensor()[:0]
+        assert torch.equal(p.to_local(), mine), (p.to_local().shape, mine.shape)
+    # a name of its own tells the mesh given from the default one, which has none
+    mesh = DeviceMesh.from_group(torch.distributed.group.WORLD, "cpu", mesh_dim_names=("given",))
+    model = od.auto_model(Net(), sharding="fsdp", mesh=mesh)
+    assert all(p.device_mesh.mesh_dim_names == ("given",) for p in model.parameters())
+    return found
+
+
+def check_reshard_after_forward() -> dict[str, int]:
+    """All-gathers in one training step (forward and backward) with reshard_after_forward True
+    (the default), True given, and False."""
+    dist, gather_name, _ = _all_gathers_and_reduce_scatters()
+    plain = getattr(dist, gather_name)
+    calls = [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return plain(*args, **kwargs)
+
+    counts = {}
+    setattr(dist, gather_name, counted)
+    try:
+        for label, kwargs in [
+            ("default", {}),
+            ("true", {"reshard_after_forward": True}),
+            ("false", {"reshard_after_forward": False}),
+        ]:
+            model = od.auto_model(Net(), sharding="fsdp", **kwargs)
+            x, y = _batch(0)
+            calls[0] = 0
+            od.backward(torch.nn.functional.mse_loss(model(x), y))
+            counts[label] = calls[0]
+    finally:
+        setattr(dist, gather_name, plain)
+    return counts
+
+
+def check_bf16_mixed_is_fsdps_mixed_precision(every_linear: bool) -> None:
+    """precision="bf16-mixed" with sharding: the layers compute with bfloat16 parameters and no
+    autocast, the gradients are reduce-scattered in float32, the shards, their gradients and the
+    outputs are float32."""
+    dist, _, scatter_name = _all_gathers_and_reduce_scatters()
+    plain = getattr(dist, scatter_name)
+    reduced: list[torch.dtype] = []
+
+    def recorded(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        reduced.append(input.dtype)
+        return plain(output, input, *args, **kwargs)
+
+    policy = {torch.nn.Linear} if every_linear else None
+    model = od.auto_model(Net(), sharding="fsdp", precision="bf16-mixed", policy=policy)
+    seen = []
+    model.blocks[0].linear.register_forward_pre_hook(
+        lambda m, args: seen.append((m.weight.dtype, torch.is_autocast_enabled("cpu")))
+    )
+    x, y = _batch(0)
+    setattr(dist, scatter_name, recorded)
+    try:
+        out = model(x)
+        od.backward(torch.nn.functional.mse_loss(out, y))
+    finally:
+        setattr(dist, scatter_name, plain)
+    assert out.dtype == torch.float32, out.dtype
+    assert seen == [(torch.bfloat16, False)], seen
+    assert reduced and set(reduced) == {torch.float32}, reduced
+    for p in model.parameters():
+        assert p.to_local().dtype == torch.float32 and p.grad.to_local().dtype == torch.float32
+
+
+def check_sharded_save_over_an_existing_path_moves_it_aside(tmpdir: str) -> list[list[str]]:
+    """A second sharded save to the same path: the old directory is renamed aside, the new one
+    renamed in, the old one deleted; the path holds the second save and nothing else is left."""
+    import os
+
+    path = os.path.join(tmpdir, "ckpt.pt")
+    model = od.auto_model(Net(), sharding="fsdp")
+    od.save_checkpoint({"model": model, "step": 1}, path)
+    renames: list[list[str]] = []
+    plain = os.rename
+
+    def recorded(src: Any, dst: Any) -> None:
+        renames.append([os.path.basename(src), os.path.basename(dst)])
+        plain(src, dst)
+
+    os.rename = recorded  # type: ignore[assignment]
+    try:
+        od.save_checkpoint({"model": model, "step": 2}, path)
+    finally:
+        os.rename = plain  # type: ignore[assignment]
+    assert sorted(os.listdir(tmpdir)) == ["ckpt.pt"], os.listdir(tmpdir)
+    assert od.load_checkpoint(path)["step"] == 2
+    return [r for r in renames if "ckpt.pt" in r[0] + r[1]]  # DCP renames its own files too
+
+
+def _fsdp_minus_ddp(optimizer: Any, steps: int) -> float:
+    """The relative difference of FSDP2's weights to DDP's after ``steps`` steps of ``optimizer``."""
+    weights = []
+    for sharding in (None, "fsdp"):
+        model = od.auto_model(Net(), sharding=sharding)
+        opt = od.auto_optim(optimizer(model.parameters()))
+        for step in range(steps):
+            x, y = _batch(step)
+            od.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        whole = (getattr(p, "full_tensor", lambda p=p: p)() for p in model.parameters())
+        weights.append(torch.cat([p.detach().flatten() for p in whole]))
+    ddp, fsdp = weights
+    return float((fsdp - ddp).norm() / ddp.norm())
+
+
+def check_fsdp_and_ddp_rounding_with_adamw_and_sgd() -> dict[str, float]:
+    """20 steps of AdamW with torch's defaults, and of SGD: how far FSDP2's weights are from DDP's."""
+    return {
+        "adamw": _fsdp_minus_ddp(torch.optim.AdamW, STEPS),
+        "sgd": _fsdp_minus_ddp(lambda params: torch.optim.SGD(params, lr=0.01), STEPS),
+    }

@@ -94,3 +94,56 @@ def test_a_feature_newer_than_this_torch_raises_naming_the_release(monkeypatch, 
     with pytest.raises(od.OnedistValueError) as raised:
         od.auto_model(torch.nn.Linear(2, 2), **kwargs)
     assert "what torch 2.2.2+cpu has" in str(raised.value) and needed in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_units_follow_the_policy_and_each_rank_holds_its_rows(n):
+    """ModuleList blocks by default, every instance of a set's classes, or where a function says
+    True, then the root; rank r holds torch.chunk's r-th rows (fewer on the last ranks); mesh= is
+    the mesh the parameters live on."""
+    units = Runner(n)(checks_sharding.check_units_by_policy_and_rows_by_rank)[0]
+    assert units == {
+        "default": ["", "blocks.0", "blocks.1", "blocks.2"],
+        "classes": ["", "embed", "blocks.0.linear", "blocks.1.linear", "blocks.2.linear", "head"],
+        "function": ["", "embed"],
+    }, units
+
+
+def test_reshard_after_forward_false_saves_the_backward_all_gathers():
+    """All-gathers in one forward and backward pass of 3 block units and the root: not given,
+    torch's default regathers every unit but the root for the backward pass (2 * 3 + 1); True
+    regathers the root too (2 * 4); False gathers each unit once (4)."""
+    out = Runner(2)(checks_sharding.check_reshard_after_forward)
+    assert out == [{"default": 7, "true": 8, "false": 4}] * 2, out
+
+
+@pytest.mark.parametrize(
+    "units",
+    [
+        "every-linear",  # the root holds no layer of its own
+        "default",  # block units, then the root's own head, which takes their bfloat16 output
+    ],
+)
+def test_bf16_mixed_with_sharding_is_fsdps_mixed_precision(units):
+    Runner(2)(checks_sharding.check_bf16_mixed_is_fsdps_mixed_precision, units == "every-linear")
+
+
+def test_a_sharded_save_over_an_existing_path_moves_it_aside(tmp_path):
+    renames = Runner(2)(
+        checks_sharding.check_sharded_save_over_an_existing_path_moves_it_aside, str(tmp_path)
+    )
+    assert renames[1] == [], renames  # only the writer renames
+    (old, aside), (temporary, new) = renames[0]
+    assert old == new == "ckpt.pt" and aside != temporary, renames[0]
+    assert all(t.startswith(".ckpt.pt.") and t.endswith(".tmp") for t in (aside, temporary)), renames[0]
+
+
+def test_fsdp_and_ddp_round_apart_about_1e_6_with_adamw_and_1e_8_with_sgd():
+    """20 steps: AdamW with torch's defaults and SGD (lr 0.01). At 3 ranks DDP's (g / 3 summed) and
+    FSDP2's (g summed, / 3) roundings differ; at 2 ranks dividing by 2 is exact: equal weights."""
+    for n in (2, 3):
+        out = Runner(n)(checks_sharding.check_fsdp_and_ddp_rounding_with_adamw_and_sgd, timeout=120)[0]
+        if n == 2:
+            assert out == {"adamw": 0.0, "sgd": 0.0}, out
+        else:
+            assert 1e-7 < out["adamw"] <= 3e-6 and 1e-9 < out["sgd"] <= 1e-7, out

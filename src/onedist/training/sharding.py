@@ -78,15 +78,19 @@ def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> to
     kwargs: dict[str, Any] = {"mesh": mesh}
     if "reshard_after_forward" in options:
         kwargs["reshard_after_forward"] = options["reshard_after_forward"]
+    root_kwargs = dict(kwargs)
     if precision == "bf16-mixed":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
+        # bf16 between units (a root's own layer after a unit takes its bf16 output, as under
+        # autocast); float32 only out of the root, so the loss is computed in float32
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        root_kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
     _from_rank_0(model)
     units = _units(model, options.get("policy"))
     for unit in reversed(units):  # inner units first: an outer unit then skips their parameters
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **root_kwargs)
     if any(True for _ in model.buffers()):
         group = mesh.get_group()
         model.register_forward_pre_hook(lambda module, args: _buffers_from_rank_0(module, group))
