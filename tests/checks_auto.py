@@ -282,3 +282,105 @@ def check_syncbn_uneven_batches_equal_one_batchnorm() -> None:
     assert torch.allclose(sync.running_var, ref.running_var, **tol)
     sync.eval()
     assert torch.allclose(sync(x_all[part]), ref.eval()(x_all[part]), **tol)
+
+
+def check_sync_bn_on_cpu() -> dict:
+    """auto_model(sync_bn=True) on CPU: with several processes torch's SyncBatchNorm cannot run,
+    so it raises ValueError with the fix; with one, the flag is ignored and logged at INFO."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("onedist")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        model = od.auto_model(_net(True), sync_bn=True)
+    except ValueError as e:
+        assert od.get_world_size() > 1, e
+        assert "SyncBatchNorm layers only work with GPU modules" in str(e), e
+        assert "od.convert_sync_batchnorm(model) before auto_model" in str(e), e
+        return {"raised": True, "logged": [r.getMessage() for r in records]}
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert od.get_world_size() == 1
+    assert type(model[1]) is torch.nn.BatchNorm1d, type(model[1])  # not converted
+    return {"raised": False, "logged": [r.getMessage() for r in records if r.levelno == logging.INFO]}
+
+
+def check_default_comm_hook_kwargs() -> dict:
+    """The states auto_model registers without comm_hook_kwargs; a hook function takes
+    comm_hook_state, and comm_hook_kwargs with it is refused."""
+    import torch.distributed as dist
+
+    states = {}
+    for hook in ("powersgd", "batched_powersgd"):
+        _, state = od.auto_model(_net(False), comm_hook=hook)._comm_hooks[0]
+        states[hook] = [state.matrix_approximation_rank, state.start_powerSGD_iter]
+    model = od.auto_model(_net(False), comm_hook="post_localsgd", model_averaging_period=2)
+    _, state = model._comm_hooks[0]
+    node = od.get_node_rank() * od.get_nproc_per_node()
+    assert dist.get_process_group_ranks(state.subgroup) == list(range(node, node + od.get_nproc_per_node()))
+    states["post_localsgd"] = [state.start_localSGD_iter]
+
+    def hook(state, bucket):  # no annotations: DDP checks them as objects
+        return torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook(state, bucket)
+
+    mine = object()
+    assert od.auto_model(_net(False), comm_hook=hook, comm_hook_state=mine)._comm_hooks == [(hook, mine)]
+    try:
+        od.auto_model(_net(False), comm_hook=hook, comm_hook_kwargs={"matrix_approximation_rank": 2})
+    except OnedistValueError as e:
+        assert "comm_hook_kwargs={'matrix_approximation_rank': 2} is not allowed" in str(e), e
+        assert "pass comm_hook_state" in str(e), e
+    else:
+        raise AssertionError("comm_hook_kwargs with a hook function was accepted")
+    return states
+
+
+def check_auto_optim_takes_no_keyword_arguments() -> None:
+    optimizer = torch.optim.SGD(od.auto_model(_net(False)).parameters(), lr=0.1)
+    try:
+        od.auto_optim(optimizer, backward_passes_per_step=2)
+    except OnedistValueError as e:
+        allowed = f"allowed: no keyword arguments with backend {od.backend()!r}"
+        assert f"backward_passes_per_step=2 is not allowed; {allowed}" in str(e), e
+    else:
+        raise AssertionError("auto_optim accepted a keyword argument")
+
+
+def check_syncbn_collectives_per_layer() -> dict:
+    """Two od.SyncBatchNorm layers: the collectives onedist makes in a training forward pass and
+    in its backward pass, by name (the layers call onedist.collectives' functions)."""
+    import onedist.collectives as collectives
+
+    calls: list[str] = []
+    plain = {name: getattr(collectives, name) for name in ("all_gather", "all_reduce")}
+
+    def recorded(name: str):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return plain[name](*args, **kwargs)
+
+        return call
+
+    net = od.convert_sync_batchnorm(
+        torch.nn.Sequential(
+            torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)
+        )
+    )
+    x = torch.randn(3, 6)
+    for name in plain:
+        setattr(collectives, name, recorded(name))
+    try:
+        out = net(x)
+        forward = list(calls)
+        out.pow(2).sum().backward()
+        backward = calls[len(forward) :]
+    finally:
+        for name, fn in plain.items():
+            setattr(collectives, name, fn)
+    return {"forward": forward, "backward": backward}

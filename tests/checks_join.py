@@ -250,3 +250,113 @@ def check_each_collective_over_the_ranks_still_in_their_loops() -> int:
             od.barrier()
             steps += 1
     return steps
+
+
+_PRIMITIVES = ("all_reduce_", "reduce_", "broadcast_", "all_gather_into_", "all_gather_uneven_", "barrier_")
+
+
+def check_even_loop_sends_one_step_check_per_forward_and_nothing_at_the_end() -> dict[str, Any]:
+    """Every collective onedist's backend makes in an even loop inside od.join (DDP's gradient
+    all_reduce goes through torch's process group, not these): one all_reduce of world_size + 4
+    int64s per forward pass, and at the end only the finished ranks' last step check."""
+    from onedist.context import current
+
+    backend = current()
+    calls: list[tuple[str, int, str]] = []
+
+    def recorded(name: str) -> Any:
+        plain = getattr(backend, name)
+
+        def call(t: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append((name, t.numel(), str(t.dtype)))
+            return plain(t, *args, **kwargs)
+
+        return call
+
+    for name in _PRIMITIVES:
+        setattr(backend, name, recorded(name))  # on the instance: del restores the class's
+    try:
+        model = od.auto_model(_net(False))
+        optimizer = _optimizer(model)
+        before = len(calls)
+        with od.join(model, optimizer):
+            for x, y in batches_of(od.get_rank(), count=5):
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+            in_loop = calls[before:]
+            at_end = len(calls)
+        after = calls[at_end:]
+    finally:
+        for name in _PRIMITIVES:
+            delattr(backend, name)
+    return {"in_loop": in_loop, "at_end": after}
+
+
+def check_buffers_come_from_the_lowest_rank_in_its_loop() -> list[int]:
+    """Rank r has 2 + 2r batches and a BatchNorm whose running mean its own data moves; DDP
+    broadcasts buffers before each forward pass: from rank 0, then from the lowest rank still in
+    its loop. Returns each rank's number of steps."""
+    rank = od.get_rank()
+    model = od.auto_model(_net(True))  # a plain BatchNorm1d: each rank's statistics its own
+    optimizer = _optimizer(model)
+    norm = od.unwrap(model)[1]
+    before: list[torch.Tensor] = []
+    after: list[torch.Tensor] = []
+    norm.register_forward_pre_hook(lambda m, args: before.append(m.running_mean.clone()))
+    norm.register_forward_hook(lambda m, args, out: after.append(m.running_mean.clone()))
+    with od.join(model, optimizer):
+        for x, y in batches_of(rank, count=2 + 2 * rank):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    gathered = od.all_gather_object(([t.tolist() for t in before], [t.tolist() for t in after]))
+    starts, ends = [g[0] for g in gathered], [g[1] for g in gathered]
+    for r, mine in enumerate(starts):
+        for step in range(1, len(mine)):
+            source = min(q for q in range(od.get_world_size()) if step < 2 + 2 * q)
+            assert mine[step] == ends[source][step - 1], (r, step, source)
+    return [len(s) for s in starts]
+
+
+def check_sharded_model_and_zero_optimizer_raise_at_the_start() -> None:
+    """A sharded model and a ZeroRedundancyOptimizer are refused when the block is made, naming them."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    sharded = od.auto_model(_net(False), sharding="fsdp")
+    model = od.auto_model(_net(False))
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    cases = [
+        ((sharded,), "objects[0] is a sharded model"),
+        ((model, zero), "objects[1] is a ZeroRedundancyOptimizer"),
+    ]
+    for objects, words in cases:
+        try:
+            od.join(*objects)
+        except od.OnedistValueError as e:
+            assert words in str(e), (words, str(e))
+        else:
+            raise AssertionError(f"od.join accepted {words}")
+
+
+def check_checkpoint_inside_the_block_once_rank_0_has_left(tmpdir: str) -> dict[str, Any]:
+    """Rank 0 has 1 batch, the others 3; each step saves a checkpoint (rank 0 writes, then
+    broadcasts the outcome): from the second step on, every rank raises JoinedRankError."""
+    import os
+
+    rank = od.get_rank()
+    path = os.path.join(tmpdir, "ckpt.pt")
+    model = od.auto_model(_net(False))
+    saved = []
+    try:
+        with od.join(model):
+            for step, (x, _) in enumerate(batches_of(rank, count=1 if rank == 0 else 3)):
+                model(x).sum().backward()
+                od.save_checkpoint({"model": model, "step": step}, path)
+                saved.append(step)
+    except od.JoinedRankError as e:
+        error = {"call": e.call, "rank": e.rank}
+    else:
+        raise AssertionError("a checkpoint inside od.join after rank 0 left was not refused")
+    assert od.all_reduce(1) == od.get_world_size()  # the group is whole again
+    return {"saved": saved, "error": error, "on_disk": od.load_checkpoint(path)["step"]}

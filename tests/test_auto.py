@@ -53,3 +53,47 @@ def test_unwrap_looks_through_torch_compile():
     inner = torch.nn.Linear(2, 2)
     compiled = torch.compile(torch.nn.DataParallel(inner))  # compiles lazily: nothing runs here
     assert od.unwrap(compiled) is inner
+
+
+@pytest.mark.parametrize("n", ["serial", 1, 2])
+def test_sync_bn_on_cpu_raises_with_the_fix_or_is_ignored_alone(n):
+    from conftest import Runner
+
+    out = Runner(n)(checks_auto.check_sync_bn_on_cpu)
+    if n == 2:
+        assert all(o["raised"] for o in out), out
+    else:
+        assert out == [
+            {
+                "raised": False,
+                "logged": [
+                    "onedist.auto_model: sync_bn ignored with world size 1 (BatchNorm already sees the batch)"
+                ],
+            }
+        ], out
+
+
+def test_default_comm_hook_kwargs_and_none_with_a_hook_function():
+    """matrix_approximation_rank=1, start_powerSGD_iter=1000, start_localSGD_iter=1000 and this
+    node's ranks as the subgroup (every rank here: one node)."""
+    from conftest import Runner
+
+    out = Runner(2)(checks_auto.check_default_comm_hook_kwargs)
+    assert out == [{"powersgd": [1, 1000], "batched_powersgd": [1, 1000], "post_localsgd": [1000]}] * 2, out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_auto_optim_takes_no_keyword_arguments_on_torch_distributed(n):
+    from conftest import Runner
+
+    Runner(n)(checks_auto.check_auto_optim_takes_no_keyword_arguments)
+
+
+@pytest.mark.parametrize("n", ["serial", 2])
+def test_syncbn_makes_one_all_gather_forward_and_one_all_reduce_backward_per_layer(n):
+    from conftest import Runner
+
+    out = Runner(n)(checks_auto.check_syncbn_collectives_per_layer)
+    per_layer = 2 if n == 2 else 0  # two layers; one process: plain BatchNorm, no collective
+    expected = {"forward": ["all_gather"] * per_layer, "backward": ["all_reduce"] * per_layer}
+    assert out == [expected] * len(out), out

@@ -129,3 +129,30 @@ def test_digits_uneven_ends_with_identical_parameters(launcher):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "parameters identical on" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_even_loop_makes_one_step_check_per_forward_and_sends_nothing_at_its_end(n):
+    out = Runner(n, "gloo")(
+        checks_join.check_even_loop_sends_one_step_check_per_forward_and_nothing_at_the_end
+    )
+    step_check = ("all_reduce_", n + 4, "torch.int64")
+    # the end: the ranks' last step check, answered with zeros; no parameters, buffers or states
+    assert all(o == {"in_loop": [step_check] * 5, "at_end": [step_check]} for o in out), out
+
+
+def test_buffers_come_from_the_lowest_rank_still_in_its_loop():
+    """torch's Join would take the highest: rank 2 once rank 0 has left, where this takes rank 1."""
+    assert (
+        Runner(3, "gloo")(checks_join.check_buffers_come_from_the_lowest_rank_in_its_loop) == [[2, 4, 6]] * 3
+    )
+
+
+def test_a_sharded_model_and_a_zero_redundancy_optimizer_are_refused_at_the_start():
+    Runner(2, "gloo")(checks_join.check_sharded_model_and_zero_optimizer_raise_at_the_start)
+
+
+def test_a_checkpoint_inside_the_block_raises_once_rank_0_has_left(tmp_path):
+    out = Runner(2, "gloo")(checks_join.check_checkpoint_inside_the_block_once_rank_0_has_left, str(tmp_path))
+    expected = {"saved": [0], "error": {"call": "broadcast_object", "rank": 0}, "on_disk": 0}
+    assert out == [expected] * 2, out

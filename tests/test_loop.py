@@ -91,3 +91,111 @@ def test_precision_aliases_of_32_change_nothing(alias):
 
 def test_no_sync_looks_through_torch_compile():
     Runner(2)(checks_loop.check_no_sync_looks_through_torch_compile)
+
+
+def test_accumulate_without_a_loader_runs_windows_on_across_epochs():
+    import torch
+
+    import onedist as od
+
+    model = od.auto_model(torch.nn.Linear(2, 1))
+    epochs = {}
+    for loader in (None, "given"):
+        batches = [torch.ones(1, 2)] * 6
+        seen = []
+        for _ in range(2):  # two epochs of 6 batches, windows of 4
+            for x in batches:
+                with od.accumulate(model, every=4, loader=batches if loader else None) as window:
+                    od.backward(model(x).sum() / window.size)
+                seen.append((window.index, window.size, window.sync))
+        epochs[loader] = seen
+        od.training.accumulation._counters.pop(model)  # each way counts from 0
+    # without it the second epoch finishes the window the first one left open
+    assert [i for i, _, _ in epochs[None]] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3], epochs[None]
+    assert {s for _, s, _ in epochs[None]} == {4}
+    assert [sync for _, _, sync in epochs[None]] == [False, False, False, True] * 3
+    # with it each epoch ends its window: 4, then 2
+    assert [i for i, _, _ in epochs["given"]] == [0, 1, 2, 3, 0, 1] * 2, epochs["given"]
+    assert [s for _, s, _ in epochs["given"]] == [4, 4, 4, 4, 2, 2] * 2
+
+
+def test_the_precision_error_ends_with_its_hint():
+    import torch
+
+    import onedist as od
+
+    with pytest.raises(od.OnedistValueError) as raised:
+        od.auto_model(torch.nn.Linear(2, 2), precision="16-mixed")
+    assert str(raised.value) == (  # the page's text, serially on CPU
+        "onedist.auto_model: precision='16-mixed' is not allowed; allowed: '32', 'bf16-mixed' on "
+        "device 'cpu' with backend 'serial'\n"
+        "HINT: float16 training needs CUDA (and a backend with the GradScaler path): use 'bf16-mixed'"
+    )
+
+
+def test_16_mixed_is_refused_with_sharding(monkeypatch):
+    """Where the device allows "16-mixed" (CUDA: its allowance is set here), sharding refuses it."""
+    import torch
+
+    import onedist as od
+    from onedist.training import precision
+
+    monkeypatch.setattr(precision, "_allowed", lambda device, backend: ("32", "bf16-mixed", "16-mixed"))
+    monkeypatch.setattr(precision, "_scaler", None)  # should it not raise, no scaler stays behind
+    with pytest.raises(od.OnedistValueError) as raised:
+        od.auto_model(torch.nn.Linear(2, 2), precision="16-mixed", sharding="fsdp")
+    assert "precision='16-mixed' is not allowed; allowed: '32' or 'bf16-mixed' with sharding='fsdp'" in str(
+        raised.value
+    )
+
+
+def test_clip_grad_norm_under_16_mixed_unscales_through_the_optimizer(cpu_scaler):
+    import torch
+
+    import onedist as od
+
+    model = torch.nn.Linear(3, 1)
+    optimizer = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1))
+    before = model.weight.detach().clone()
+    od.backward(model(torch.ones(2, 3)).sum())  # gradients 2 (weight: 3, bias: 1): norm 4, scaled
+    with pytest.raises(
+        od.OnedistValueError, match=r"optimizer=None is not allowed.*\nHINT: .*unscaled first"
+    ):
+        od.clip_grad_norm_(model, max_norm=1.0)
+    assert torch.equal(model.weight.grad, torch.full((1, 3), 2.0 * 2**10))  # untouched
+    norm = od.clip_grad_norm_(model, max_norm=1.0, optimizer=optimizer)
+    assert float(norm) == 4.0  # the unscaled norm, before clipping
+    optimizer.step()  # does not unscale a second time: the clipped gradient 2 / 4 is applied
+    assert torch.allclose(model.weight, before - 0.1 * 0.5)
+
+
+def test_the_scalers_state_is_not_in_a_checkpoint(cpu_scaler, tmp_path):
+    import torch
+
+    import onedist as od
+    from onedist.training import precision
+
+    model = torch.nn.Linear(3, 1)
+    optimizer = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1))
+    for scale_input in (float("inf"), 1.0):  # inf gradients: the next od.backward lowers the scale
+        od.backward(model(torch.ones(2, 3) * scale_input).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert cpu_scaler.get_scale() == 2.0**9
+    path = tmp_path / "ckpt.pt"
+    od.save_checkpoint({"model": model, "optimizer": optimizer}, path)
+
+    def keys(value):
+        if isinstance(value, dict):
+            return {str(k) for k in value} | {k for v in value.values() for k in keys(v)}
+        return set()
+
+    saved = keys(torch.load(path))
+    assert not any("scale" in k or "growth" in k for k in saved), saved
+    # a restart: a new process's scaler, which loading the checkpoint leaves at its initial scale
+    precision._scaler, precision._stepped = None, False
+    fresh = precision.apply_precision(torch.nn.Linear(3, 1), "16-mixed", torch.device("cpu"))
+    od.load_checkpoint(
+        path, {"model": fresh, "optimizer": od.auto_optim(torch.optim.SGD(fresh.parameters()))}
+    )
+    assert precision.active_scaler().get_scale() == 2.0**16
