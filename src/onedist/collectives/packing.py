@@ -234,6 +234,13 @@ def _not_logical(func: str, op: str, leaf: Any, i: int) -> None:
     )
 
 
+def int_mean_wire(dtype: torch.dtype) -> torch.dtype:
+    """What integers or bools are summed in for a MEAN: int64 (exact, no wrap-around, no bool
+    saturation), but float64 for uint64, whose values from 2**63 do not fit int64 (the mean is a
+    float anyway)."""
+    return torch.float64 if dtype == getattr(torch, "uint64", None) else torch.int64
+
+
 def fill(func: str, b: Backend, bucket: Bucket, leaves: list[Any], op: str = "SUM") -> torch.Tensor:
     """The bucket's reduction buffer: a new contiguous 1-D tensor on the communication device."""
     parts: list[torch.Tensor] = []
@@ -256,7 +263,7 @@ def fill(func: str, b: Backend, bucket: Bucket, leaves: list[Any], op: str = "SU
     buf = parts[0] if len(parts) == 1 and (bucket.stacked or not tensors) else torch.cat(parts)
     dev = b.comm_device(bucket.device, "all_reduce")
     integral = not (bucket.dtype.is_floating_point or bucket.dtype.is_complex)
-    wire = torch.int64 if op == "MEAN" and integral else b.reduce_dtype(bucket.dtype)
+    wire = int_mean_wire(bucket.dtype) if op == "MEAN" and integral else b.reduce_dtype(bucket.dtype)
     if buf.device != dev or buf.dtype != wire:
         buf = buf.to(device=dev, dtype=wire)
     return buf

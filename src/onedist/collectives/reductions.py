@@ -22,7 +22,7 @@ from .base import (
     resolve_group,
 )
 from .guard import guarded
-from .packing import FlatDict, buckets, fill, flat_dict, flatten, unfill, unflatten
+from .packing import FlatDict, buckets, fill, flat_dict, flatten, int_mean_wire, unfill, unflatten
 
 
 # ============================================================================ reductions
@@ -319,8 +319,8 @@ def _reduce_tensor(
         check_op_dtype(func, op, dtype)
     dev = b.comm_device(device, "all_reduce")
     mean_int = op == "MEAN" and not (dtype.is_floating_point or dtype.is_complex)
-    # the mean of integers/bools: sum in int64 (no wrap-around, no bool saturation), divide in float64
-    wire = torch.int64 if mean_int else b.reduce_dtype(dtype)
+    # the mean of integers/bools: summed in int64 (or float64), divided in float64
+    wire = int_mean_wire(dtype) if mean_int else b.reduce_dtype(dtype)
     same = dev == device and wire == dtype
     if inplace and mean_int:
         raise OnedistTypeError(
