@@ -119,20 +119,32 @@ def explain(name: str, e: BaseException, group: Any, started: float, seq: int = 
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        # a consequence, not a cause: marked as such, so this rank does not publish it as its own
-        # failure (launchers and error files would blame it) and reports treat it as secondary
-        culprit = getattr(e, "culprit", None)  # shm knows which group rank exited
-        if getattr(e, "exited", False) and isinstance(culprit, int) and 0 <= culprit < len(ranks):
-            gone, who = ranks[culprit], f"rank {ranks[culprit]} of group {list(ranks)} exited"
-        else:
-            gone, who = -1, f"another rank of group {list(ranks)} closed its connection"
-        return RemoteRankError(
-            f"onedist.{name} (rank {rank}, at {site}): {who} without reporting an error (it returned, "
-            "exited or was killed).\n"
-            f"(backend: {text.strip()[:300]})",
-            gone,
-        )
+        return _peer_gone_error(name, e, ranks, rank, site, store)
     return e
+
+
+def _peer_gone_error(
+    name: str, e: BaseException, ranks: Any, rank: int, site: str, store: Any
+) -> RemoteRankError:
+    """A peer's connection went away and no report of it can be read. A consequence, not a cause:
+    marked as such, so this rank does not publish it as its own failure (launchers and error files
+    would blame it) and reports treat it as secondary."""
+    culprit = getattr(e, "culprit", None)  # shm knows which group rank exited
+    if getattr(e, "exited", False) and isinstance(culprit, int) and 0 <= culprit < len(ranks):
+        gone, who = ranks[culprit], f"rank {ranks[culprit]} of group {list(ranks)} exited"
+    else:
+        gone, who = -1, f"another rank of group {list(ranks)} closed its connection"
+    if store is not None and server_gone(store):
+        # rank 0 left first (a peer slower to get here under load): a report may have been there
+        how = (
+            "; rank 0, which holds the ranks' error reports, has exited too, so whether it reported "
+            "an error cannot be read here (the other ranks' output shows it if it did)"
+        )
+    else:
+        how = " without reporting an error (it returned, exited or was killed)"
+    return RemoteRankError(
+        f"onedist.{name} (rank {rank}, at {site}): {who}{how}.\n(backend: {str(e).strip()[:300]})", gone
+    )
 
 
 def _remote_failure(name: str, rank: int, site: str, failed: dict[int, dict[str, Any]]) -> BaseException:
