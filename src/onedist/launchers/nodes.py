@@ -30,7 +30,6 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from .._net import rendezvous_port
-from ..failures.channel import ServerProbe
 from .report import Failure
 
 __all__ = ["BEAT_S", "LOST_S", "Agents", "AgentsError", "Verdict"]
@@ -117,6 +116,8 @@ class Agents:
         self.store.set_timeout(OP_TIMEOUT)
         # a request to a store whose server is gone makes torch print a C++ stack trace: ask this
         # idle connection first
+        from ..failures.channel import ServerProbe  # here: failures imports torch (see run.py)
+
         self._probe = ServerProbe(self.store)
         if node_rank != 0:
             try:
