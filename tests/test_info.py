@@ -417,9 +417,7 @@ _LAUNCHER_PREFIXES += ("HOROVOD_", "MV2_", "JSM_", "LSB_", "TORCHELASTIC_", "MPI
 _SETTINGS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "ONEDIST_BACKEND", "CUDA_VISIBLE_DEVICES")
 
 
-def _run_info(
-    extra: dict[str, str], *args: str, path: Optional[Path] = None
-) -> subprocess.CompletedProcess[str]:
+def _info_env(extra: dict[str, str], path: Optional[Path] = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _SETTINGS}
     # the child imports the onedist this test imported
     src = str(Path(onedist.__file__).resolve().parent.parent)
@@ -427,6 +425,13 @@ def _run_info(
     if path is not None:
         env["PATH"] = f"{path}{os.pathsep}{env.get('PATH', '')}"
     env.update(extra)
+    return env
+
+
+def _run_info(
+    extra: dict[str, str], *args: str, path: Optional[Path] = None
+) -> subprocess.CompletedProcess[str]:
+    env = _info_env(extra, path)
     out = subprocess.run(
         [sys.executable, "-m", "onedist", "info", *args], capture_output=True, text=True, timeout=60, env=env
     )
@@ -466,6 +471,35 @@ def test_info_human_output_warns_last_about_a_loopback_master():
         and "  interface: lo" in lines
         and not any(line.startswith("warnings:") for line in lines)
     )
+
+
+NO_GROUP = """
+import json, sys, torch.distributed as dist
+from onedist.cli import main
+assert main(["info", "--json"]) == 0
+print(json.dumps({"initialized": dist.is_initialized()}))
+"""
+
+
+def test_info_starts_no_process_group_and_does_not_wait_for_the_job():
+    """As rank 1 of a job whose rendezvous host accepts connections but never answers: a process
+    group (or a store client) would wait there until its timeout; the probe's connection only
+    checks that the port is reachable."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        env = _info_env(
+            {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", NO_GROUP], capture_output=True, text=True, timeout=30, env=env
+        )
+    assert out.returncode == 0, out.stderr
+    *report, last = out.stdout.strip().splitlines()
+    assert json.loads(last) == {"initialized": False}
+    info = json.loads("\n".join(report))
+    assert info["network"]["master_probe"] is not None and not info["warnings"], info
 
 
 def test_info_json_clean_environment():

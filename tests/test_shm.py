@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import checks
 import checks_eval
@@ -147,6 +148,35 @@ def test_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable(shm):
     assert shm(checks_pg.check_mismatched_calls_raise_on_every_rank_and_leave_the_group_usable) == [21] * (
         shm.world_size
     )
+
+
+def _sizes_not_shapes() -> list[float]:
+    """shm compares element counts: a [2, 3] tensor against a [3, 2] one moves the same six
+    elements and is summed (no error), while debug mode, which compares shapes, raises on every
+    rank before the sum."""
+    from onedist.errors import CollectiveMismatchError
+
+    rank, world = od.get_rank(), od.get_world_size()
+    shape = (3, 2) if rank == world - 1 else (2, 3)
+    t = torch.full(shape, float(rank + 1))
+    dist.all_reduce(t)
+    assert t.shape == shape and t.flatten().tolist() == [world * (world + 1) / 2] * 6, t
+    od.set_debug(True)
+    try:
+        od.all_reduce(torch.ones(shape))
+    except CollectiveMismatchError as e:
+        assert "[3, 2]" in str(e) and "[2, 3]" in str(e), str(e)
+    else:
+        raise AssertionError("debug mode let a [2, 3] all_reduce meet a [3, 2] one")
+    finally:
+        od.set_debug(False)
+    return t.flatten().tolist()
+
+
+def test_sizes_are_compared_not_shapes(shm):
+    # [2, 3] against [3, 2]: summed as six elements each, not an error (debug mode catches it)
+    total = shm.world_size * (shm.world_size + 1) / 2
+    assert shm(_sizes_not_shapes) == [[total] * 6] * shm.world_size
 
 
 def test_timeout_raises_in_torchs_words(shm):
