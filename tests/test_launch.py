@@ -123,6 +123,16 @@ def test_backends_with_their_own_launcher_refuse_restarts(backend):
         od.spawn(backend, workers.report, nproc_per_node=2, max_restarts=1)
 
 
+def test_xla_tpu_refuses_restarts(monkeypatch):
+    # torch_xla is not installed here: pass the availability check, as on a TPU host, to reach
+    # the check of what xmp.spawn cannot do
+    monkeypatch.setattr("onedist.context.backend_class", lambda name: object)
+    with pytest.raises(
+        od.OnedistValueError, match="max_restarts=1 is not allowed; allowed: 0 with backend 'xla-tpu'"
+    ):
+        od.spawn("xla-tpu", workers.report, max_restarts=1)
+
+
 def test_parallel_modes_serial_spawn_and_errors():
     with od.Parallel(backend=None) as p:
         assert p.mode == "serial"

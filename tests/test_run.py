@@ -129,10 +129,11 @@ def test_onedist_run_failing_worker_stops_every_worker_within_5s(how, tmp_path):
     assert summary.startswith("onedist run: worker rank 1 (local rank 1")
     if how == "raise":
         assert "RuntimeError: rank 1 failed on purpose" in summary and "Traceback" in summary
+        assert proc.returncode == 1  # an uncaught exception's status
     elif how == "exit":
         assert "exited with code 3" in summary and proc.returncode == 3
     else:
-        assert "killed by signal SIGKILL" in summary
+        assert "killed by signal SIGKILL" in summary and proc.returncode == 1
     for info in _infos(tmp_path, 3):  # no worker left behind
         with pytest.raises(ProcessLookupError):
             os.kill(info["pid"], 0)
@@ -258,7 +259,7 @@ def test_onedist_run_usage_errors(args, message, tmp_path):
 def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in_place(tmp_path):
     # a process torchrun started (its worker's variables): its workers exist already
     script = tmp_path / "hello.py"
-    script.write_text("print('ran in place')\n")
+    script.write_text("print('ran in place')\nraise SystemExit(4)\n")
     env = _env(**TORCHRUN_WORKER_ENV)
     refused = subprocess.run(
         _onedist("-n", "3", str(script)), capture_output=True, text=True, timeout=60, env=env
@@ -268,10 +269,16 @@ def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in
         "--nproc-per-node=3 disagrees with the torchelastic launcher that started this process"
         in refused.stderr
     )
+    # in place: rank 0's output, though --output-ranks names rank 1 only, with no prefix, and the
+    # script's own exit status
     ran = subprocess.run(
-        _onedist("-n", "2", str(script)), capture_output=True, text=True, timeout=60, env=env
+        _onedist("-n", "2", "--output-ranks", "1", str(script)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
-    assert ran.returncode == 0 and ran.stdout == "ran in place\n", ran.stderr
+    assert ran.returncode == 4 and ran.stdout == "ran in place\n", ran.stderr
 
 
 def test_python_spawns_the_same_script(tmp_path):
