@@ -7,10 +7,10 @@
 #   .ci/xla_tests.sh                      # the venv in build/xla-venv (ignored by git)
 #   ONEDIST_XLA_VENV=/tmp/xla .ci/xla_tests.sh -k ws1     # another place; extra args go to pytest
 #
-# Then the training loop's tests (accumulation, precision, sharding, od.join) on gloo in the same
-# venv: they reach into DDP's and FSDP2's internals, which change between torch releases (od.join
-# broke on torch < 2.13 until DDP's buffer switch was read through a name every release has), and
-# this venv's torch is the oldest the project meets (~45 s).
+# Then all of the training loop's tests (accumulation, precision, sharding, od.join: gloo, shm and
+# serial; mpi4py's skip) in the same venv: they reach into DDP's and FSDP2's internals, which
+# change between torch releases (od.join broke on torch < 2.13 until DDP's buffer switch was read
+# through a name every release has), and this venv's torch is the oldest the project meets (~80 s).
 #
 # Fails loudly: when torch_xla does not import, and when a test is skipped for lack of it
 # (ONEDIST_REQUIRE_XLA=1 turns that skip into a failure).
@@ -43,4 +43,4 @@ env -u CPU_NUM_DEVICES PJRT_DEVICE=CPU ONEDIST_REQUIRE_XLA=1 \
 
 # pyproject's pytest options point at this checkout's src and tests (pythonpath): same code, older torch
 "$VENV/bin/python" -m pytest tests/test_loop.py tests/test_sharding.py tests/test_join.py \
-    -p no:cacheprovider -q -rsx --timeout=300 -k "gloo or serial"
+    -p no:cacheprovider -q -rsx --timeout=300
