@@ -114,6 +114,35 @@ def check_failed_sharded_save_raises_on_every_rank(tmpdir: str) -> None:
     assert sorted(os.listdir(tmpdir)) == ["a-file"], os.listdir(tmpdir)
 
 
+def check_a_failed_shard_write_raises_on_every_rank(tmpdir: str) -> str:
+    """The last rank's shard write fails (a full disk, say) once the directory exists: DCP gathers
+    every rank's write result, so every rank raises, naming that rank; the writer removes the
+    temporary directory, nothing is at the path, and the group is still in step."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    last = od.get_world_size() - 1
+    plain = FileSystemWriter.write_data
+
+    def full_disk(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    model, optimizer = _trained(0)
+    if od.get_rank() == last:
+        FileSystemWriter.write_data = full_disk  # type: ignore[method-assign]
+    try:
+        od.save_checkpoint({"model": model, "optimizer": optimizer}, os.path.join(tmpdir, "ckpt.pt"))
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        said = f"{type(e).__name__}: {e}"
+    else:
+        said = "no error"
+    finally:
+        FileSystemWriter.write_data = plain  # type: ignore[method-assign]
+    od.barrier()
+    assert os.listdir(tmpdir) == [], os.listdir(tmpdir)
+    assert od.all_reduce(1) == od.get_world_size()
+    return said
+
+
 def check_save_for_another_world(tmpdir: str) -> None:
     """Trains and saves a sharded checkpoint, and (rank 0) the whole model and optimizer state
     for :func:`check_load_at_another_world` to compare with."""

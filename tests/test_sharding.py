@@ -49,6 +49,14 @@ def test_a_failed_sharded_save_raises_on_every_rank(training_world, tmp_path):
     training_world(checks_sharded_checkpoint.check_failed_sharded_save_raises_on_every_rank, str(tmp_path))
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_failed_shard_write_raises_on_every_rank(n, tmp_path):
+    said = Runner(n)(checks_sharded_checkpoint.check_a_failed_shard_write_raises_on_every_rank, str(tmp_path))
+    for text in said:  # DCP's error names the rank whose write failed, and that rank's error
+        assert text.startswith("CheckpointException") and f"(RANK {n - 1})" in text, said
+        assert "No space left on device" in text, said
+
+
 def test_resume_never_loads_a_torn_sharded_save(training_world, tmp_path):
     training_world(
         checks_sharded_checkpoint.check_resume_skips_a_torn_sharded_save, str(tmp_path), timeout=120
