@@ -156,3 +156,58 @@ def test_restart_count():
     assert od.restart_count({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
     with pytest.raises(od.OnedistValueError, match="TORCHELASTIC_RESTART_COUNT.*allowed: an int >= 0"):
         od.restart_count({"TORCHELASTIC_RESTART_COUNT": "x"})
+
+
+# ---------------------------------------------------------------- another world size
+def _save_on(directory: str) -> list[list[float]]:
+    """Step 7 with rank-specific RNG states; rank 0's model is the one written."""
+    torch.manual_seed(od.get_rank())
+    model = torch.nn.Linear(3, 2)
+    od.save_training_state(directory, 7, model=model)
+    return model.weight.tolist()
+
+
+def _resume_on(directory: str) -> dict:
+    """What resume gives here: the step, the model, whether this process's RNG was left alone
+    (it draws what its own seed gives), and rank 0's warnings."""
+    import logging
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    warnings: list[str] = []
+    keep = Keep(logging.WARNING)
+    logging.getLogger("onedist").addHandler(keep)
+    try:
+        model = torch.nn.Linear(3, 2)
+        torch.manual_seed(100 + od.get_rank())
+        own = torch.rand(3, generator=torch.Generator().manual_seed(100 + od.get_rank()))
+        step = od.resume(directory, model=model)
+        drawn = torch.rand(3)
+    finally:
+        logging.getLogger("onedist").removeHandler(keep)
+    return {
+        "step": step,
+        "weight": model.weight.tolist(),
+        "rng_left": torch.equal(drawn, own),
+        "warnings": warnings,
+    }
+
+
+def test_resume_on_another_world_size_restores_the_model_but_not_the_rng_states(tmp_path):
+    """Saved by 2 ranks, resumed by 3: every rank gets the model and the step, no rank gets a
+    saved RNG state (which rank's would it be?), and rank 0 says so once. Resumed by 2, the RNG
+    states do come back (the contrast that makes the first check mean something)."""
+    from conftest import Runner
+
+    saved = Runner(2)(_save_on, str(tmp_path))[0]
+    three = Runner(3)(_resume_on, str(tmp_path))
+    assert [(r["step"], r["weight"], r["rng_left"]) for r in three] == [(7, saved, True)] * 3, three
+    assert three[0]["warnings"] == [
+        f"onedist.resume: {tmp_path / 'step_00000007.pt'} was saved by 2 ranks, this run has 3: "
+        "the RNG states are not restored"
+    ], three[0]
+    assert three[1]["warnings"] == three[2]["warnings"] == [], three
+    two = Runner(2)(_resume_on, str(tmp_path))
+    assert [(r["step"], r["rng_left"], r["warnings"]) for r in two] == [(7, False, [])] * 2, two
