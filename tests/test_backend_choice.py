@@ -221,22 +221,27 @@ def test_mpi_is_listed_when_mpi4py_is_installed(monkeypatch):
         od_mpi.installed.cache_clear()
 
 
-def test_initialize_mpi_runs_onedists_mpi4py_group():
-    """A singleton MPI process (no mpirun): torch's name is "mpi4py", onedist's "mpi". In a child:
+@pytest.mark.parametrize("users_ft", [None, "0"], ids=["ft-unset", "ft-set-by-the-user"])
+def test_initialize_mpi_runs_onedists_mpi4py_group(users_ft):
+    """A singleton MPI process (no mpirun): torch's name is "mpi4py", onedist's "mpi"; Open MPI 5's
+    ULFM switch is on (a mismatch can then be broken), unless the user set it. In a child:
     starting MPI in the test process would outlive the test."""
     if dist.is_mpi_available() or not od_mpi.installed():
         pytest.skip("needs mpi4py and an MPI library, and a torch without MPI of its own")
     code = (
-        "import onedist as od, torch, torch.distributed as dist\n"
+        "import os, onedist as od, torch, torch.distributed as dist\n"
         "od.initialize('mpi')\n"
-        "print(od.backend(), dist.get_backend(), od.all_reduce(torch.ones(2)).tolist())\n"
+        "print(od.backend(), dist.get_backend(), od.all_reduce(torch.ones(2)).tolist(),"
+        " os.environ['OMPI_MCA_mpi_ft_enable'])\n"
         "od.finalize()\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env()
-    )
+    env = _env()
+    env.pop("OMPI_MCA_mpi_ft_enable", None)
+    if users_ft is not None:
+        env["OMPI_MCA_mpi_ft_enable"] = users_ft
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[-1] == "mpi mpi4py [1.0, 1.0]", proc.stdout
+    assert proc.stdout.splitlines()[-1] == f"mpi mpi4py [1.0, 1.0] {users_ft or '1'}", proc.stdout
 
 
 def test_shm_is_listed_only_on_linux_x86_64(monkeypatch):
