@@ -392,6 +392,29 @@ def check_bf16_mixed_is_fsdps_mixed_precision(every_linear: bool) -> None:
         assert p.to_local().dtype == torch.float32 and p.grad.to_local().dtype == torch.float32
 
 
+def check_bf16_mixed_runs_batch_norm_in_float32() -> list[str]:
+    """bf16-mixed with sharding on a model with BatchNorm (its running statistics float32 buffers):
+    the BatchNorm computes in float32 from a float32 input and hands bfloat16 to the next layer, a
+    training step runs, and its running statistics move."""
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+    )
+    model = od.auto_model(net, sharding="fsdp", precision="bf16-mixed")
+    seen: list[str] = []
+    norm = model[1]
+    norm.register_forward_hook(
+        lambda m, args, out: seen.append(
+            f"{args[0].dtype} {m.weight.dtype} {m.running_mean.dtype} -> {out.dtype}"
+        )
+    )
+    before = norm.running_mean.clone()
+    out = model(torch.randn(6, 4, generator=torch.Generator().manual_seed(od.get_rank())))
+    od.backward(out.float().pow(2).mean())
+    assert out.dtype == torch.float32, out.dtype
+    assert not torch.equal(norm.running_mean, before)
+    return seen
+
+
 def check_sharded_save_over_an_existing_path_moves_it_aside(tmpdir: str) -> list[list[str]]:
     """A second sharded save to the same path: the old directory is renamed aside, the new one
     renamed in, the old one deleted; the path holds the second save and nothing else is left."""

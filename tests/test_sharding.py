@@ -136,6 +136,13 @@ def test_bf16_mixed_with_sharding_is_fsdps_mixed_precision(units):
     Runner(2)(checks_sharding.check_bf16_mixed_is_fsdps_mixed_precision, units == "every-linear")
 
 
+def test_bf16_mixed_with_sharding_runs_batch_norm_in_float32():
+    """FSDP2 casts parameters, not buffers: a BatchNorm left in a bfloat16 unit raised 'expected
+    scalar type BFloat16 but found Float' (the digits example's CNN did)."""
+    seen = Runner(2)(checks_sharding.check_bf16_mixed_runs_batch_norm_in_float32)
+    assert seen == [["torch.float32 torch.float32 torch.float32 -> torch.bfloat16"]] * 2, seen
+
+
 def test_a_sharded_save_over_an_existing_path_moves_it_aside(tmp_path):
     renames = Runner(2)(
         checks_sharding.check_sharded_save_over_an_existing_path_moves_it_aside, str(tmp_path)

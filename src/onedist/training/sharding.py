@@ -88,6 +88,8 @@ def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> to
         )
     _from_rank_0(model)
     units = _units(model, options.get("policy"))
+    if precision == "bf16-mixed":
+        units = _float32_batch_norms(model, units, mesh, kwargs)
     for unit in reversed(units):  # inner units first: an outer unit then skips their parameters
         fully_shard(unit, **kwargs)
     fully_shard(model, **root_kwargs)
@@ -134,6 +136,25 @@ def _world_mesh(device: torch.device) -> Any:
     world = dist.group.WORLD
     assert world is not None  # world size > 1: initialize made the default group
     return DeviceMesh.from_group(world, device.type)
+
+
+def _float32_batch_norms(
+    model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, kwargs: dict[str, Any]
+) -> list[torch.nn.Module]:
+    """Under bf16-mixed, each BatchNorm a unit that computes in float32 (as autocast runs it, and
+    FSDP1 kept it): its running statistics are float32 buffers, which FSDP2's parameter cast
+    leaves alone, and batch_norm refuses bfloat16 inputs and weights against them. It takes its
+    input in float32 and hands bfloat16 on. The other units, without the BatchNorms."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    norms = [m for m in model.modules() if m is not model and isinstance(m, _BatchNorm)]
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.bfloat16
+    )
+    for norm in norms:  # leaves: sharded before any unit that holds them
+        fully_shard(norm, **{**kwargs, "mp_policy": policy})
+    return [unit for unit in units if not any(unit is norm for norm in norms)]
 
 
 def _units(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
