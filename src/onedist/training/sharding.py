@@ -78,6 +78,8 @@ def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> to
     kwargs: dict[str, Any] = {"mesh": mesh}
     if "reshard_after_forward" in options:
         kwargs["reshard_after_forward"] = options["reshard_after_forward"]
+    _from_rank_0(model)
+    units = _units(model, options.get("policy"))
     root_kwargs = dict(kwargs)
     if precision == "bf16-mixed":
         # bf16 between units (a root's own layer after a unit takes its bf16 output, as under
@@ -86,10 +88,7 @@ def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> to
         root_kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
         )
-    _from_rank_0(model)
-    units = _units(model, options.get("policy"))
-    if precision == "bf16-mixed":
-        units = _float32_batch_norms(model, units, mesh, kwargs)
+        units = _float32_batch_norms(model, units, kwargs)
     for unit in reversed(units):  # inner units first: an outer unit then skips their parameters
         fully_shard(unit, **kwargs)
     fully_shard(model, **root_kwargs)
@@ -139,7 +138,7 @@ def _world_mesh(device: torch.device) -> Any:
 
 
 def _float32_batch_norms(
-    model: torch.nn.Module, units: list[torch.nn.Module], mesh: Any, kwargs: dict[str, Any]
+    model: torch.nn.Module, units: list[torch.nn.Module], kwargs: dict[str, Any]
 ) -> list[torch.nn.Module]:
     """Under bf16-mixed, each BatchNorm a unit that computes in float32 (as autocast runs it, and
     FSDP1 kept it): its running statistics are float32 buffers, which FSDP2's parameter cast
@@ -154,7 +153,7 @@ def _float32_batch_norms(
     )
     for norm in norms:  # leaves: sharded before any unit that holds them
         fully_shard(norm, **{**kwargs, "mp_policy": policy})
-    return [unit for unit in units if not any(unit is norm for norm in norms)]
+    return [unit for unit in units if not isinstance(unit, _BatchNorm)]
 
 
 def _units(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
