@@ -7,6 +7,7 @@ ranks. Expected values are computed from the rank and world size.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import os
 import socket
@@ -54,6 +55,24 @@ def count_primitives() -> Iterator[collections.Counter[str]]:
     finally:
         for name in PRIMITIVES:
             delattr(b, name)
+
+
+@contextmanager
+def onedist_log(level: int) -> Iterator[list[logging.LogRecord]]:
+    """The records the "onedist" logger takes at ``level`` or above inside the block (its own
+    level lowered to ``level`` meanwhile, so an INFO line is seen in a worker left at WARNING)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("onedist")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level, logger.getEffectiveLevel()))
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
 
 
 def rounds(counts: collections.Counter[str]) -> int:

@@ -289,23 +289,16 @@ def check_sync_bn_on_cpu() -> dict:
     so it raises ValueError with the fix; with one, the flag is ignored and logged at INFO."""
     import logging
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("onedist")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        model = od.auto_model(_net(True), sync_bn=True)
-    except ValueError as e:
-        assert od.get_world_size() > 1, e
-        assert "SyncBatchNorm layers only work with GPU modules" in str(e), e
-        assert "od.convert_sync_batchnorm(model) before auto_model" in str(e), e
-        return {"raised": True, "logged": [r.getMessage() for r in records]}
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    from checks import onedist_log
+
+    with onedist_log(logging.INFO) as records:
+        try:
+            model = od.auto_model(_net(True), sync_bn=True)
+        except ValueError as e:
+            assert od.get_world_size() > 1, e
+            assert "SyncBatchNorm layers only work with GPU modules" in str(e), e
+            assert "od.convert_sync_batchnorm(model) before auto_model" in str(e), e
+            return {"raised": True, "logged": [r.getMessage() for r in records]}
     assert od.get_world_size() == 1
     assert type(model[1]) is torch.nn.BatchNorm1d, type(model[1])  # not converted
     return {"raised": False, "logged": [r.getMessage() for r in records if r.levelno == logging.INFO]}

@@ -26,7 +26,7 @@ import onedist.launchers.spec as spec
 from onedist._net import free_port
 from onedist.launchers.pet import apply_pet_defaults
 from onedist.launchers.run import build_parser
-from test_run import _env, _onedist
+from test_run import _env, _onedist, _outputs
 
 
 # ============================================================================ onedist run
@@ -268,12 +268,7 @@ def test_nodes_given_different_nnodes_refuse_to_start(tmp_path):
     cmds = [_onedist("--nnodes", nnodes, "--node-rank", k, *flags) for k, nnodes in (("0", "2"), ("1", "3"))]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": _env()}
     procs = [subprocess.Popen(cmd, **pipes) for cmd in cmds]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = _outputs(procs)
     assert [p.returncode for p in procs] == [1, 1], outs
     message = (
         "--nnodes=3 on node 1 differs from node 0's --nnodes=2; allowed: the same --nnodes on every node"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_run import SCRIPT, _check_agree, _env, _infos, _onedist
+from test_run import SCRIPT, _check_agree, _env, _infos, _onedist, _outputs
 
 CLUSTER = Path(__file__).parent / "cluster"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -64,13 +64,7 @@ def hosts():
 
 
 def _both(procs: list[subprocess.Popen]) -> None:
-    outs = []
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = _outputs(procs, timeout=240)
     assert all(p.returncode == 0 for p in procs), outs
 
 

@@ -27,7 +27,7 @@ from test_restarts import (
     check_same_weights,
     uninterrupted,  # noqa: F401  (the fixture: the reference weights)
 )
-from test_run import _env, _onedist
+from test_run import _env, _onedist, _outputs
 
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
@@ -54,15 +54,6 @@ def _nodes(script: Path, *args: str, max_restarts: tuple[int, int] = (2, 2)) -> 
         cmd = _onedist(*flags, "--max-restarts", str(max_restarts[k]), str(script), *args)
         procs.append(subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=_env()))
     return procs
-
-
-def _outputs(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[str, str]]:
-    try:
-        return [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
 
 
 @pytest.mark.parametrize("fails, max_restarts, code", [(1, 2, 0), (3, 1, 1)])

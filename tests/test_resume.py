@@ -172,26 +172,19 @@ def _resume_on(directory: str) -> dict:
     (it draws what its own seed gives), and rank 0's warnings."""
     import logging
 
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            warnings.append(record.getMessage())
+    from checks import onedist_log
 
-    warnings: list[str] = []
-    keep = Keep(logging.WARNING)
-    logging.getLogger("onedist").addHandler(keep)
-    try:
+    with onedist_log(logging.WARNING) as records:
         model = torch.nn.Linear(3, 2)
         torch.manual_seed(100 + od.get_rank())
         own = torch.rand(3, generator=torch.Generator().manual_seed(100 + od.get_rank()))
         step = od.resume(directory, model=model)
         drawn = torch.rand(3)
-    finally:
-        logging.getLogger("onedist").removeHandler(keep)
     return {
         "step": step,
         "weight": model.weight.tolist(),
         "rng_left": torch.equal(drawn, own),
-        "warnings": warnings,
+        "warnings": [r.getMessage() for r in records],
     }
 
 

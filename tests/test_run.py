@@ -33,6 +33,17 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _outputs(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once it ended; any still running after ``timeout`` (or on
+    an error) is killed, so a hung launcher cannot outlive its test."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
 def _infos(out: Path, n: int) -> list[dict]:
     return [json.loads((out / f"{r}.json").read_text()) for r in range(n)]
 
