@@ -26,6 +26,7 @@ import onedist.launchers.spec as spec
 from onedist._net import free_port
 from onedist.launchers.pet import apply_pet_defaults
 from onedist.launchers.run import build_parser
+from test_crash import _proc_stat
 from test_run import _env, _onedist, _outputs
 
 
@@ -191,11 +192,8 @@ if __name__ == "__main__":
 
 def _running(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie counts as ended: its new parent may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
 
 
 def _start_sleepers(cmd: list[str], out: Path) -> tuple[subprocess.Popen, list[int]]:
