@@ -3,10 +3,12 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
+from bytecode import write_bytecode
 from distpool import DistPool
 
 # Test this checkout, whatever `pip install -e` points at (another clone, a CI copy): in this process
@@ -21,6 +23,12 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 WORLDS = ["serial", 1, 2, 3, 4]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # before any test starts a process: the sources' and the tests' bytecode (see bytecode.py)
+    write_bytecode(Path(_SRC), Path(__file__).resolve().parent)
+
 
 #: what a worker process that torchrun started sees (local rank 0 of 2 on one node)
 TORCHRUN_WORKER_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

@@ -46,9 +46,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.append(str(HERE.parent))
 
 from ignite_expected import EXEMPT, KNOWN_FAILURES  # noqa: E402
 from suite_compare import Outcomes, compare, fold, read_jsonl  # noqa: E402
+
+from bytecode import write_bytecode  # noqa: E402
 
 VERSION = "0.5.5"
 CACHE = HERE.parent.parent / "build" / "foreign"
@@ -194,6 +197,8 @@ def main() -> int:
     opts = parser.parse_args()
     root = sdist_root()
     add_split_tests(root)
+    # the workers of both sides import ignite's test modules, and onedist's side onedist
+    write_bytecode(HERE.parent.parent / "src", root / "tests", HERE)
     control: Outcomes = {}
     mine: Outcomes = {}
     saved = CACHE / "control.json"

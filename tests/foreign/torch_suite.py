@@ -49,6 +49,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from suite_compare import Outcomes, compare, fold, read_jsonl  # noqa: E402
 from torch_expected import EXEMPT, KNOWN_FAILURES  # noqa: E402
 
+from bytecode import write_bytecode  # noqa: E402
 from prereqs import mpirun_missing  # noqa: E402
 
 #: pass name -> (harness, world size, backends under test beside the gloo control)
@@ -207,6 +208,7 @@ def main() -> int:
     parser.add_argument("-k", dest="select", default="", help="pytest -k expression (development)")
     parser.add_argument("--verbose", action="store_true", help="print every unexpected failure's text")
     opts = parser.parse_args()
+    write_bytecode(ROOT / "src", HERE)  # every rank of every run imports both (see bytecode.py)
     problems: list[str] = []
     lines = []
     passed = 0
