@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,12 +41,27 @@ from torch.utils.data import TensorDataset
 import onedist as od
 
 
-def datasets(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    from sklearn.datasets import load_digits
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``sklearn.datasets.load_digits()`` gives them: images (N x 8 x 8,
+    values 0-16) and labels. Read from the file scikit-learn ships: importing sklearn.datasets
+    (scipy, pandas) costs every worker ~2 CPU-s, more than importing torch."""
+    sklearn = importlib.util.find_spec("sklearn")
+    if sklearn is None:
+        raise SystemExit("examples/digits.py needs scikit-learn: pip install scikit-learn")
+    path = Path(*sklearn.submodule_search_locations or ["."]) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():  # a scikit-learn that keeps it elsewhere
+        from sklearn.datasets import load_digits as sklearn_digits
 
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8, in [0, 1]
-    y = torch.tensor(digits.target, dtype=torch.long)
+        digits = sklearn_digits()
+        return digits.images, digits.target
+    data = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, per row
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+
+
+def datasets(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    images, labels = load_digits()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0  # N x 1 x 8 x 8, in [0, 1]
+    y = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     test, train = order[:360], order[360:]
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])

@@ -47,3 +47,21 @@ def test_digits_trains_to_95_percent(args, world):
     assert final, proc.stdout[-2000:]
     assert float(final.group(1)) >= 0.95 and int(final.group(2)) == world
     assert len(re.findall(r"^epoch +\d+ +train loss", proc.stdout, re.M)) == 10  # rank 0 prints, once
+
+
+def test_digits_reads_the_arrays_load_digits_gives():
+    """The example reads scikit-learn's bundled file itself (importing sklearn.datasets costs each
+    worker ~2 CPU-s): the same images and labels as ``sklearn.datasets.load_digits()``."""
+    import importlib.util
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    spec = importlib.util.spec_from_file_location("digits_example", DIGITS)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    images, labels = example.load_digits()
+    expected = load_digits()
+    assert images.shape == (1797, 8, 8) and np.array_equal(images, expected.images)
+    assert np.array_equal(labels, expected.target)
