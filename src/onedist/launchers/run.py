@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import os
 import shutil
 import signal
@@ -38,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import IO, Any, Optional
 
@@ -49,7 +49,7 @@ from .launcher import Launcher
 from .nodes import Agents, AgentsError
 from .pet import apply_pet_defaults, ignored_variables
 from .report import Failure, failure_report
-from .spec import check_run_backend, check_run_nodes, check_run_nproc_against, check_run_values
+from .spec import RunSpec, check_run_nproc_against, check_run_values
 from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
@@ -199,45 +199,40 @@ def _pump(stream: IO[bytes], out: IO[bytes], prefix: bytes, show: bool, lock: th
     stream.close()
 
 
-def _base_env(args: argparse.Namespace, nproc: int) -> dict[str, str]:
+def _base_env(spec: RunSpec) -> dict[str, str]:
     """What every worker of this node gets on top of this environment (before its ranks)."""
     env = dict(os.environ)
     env.update(
         {
-            "TORCHELASTIC_RUN_ID": args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}",
+            "TORCHELASTIC_RUN_ID": spec.run_id,
             "PYTHONUNBUFFERED": "1",
-            **worker_threads_env(nproc),
+            **worker_threads_env(spec.nproc_per_node),
         }
     )
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun
-    if args.backend:
-        env["ONEDIST_BACKEND"] = args.backend
+    if spec.backend:
+        env["ONEDIST_BACKEND"] = spec.backend
     return env
 
 
 def _start_workers(
-    args: argparse.Namespace,
-    nproc: int,
-    port: int,
-    tmpdir: str,
-    supervisor: Supervisor[PopenWorker],
-    attempt: int = 0,
+    spec: RunSpec, port: int, tmpdir: str, supervisor: Supervisor[PopenWorker], attempt: int = 0
 ) -> None:
-    """Start the ``nproc`` workers of this node, each added to ``supervisor`` as it starts."""
+    """Start the workers of this node, each added to ``supervisor`` as it starts."""
     if not _LIBC:
         _LIBC.append(ctypes.CDLL(None))
-    base_env = _base_env(args, nproc)
-    target = ["-m", args.target] if args.module else [args.target]
-    cmd = [sys.executable, "-m", "onedist.launchers.bootstrap", *target, *args.args]
+    base_env = _base_env(spec)
+    cmd = [sys.executable, "-m", "onedist.launchers.bootstrap", *spec.command]
+    nproc = spec.nproc_per_node
     for local_rank in range(nproc):
-        rank = args.node_rank * nproc + local_rank
+        rank = spec.node_rank * nproc + local_rank
         error_file = os.path.join(tmpdir, f"error-{rank}.json")
         env = {
             **base_env,
-            **torchrun_env(local_rank, nproc, args.node_rank, args.nnodes, args.master_addr, port),
-            **_agent_env(attempt, args.max_restarts, args.role),
+            **torchrun_env(local_rank, nproc, spec.node_rank, spec.nnodes, spec.master_addr, port),
+            **_agent_env(attempt, spec.max_restarts, spec.role),
             "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(nproc * args.nnodes),
+            "ROLE_WORLD_SIZE": str(spec.world_size),
             "ONEDIST_ERROR_FILE": error_file,
             # where torch's @record writes (onedist's bootstrap reports the error itself)
             "TORCHELASTIC_ERROR_FILE": os.path.join(tmpdir, f"torchelastic-error-{rank}.json"),
@@ -272,16 +267,18 @@ def _start_pumps(
 
 
 class RunLauncher(Launcher):
-    """``onedist run``: this node's ``nproc`` workers, each running the script (torchrun's
-    variables set), restarted while ``--max-restarts`` allows; with several nodes and restarts the
-    nodes' launchers agree on each restart (:class:`~.nodes.Agents`). ``[exit status]``; a signal
-    to the launcher is forwarded to the workers and ends the job (never restarted)."""
+    """``onedist run``: this node's workers (``spec.nproc_per_node``), each running the script
+    (torchrun's variables set), restarted while ``--max-restarts`` allows; with several nodes and
+    restarts the nodes' launchers agree on each restart (:class:`~.nodes.Agents`). ``show`` and
+    ``no_prefix``: whose output is shown, and how (``--output-ranks``, ``--no-prefix``).
+    ``[exit status]``; a signal to the launcher is forwarded to the workers and ends the job
+    (never restarted)."""
 
     name = "onedist run"
 
-    def __init__(self, args: argparse.Namespace, nproc: int, show: Optional[set[int]]) -> None:
-        super().__init__(args.max_restarts)
-        self.args, self.nproc, self.show = args, nproc, show
+    def __init__(self, spec: RunSpec, show: Optional[set[int]] = None, no_prefix: bool = False) -> None:
+        super().__init__(spec.max_restarts)
+        self.spec, self.show, self.no_prefix = spec, show, no_prefix
         self.received: list[int] = []
         self.supervisor = Supervisor[PopenWorker]()
         self.agents: Optional[Agents] = None
@@ -289,9 +286,8 @@ class RunLauncher(Launcher):
 
     def attempt(self, number: int) -> list[Failure]:
         self.supervisor = Supervisor()
-        self.code, failures = _attempt(
-            self.args, self.nproc, self.show, number, self.supervisor, self.received, self.agents
-        )
+        output = (self.show, self.no_prefix)
+        self.code, failures = _attempt(self.spec, output, number, self.supervisor, self.received, self.agents)
         return failures
 
     def restart(self, number: int, failures: list[Failure]) -> Optional[list[Failure]]:
@@ -317,10 +313,7 @@ class RunLauncher(Launcher):
     def launch(self) -> list[Any]:
         """The restart loop, with the signals forwarded to the workers and, for several nodes
         with restarts, the nodes' launchers met first."""
-        args = self.args
-        check_run_nodes(args)
-        check_run_backend(args.backend, args.nnodes, self.nproc)
-        args.rdzv_id = args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}"  # one run id for every attempt
+        spec = self.spec
 
         def forward(signum: int, frame: Any) -> None:
             self.received.append(signum)
@@ -328,15 +321,17 @@ class RunLauncher(Launcher):
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            if args.nnodes > 1 and args.max_restarts > 0:  # the nodes' launchers agree on each restart
-                self.agents = Agents(args.master_addr, args.master_port, args.node_rank, args.nnodes,
-                                     args.max_restarts, args.rdzv_id)  # fmt: skip
-                args.rdzv_id = self.agents.run_id  # node 0's, unless every node was given --rdzv-id
+            if spec.nnodes > 1 and spec.max_restarts > 0:  # the nodes' launchers agree on each restart
+                assert spec.master_port is not None  # RunSpec.build: required with several nodes
+                self.agents = Agents(spec.master_addr, spec.master_port, spec.node_rank, spec.nnodes,
+                                     spec.max_restarts, spec.run_id)  # fmt: skip
+                # node 0's run id, unless every node was given --rdzv-id
+                self.spec = dataclasses.replace(spec, run_id=self.agents.run_id)
             return super().launch()
         except AgentsError as e:
             if self.agents is not None:
                 self.agents.abort(e)
-            sys.stderr.write(f"onedist run: node {args.node_rank}: {e}\n")
+            sys.stderr.write(f"onedist run: node {spec.node_rank}: {e}\n")
             return [1]
         finally:
             if self.agents is not None:
@@ -346,18 +341,19 @@ class RunLauncher(Launcher):
 
 
 def _attempt(
-    args: argparse.Namespace,
-    nproc: int,
-    show: Optional[set[int]],
+    spec: RunSpec,
+    output: tuple[Optional[set[int]], bool],
     attempt: int,
     supervisor: Supervisor[PopenWorker],
     received: list[int],
     agents: Optional[Agents] = None,
 ) -> tuple[int, list[Failure]]:
     """Start this node's workers once (attempt ``attempt``) and watch them: the exit status, and
-    the failures. Each attempt gets a fresh store, so no key of a failed attempt (a failure
-    report, a counter) is read by the next one; with ``agents``, on the port node 0 publishes."""
-    port, store_sock = _attempt_port(args, attempt, agents)
+    the failures. ``output``: the ranks whose output is shown (None: all), and whether it goes
+    without the ``[rank<N>]:`` prefix. Each attempt gets a fresh store, so no key of a failed
+    attempt (a failure report, a counter) is read by the next one; with ``agents``, on the port
+    node 0 publishes."""
+    port, store_sock = _attempt_port(spec, attempt, agents)
     tmpdir = tempfile.mkdtemp(prefix="onedist-run-")
     pumps: list[threading.Thread] = []
     stores: list[Any] = []  # the agent store, kept until every worker ended
@@ -369,12 +365,12 @@ def _attempt(
         )
     try:
         if not received:
-            _start_workers(args, nproc, port, tmpdir, supervisor, attempt)
-            pumps = _start_pumps(supervisor, args.no_prefix, show)
+            _start_workers(spec, port, tmpdir, supervisor, attempt)
+            pumps = _start_pumps(supervisor, output[1], output[0])
         if store_sock is not None:  # after the last fork: the store runs threads of its own
-            stores.append(_agent_store(store_sock, args.master_addr, nproc * args.nnodes))
+            stores.append(_agent_store(store_sock, spec.master_addr, spec.world_size))
             store_sock = None
-        last = attempt >= args.max_restarts
+        last = attempt >= spec.max_restarts
         return _wait(supervisor, pumps, received, failures, report=last, peers=peers), failures
     finally:
         if store_sock is not None:
@@ -387,20 +383,20 @@ def _attempt(
 
 
 def _attempt_port(
-    args: argparse.Namespace, attempt: int, agents: Optional[Agents]
+    spec: RunSpec, attempt: int, agents: Optional[Agents]
 ) -> tuple[int, Optional[socket.socket]]:
     """The workers' rendezvous port of ``attempt``, and on node 0 its bound socket. Node 0 binds
     it here and hands it to rank 0's store: no window for another program to take the port, a
     port in use fails before any worker starts, and one node listens on loopback only. With
     ``agents``, --master-port serves the launchers' store: node 0 binds a fresh port and
     every node reads it from that store once all arrived."""
-    host_store = args.node_rank == 0
+    host_store = spec.node_rank == 0
     try:
         port, store_sock = rendezvous_port(
             # several nodes: listen on every interface even when node 0 calls itself localhost
             # (TorchX's first pod does: TORCHX_RANK0_HOST=localhost), or the others cannot connect
-            args.master_addr if args.nnodes == 1 else "",
-            args.master_port if agents is None else None,
+            spec.master_addr if spec.nnodes == 1 else "",
+            spec.master_port if agents is None else None,
             host_store=host_store,
             what="--master-port",
         )
@@ -513,7 +509,7 @@ def main(args: argparse.Namespace) -> int:
         if env is not None:
             check_run_nproc_against(nproc, env)
             return _run_in_place(args)
-        return int(RunLauncher(args, nproc, show).launch()[0])
+        return int(RunLauncher(RunSpec.build(args, nproc), show, args.no_prefix).launch()[0])
     except (_UsageError, OnedistValueError) as e:
         sys.stderr.write(f"onedist run: {e}\n")
         return 2

@@ -3,10 +3,13 @@
 :meth:`LaunchSpec.build` checks the launch arguments of :func:`onedist.spawn` and of ``Parallel``'s
 launches, those a backend's own launcher cannot honour included (mpirun, horovod.run and xmp.spawn
 start the workers of one host); every launcher then takes the spec, never the arguments one by
-one. Beside it, the same rules in the words each front end's users know: ``Parallel``'s checks at
-construction, in ignite's order and words, and ``onedist run``'s, naming the flag or the
-``PET_*`` variable a value came from. Each error names the argument, the value given and what is
-allowed. ``tests/test_architecture.py`` fails on a check of a launch argument anywhere else.
+one. ``onedist run`` starts a script, not a function: :meth:`RunSpec.build` checks its flags
+together (after :func:`check_run_values`, which every run needs, in place or not) and every part
+of it then takes the spec. Beside them, the same rules in the words each front end's users know:
+``Parallel``'s checks at construction, in ignite's order and words, and ``onedist run``'s,
+naming the flag or the ``PET_*`` variable a value came from. Each error names the argument, the
+value given and what is allowed. ``tests/test_architecture.py`` fails on a check of a launch
+argument anywhere else.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import functools
 import glob
 import multiprocessing
 import os
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,6 +32,7 @@ from .pet import flag_or_variable, not_allowed
 __all__ = [
     "LaunchSpec",
     "OWN_LAUNCHERS",
+    "RunSpec",
     "START_METHODS",
     "available_start_methods",
     "check_against_launcher",
@@ -35,8 +40,6 @@ __all__ = [
     "check_no_spawn_args",
     "check_parallel_args",
     "check_parallel_kwargs",
-    "check_run_backend",
-    "check_run_nodes",
     "check_run_nproc_against",
     "check_run_values",
     "check_serial_args",
@@ -502,6 +505,67 @@ def check_against_launcher(given: Mapping[str, Any], env: Any) -> None:
 # an error names the flag, or the variable the value came from (``onedist run: <error>``, exit 2).
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    """What ``onedist run`` starts on this node, after its checks: torchrun's flags as typed
+    values, each given, taken from its ``PET_*`` variable, or torchrun's default. ``command``: a
+    worker's arguments after ``python`` (``script.py ...`` or ``-m module ...``); ``run_id``: the
+    run's ``TORCHELASTIC_RUN_ID``, one for every attempt. Build one with :meth:`build`."""
+
+    command: tuple[str, ...]
+    nproc_per_node: int
+    run_id: str
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = LOOPBACK
+    master_port: Optional[int] = None
+    max_restarts: int = 0
+    backend: Optional[str] = None
+    role: str = "default"
+
+    @classmethod
+    def build(cls, args: argparse.Namespace, nproc: int) -> RunSpec:
+        """The spec of a run that starts its workers here, from ``onedist run``'s parsed flags
+        after :func:`check_run_values` (which gave ``nproc``): the node flags checked together
+        (``--rdzv-endpoint`` as address and port), and ``--backend`` checked before any worker
+        starts rather than in each of them.
+
+        Raises:
+            OnedistValueError: a flag (or its ``PET_*`` variable) is not allowed with the others.
+            BackendUnavailableError: ``--backend`` cannot run here.
+
+        Example:
+            >>> from onedist.launchers.pet import apply_pet_defaults
+            >>> from onedist.launchers.run import build_parser
+            >>> argv = ["--rdzv-endpoint", "node0", "--nnodes", "2", "--node-rank", "1", "-n", "4",
+            ...         "-m", "pkg.train", "--lr", "0.1"]
+            >>> args = build_parser().parse_args(argv)
+            >>> args.from_environment = apply_pet_defaults(args, {"PET_MAX_RESTARTS": "3"})
+            >>> spec = RunSpec.build(args, check_run_values(args))
+            >>> spec.command, spec.master_addr, spec.master_port, spec.world_size, spec.max_restarts
+            (('-m', 'pkg.train', '--lr', '0.1'), 'node0', 29400, 8, 3)
+        """
+        _check_run_nodes(args)
+        _check_run_backend(args.backend, args.nnodes, nproc)
+        target = ("-m", args.target) if args.module else (args.target,)
+        return cls(
+            command=(*target, *args.args),
+            nproc_per_node=nproc,
+            run_id=args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}",
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            max_restarts=args.max_restarts,
+            backend=args.backend,
+            role=args.role,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
 def visible_gpus(environ: Optional[dict[str, str]] = None) -> int:
     """GPUs this process may use, without importing torch (CUDA_VISIBLE_DEVICES or /dev/nvidiaN)."""
     env = os.environ if environ is None else environ
@@ -514,7 +578,7 @@ def visible_gpus(environ: Optional[dict[str, str]] = None) -> int:
 def check_run_values(args: argparse.Namespace) -> int:
     """Each launch flag's value (typed, or taken from its ``PET_*`` variable), converted in place
     (``--nnodes`` to an int); the number of workers ``--nproc-per-node`` asks for. The rules that
-    tie flags together are :func:`check_run_nodes`'s, for the runs that start workers."""
+    tie flags together are :meth:`RunSpec.build`'s, for the runs that start workers."""
     nproc = _run_nproc(args)
     low, _, high = str(args.nnodes).strip().partition(":")
     if not low.isdigit() or int(low) < 1 or (high and high != low):
@@ -560,10 +624,10 @@ def _run_nproc(args: argparse.Namespace) -> int:
     return int(value)
 
 
-def check_run_nodes(args: argparse.Namespace) -> None:
+def _check_run_nodes(args: argparse.Namespace) -> None:
     """The node flags together, for a run that starts workers: ``--node-rank`` given (0 by default)
     and below ``--nnodes``, ``--rdzv-endpoint`` as master address and port, a fixed port for
-    several nodes. After :func:`check_run_values`."""
+    several nodes. After :func:`check_run_values`; for :meth:`RunSpec.build`."""
     name = functools.partial(flag_or_variable, args)
     if args.node_rank is None:
         if args.nnodes > 1 and args.rdzv_backend == "c10d":
@@ -613,7 +677,7 @@ def check_run_nproc_against(nproc: int, env: Any) -> None:
         )
 
 
-def check_run_backend(backend: Optional[str], nnodes: int, nproc: int) -> None:
+def _check_run_backend(backend: Optional[str], nnodes: int, nproc: int) -> None:
     """``--backend``: a name the workers' ``initialize`` will take (``auto`` resolved as it will
     be there), checked before any worker starts rather than in each of them."""
     if backend:
