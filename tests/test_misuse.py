@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -402,3 +403,108 @@ def test_a_timeout_seen_as_a_closed_connection_still_names_both_calls():
     assert "closed its connection without reporting" not in text, text
     assert "all_reduce" in text and "barrier" in text and "test_misuse.py" in text, text
     assert "timed out" in text, text
+
+
+def _all_reduce_of_different_shapes(out: str) -> None:
+    """2 values on rank 0, 3 on rank 1; each rank writes what its call returned."""
+    got = od.all_reduce(torch.ones(2 + od.get_rank()))
+    Path(out, f"{od.get_rank()}.json").write_text(json.dumps(got.tolist()))
+
+
+def _all_reduce_of_different_dtypes() -> None:
+    import faulthandler
+
+    faulthandler.disable()  # pytest's would print the aborted rank's stacks, past the capture
+    od.all_reduce(torch.ones(3, dtype=torch.float32 if od.get_rank() == 0 else torch.float64))
+
+
+def test_without_debug_mode_gloo_sums_different_shapes_wrongly_and_aborts_on_different_dtypes(
+    tmp_path, capfd
+):
+    """torch's gloo, which debug mode guards against (two pools of this test's own, forked): rank 0
+    returns [2.0, 2.0] at once as if nothing were wrong while rank 1 waits for a third value; a
+    float32 against a float64 all_reduce ends a rank with gloo's uncaught exception (SIGABRT)."""
+    from distpool import CheckFailed, DistPool
+
+    shapes = DistPool(2, "gloo", {"ONEDIST_DEBUG": "0"})
+    try:
+        with pytest.raises(CheckFailed, match="rank 1 did not finish within the time limit") as hung:
+            shapes.run(_all_reduce_of_different_shapes, str(tmp_path), timeout=3.0)
+        assert "--- rank 0 ---" not in str(hung.value), hung.value  # rank 0 returned without an error
+    finally:
+        shapes.close()
+    assert json.loads((tmp_path / "0.json").read_text()) == [2.0, 2.0]
+    assert not (tmp_path / "1.json").exists()
+    dtypes = DistPool(2, "gloo", {"ONEDIST_DEBUG": "0"})
+    try:
+        with pytest.raises(CheckFailed):
+            dtypes.run(_all_reduce_of_different_dtypes, timeout=30.0)
+    finally:
+        dtypes.close()
+    assert -signal.SIGABRT in [p.exitcode for p in dtypes.procs], [p.exitcode for p in dtypes.procs]
+    assert "terminate called after throwing an instance of 'gloo::EnforceNotMet'" in capfd.readouterr().err
+
+
+def _reduce_against_barrier() -> None:
+    if od.get_rank() == 0:
+        od.all_reduce(torch.ones(3))
+    else:
+        od.barrier()
+
+
+def test_onedist_watch_0_turns_the_stall_check_off_with_the_watcher():
+    """Ranks blocked in different collectives, the stall check set to 1 s: with the watcher (the
+    default), CollectiveMismatchError on both ranks after about 2 s; with ONEDIST_WATCH=0 (the stall
+    check runs in the watcher's thread) nothing is raised for 5 s. Two pools of this test's own,
+    killed after (a group whose calls were broken cannot be used again)."""
+    from distpool import CheckFailed, DistPool
+
+    stall = {"ONEDIST_STALL_S": "1", "ONEDIST_DEBUG": "0"}
+    watched = DistPool(2, "gloo", stall)
+    try:
+        with pytest.raises(CheckFailed) as raised:
+            watched.run(_reduce_against_barrier, timeout=20.0)
+    finally:
+        watched.close()
+    verdicts = str(raised.value).count("CollectiveMismatchError: onedist: the ranks are blocked")
+    assert verdicts == 2, raised.value
+    pool = DistPool(2, "gloo", {**stall, "ONEDIST_WATCH": "0"})
+    try:
+        with pytest.raises(CheckFailed) as hung:
+            pool.run(_reduce_against_barrier, timeout=5.0)
+    finally:
+        pool.close()
+    for rank in (0, 1):
+        assert f"rank {rank} did not finish within the time limit (hung)" in str(hung.value), hung.value
+
+
+def _break_then_use_the_store() -> str:
+    """Rank 0 breaks the group's pending calls (as the stall check does); then both ranks talk
+    through the store: rank 1 waits for rank 0's key, rank 0 for rank 1's answer."""
+    from onedist.state import world
+
+    store, rank = world.backend.side_store(), od.get_rank()
+    store.set(f"break/ready/{rank}", "1")
+    store.wait([f"break/ready/{1 - rank}"])
+    if rank == 0:
+        assert world.backend.break_pending()  # gloo's connections: some were shut down
+        store.set("break/done", "1")
+        store.wait(["break/read"])
+    else:
+        store.wait(["break/done"])
+        store.set("break/read", "1")
+    return store.get("break/done").decode()
+
+
+def test_breaking_the_calls_of_a_tcp_group_keeps_its_store():
+    """A group made with init_method="tcp://..." (no MASTER_PORT in the environment, as the test
+    pools make theirs): breaking its calls leaves every rank's store connection up, where the stall
+    verdict travels. Breaking it too made a peer report "closed its connection without reporting
+    an error" instead of the verdict, in about 1 run of 3."""
+    from distpool import DistPool
+
+    pool = DistPool(2, "gloo")
+    try:
+        assert pool.run(_break_then_use_the_store, timeout=20.0) == ["1", "1"]
+    finally:
+        pool.close()

@@ -68,6 +68,16 @@ def _default_store() -> Any:
         return None
 
 
+def _store_port() -> int:
+    """The port of the TCP store under the default group's (prefix) store, whatever made it
+    (``env://``, ``tcp://``, a launcher's agent store, the user's own); else ``MASTER_PORT``'s."""
+    store = _default_store()
+    while store is not None and hasattr(store, "underlying_store"):  # PrefixStore(s) around it
+        store = store.underlying_store
+    port = getattr(store, "port", None)
+    return port if isinstance(port, int) else int(os.environ.get("MASTER_PORT", "-1") or -1)
+
+
 class NativeBackend(Backend):
     """A torch.distributed default process group (created by onedist or by the user)."""
 
@@ -204,8 +214,8 @@ class NativeBackend(Backend):
             from .mpi import revoke_all
 
             return revoke_all()
-        port = int(os.environ.get("MASTER_PORT", "-1") or -1)
-        return break_connections(self._group_fds, keep_port=port) > 0
+        # the store's connections stay: the verdict that explains the break travels there
+        return break_connections(self._group_fds, keep_port=_store_port()) > 0
 
     def break_tells_peers(self) -> bool:
         return self.name == _MPI4PY
