@@ -272,6 +272,31 @@ def check_auto_optim_arguments() -> None:
         od.auto_optim(fp16)
 
 
+def check_no_sync_with_adasum_and_od_join_raise() -> None:
+    """od.no_sync on a model whose DistributedOptimizer uses Adasum raises (Adasum combines each
+    step's parameter changes, not gradients), naming the fix; od.join raises when its block
+    starts, naming the backend, before anything inside runs; both leave the ranks in step."""
+    adasum = od.auto_model(_net(False))
+    od.auto_optim(torch.optim.SGD(adasum.parameters(), lr=0.1), op="adasum")
+    with pytest.raises(OnedistValueError) as raised:
+        with od.no_sync(adasum):
+            raise AssertionError("od.no_sync with Adasum entered its block")
+    assert "a model whose optimizer is hvd.DistributedOptimizer with op 'average' or 'sum'" in str(
+        raised.value
+    )
+    assert "accumulate with auto_optim(..., backward_passes_per_step=k) instead" in str(raised.value)
+    model = od.auto_model(_net(False))
+    od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(
+        OnedistValueError, match=r"onedist.join: backend='horovod' is not supported; allowed: "
+    ):
+        with od.join(model):
+            raise AssertionError("od.join entered its block on Horovod")
+    with od.no_sync(model):  # op 'average' (the default): held back, as usual
+        model(torch.randn(2, 6)).sum().backward()
+    assert od.all_reduce(1) == od.get_world_size()
+
+
 # ============================================================================ spawn's workers
 def worker_report(local_rank: int, scale: int, offset: int = 0) -> dict[str, Any]:
     return {

@@ -360,3 +360,25 @@ def check_checkpoint_inside_the_block_once_rank_0_has_left(tmpdir: str) -> dict[
         raise AssertionError("a checkpoint inside od.join after rank 0 left was not refused")
     assert od.all_reduce(1) == od.get_world_size()  # the group is whole again
     return {"saved": saved, "error": error, "on_disk": od.load_checkpoint(path)["step"]}
+
+
+def check_debug_mode_names_a_collective_made_before_the_step_check() -> dict[str, Any]:
+    """Rank 0 has 1 batch, the others 3; each step makes an all_reduce before the forward pass,
+    that is before its step check. Once rank 0 has left, it answers a step check where the others
+    make that all_reduce: debug mode raises CollectiveMismatchError on every rank, naming both."""
+    rank = od.get_rank()
+    model = od.auto_model(_net(False))
+    od.set_debug(True)
+    try:
+        with od.join(model):
+            for x, _ in batches_of(rank, count=1 if rank == 0 else 3):
+                od.all_reduce(torch.ones(1))  # before the step check
+                model(x).sum().backward()
+    except od.CollectiveMismatchError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a collective made before the step check was not named")
+    finally:
+        od.set_debug(False)
+    assert od.all_reduce(1) == od.get_world_size()  # the group is whole again
+    return {"message": message}

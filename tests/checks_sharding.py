@@ -463,3 +463,74 @@ def check_fsdp_and_ddp_rounding_with_adamw_and_sgd() -> dict[str, float]:
         "adamw": _fsdp_minus_ddp(torch.optim.AdamW, STEPS),
         "sgd": _fsdp_minus_ddp(lambda params: torch.optim.SGD(params, lr=0.01), STEPS),
     }
+
+
+def _gradient_bytes(model: torch.nn.Module) -> int:
+    """This rank's bytes of gradients: its shards' ``.grad`` and the unsharded gradients FSDP2
+    holds for a later reduce-scatter (each FSDPParam's, torch's own record of them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            grads.append(param.unsharded_accumulated_grad)
+            grads.append(getattr(getattr(param, "_unsharded_param", None), "grad", None))
+    storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads if g is not None}
+    return sum(storages.values())
+
+
+def check_no_sync_holds_the_whole_models_gradients_until_the_window_ends() -> dict[str, int]:
+    """A window of 3 micro-batches on a sharded model: after each backward pass inside od.no_sync
+    this rank holds the whole model's gradients (the bytes DDP holds), after the window's last
+    one its 1/N share."""
+    model = od.auto_model(Net(), sharding="fsdp")
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())  # p.shape: the whole parameter
+    held = []
+    for i in range(3):
+        x, y = _batch(i)
+        with od.no_sync(model, enabled=i < 2):
+            od.backward(torch.nn.functional.mse_loss(model(x), y) / 3)
+        held.append(_gradient_bytes(model))
+    ws = od.get_world_size()
+    assert held[:2] == [whole, whole], (held, whole)
+    assert held[2] <= whole / ws * 1.1, (held, whole, ws)
+    return {"whole": whole, "inside": held[0], "after": held[2]}
+
+
+def check_a_rank_with_one_forward_pass_more_waits_in_its_all_gather() -> dict[str, Any]:
+    """Rank 1 runs one forward pass (under no_grad) more than rank 0, which then computes outside
+    any collective for 2 s before it runs that pass too: rank 1's pass waits all that time, inside
+    an all-gather of FSDP2's (its main thread's stack, looked at after 1 s)."""
+    import sys
+    import threading
+    import time
+
+    model = od.auto_model(Net(), sharding="fsdp")
+    x, _ = _batch(0)
+    with torch.no_grad():
+        model(x)  # every rank: one pass each
+    if od.get_rank() == 0:
+        time.sleep(2.0)  # not in any collective
+        with torch.no_grad():
+            model(x)  # the pass rank 1 waits for
+        return {}
+    main, stack = threading.main_thread().ident, []
+
+    def look() -> None:
+        time.sleep(1.0)
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            stack.append(frame.f_code.co_name)
+            frame = frame.f_back
+
+    looker = threading.Thread(target=look)
+    looker.start()
+    start = time.monotonic()
+    with torch.no_grad():
+        model(x)  # one pass more than rank 0 has made so far
+    waited = time.monotonic() - start
+    looker.join()
+    assert waited >= 1.5, waited
+    assert any("all_gather" in name for name in stack), stack
+    return {"waited": waited, "in": [name for name in stack if "all_gather" in name]}

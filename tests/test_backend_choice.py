@@ -271,3 +271,48 @@ def test_a_failure_while_registering_the_torch_plugin_is_only_a_warning(monkeypa
     assert [str(w.message) for w in caught] == [
         "onedist could not register its torch.distributed backends: RuntimeError('an unusual torch')"
     ]
+
+
+# sums that wrap, of 1000 elements: Open MPI 4.1's vector kernels, which saturate, took 8-bit sums
+# of 64 elements or more here and 16-bit ones of 8 or more (shorter ones wrapped)
+WRAPPING_SUMS = """
+import torch, torch.distributed as dist, onedist as od
+od.initialize("mpi")
+for dtype, value in ((torch.uint8, 200), (torch.int8, 100), (torch.int16, 30000), (torch.uint16, 60000)):
+    t = torch.full((1000,), value, dtype=dtype)
+    dist.all_reduce(t)
+    if od.get_rank() == 0:
+        print(str(dtype), sorted(set(t.long().tolist())), flush=True)
+od.finalize()
+"""
+
+
+@pytest.mark.launcher
+def test_mpi4py_sums_of_8_and_16_bit_integers_wrap_as_torchs_instead_of_saturating():
+    """Open MPI 4.1 saturates these sums (200 + 200 = 255 in uint8); onedist reduces them in a wider
+    type, so they wrap as torch's and gloo's do."""
+    from prereqs import mpirun_missing
+
+    if dist.is_mpi_available() or mpirun_missing() is not None:
+        pytest.skip(str(mpirun_missing() or "a torch with MPI of its own"))
+    command = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        sys.executable,
+        "-c",
+        WRAPPING_SUMS,
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected = {
+        torch.uint8: 200 + 200 - 256,
+        torch.int8: 100 + 100 - 256,
+        torch.int16: 30000 + 30000 - 65536,
+        torch.uint16: 60000 + 60000 - 65536,
+    }
+    assert proc.stdout.splitlines() == [f"{dtype} [{value}]" for dtype, value in expected.items()], (
+        proc.stdout
+    )

@@ -132,6 +132,11 @@ def test_training_loop_accumulation_and_bf16_mixed(hvd):
 
 
 @pytest.mark.launcher
+def test_no_sync_with_adasum_and_od_join_raise_on_horovod(hvd):
+    hvd(ch.check_no_sync_with_adasum_and_od_join_raise)
+
+
+@pytest.mark.launcher
 def test_training_loop_on_one_horovod_rank():
     """horovodrun -np 1: no hooks, nothing exchanged; the same weights as the K-fold batch."""
     pool = LaunchPool(_horovodrun(1), 1, "horovod")

@@ -156,3 +156,23 @@ def test_a_checkpoint_inside_the_block_raises_once_rank_0_has_left(tmp_path):
     out = Runner(2, "gloo")(checks_join.check_checkpoint_inside_the_block_once_rank_0_has_left, str(tmp_path))
     expected = {"saved": [0], "error": {"call": "broadcast_object", "rank": 0}, "on_disk": 0}
     assert out == [expected] * 2, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_debug_mode_names_a_collective_made_before_the_step_check(n):
+    out = Runner(n, "gloo")(checks_join.check_debug_mode_names_a_collective_made_before_the_step_check)
+    for o in out:
+        lines = o["message"].splitlines()
+        assert (
+            lines[0]
+            == f"onedist debug mode: the ranks of group {list(range(n))} called different collectives:"
+        )
+        assert (
+            lines[1].startswith('  rank 0: join_step_check(value ["T", "torch.int64", ')
+            and "checks_join.py:" in lines[1]
+        )
+        assert all(
+            line.startswith(f'  rank {r}: all_reduce(op=SUM, value ["T", "torch.float32", [1]')
+            for r, line in zip(range(1, n), lines[2:])
+        ), lines
+    assert len({o["message"] for o in out}) == 1, out  # the same verdict on every rank

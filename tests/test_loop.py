@@ -199,3 +199,20 @@ def test_the_scalers_state_is_not_in_a_checkpoint(cpu_scaler, tmp_path):
         path, {"model": fresh, "optimizer": od.auto_optim(torch.optim.SGD(fresh.parameters()))}
     )
     assert precision.active_scaler().get_scale() == 2.0**16
+
+
+def test_16_mixed_is_refused_with_horovod_where_cuda_allows_it():
+    """auto_model's precision check for a CUDA device (no GPU here: the check itself, which needs
+    none): "16-mixed" is allowed with nccl and refused with Horovod, naming what Horovod allows."""
+    import torch
+
+    import onedist as od
+    from onedist.training.precision import check_precision
+
+    cuda = torch.device("cuda")
+    assert check_precision("16-mixed", cuda, "nccl") == "16-mixed"
+    with pytest.raises(od.OnedistValueError) as raised:
+        check_precision("16-mixed", cuda, "horovod")
+    assert str(raised.value).startswith(
+        "onedist.auto_model: precision='16-mixed' is not allowed; allowed: '32'"
+    ) and "on device 'cuda' with backend 'horovod'" in str(raised.value), raised.value

@@ -162,3 +162,16 @@ def test_fsdp_and_ddp_round_apart_about_1e_6_with_adamw_and_1e_8_with_sgd():
             assert out == {"adamw": 0.0, "sgd": 0.0}, out
         else:
             assert 1e-7 < out["adamw"] <= 3e-6 and 1e-9 < out["sgd"] <= 1e-7, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_no_sync_on_a_sharded_model_holds_the_whole_models_gradients_until_the_window_ends(n):
+    """What sharding saves in gradients is spent again inside od.no_sync (torch's FSDP2 keeps the
+    unsharded gradients for the reduce-scatter of the window's last backward pass)."""
+    out = Runner(n)(checks_sharding.check_no_sync_holds_the_whole_models_gradients_until_the_window_ends)
+    assert all(o["inside"] == o["whole"] and o["after"] <= o["whole"] / n * 1.1 for o in out), out
+
+
+def test_a_rank_that_runs_one_forward_pass_more_waits_in_its_all_gather():
+    out = Runner(2)(checks_sharding.check_a_rank_with_one_forward_pass_more_waits_in_its_all_gather)
+    assert out[0] == {} and out[1]["waited"] >= 1.5 and out[1]["in"], out
