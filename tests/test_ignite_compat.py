@@ -15,6 +15,10 @@ Every entry of ``NOT_COPIED`` and ``DIFFERENCES`` is listed in docs/migration/ig
 from __future__ import annotations
 
 import inspect
+import logging
+import os
+import re
+import socket
 import types
 import warnings
 from collections.abc import Callable
@@ -23,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import SequentialSampler
+from torch.utils.data import RandomSampler, SequentialSampler
 
 ig = pytest.importorskip("ignite.distributed")
 
@@ -390,6 +394,38 @@ def test_serial_show_config(serial):
     assert config["world_size"] == ig.get_world_size() and config["backend"] == ig.backend()
 
 
+def test_serial_show_config_logs_under_onedist_config(serial):
+    """onedist's show_config logs under the logger ``onedist.config`` (ignite's under its own)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("onedist.config")
+    logger.addHandler(handler)
+    try:
+        od.show_config()
+    finally:
+        logger.removeHandler(handler)
+    lines = [r.getMessage() for r in records if r.name == "onedist.config"]
+    assert "distributed configuration: serial" in lines and "world size: 1" in lines, lines
+
+
+def test_error_messages_go_on_with_a_hint(serial):
+    """After ignite's words and what was given and allowed, a HINT: with the fix, where there is one."""
+    with pytest.raises(TypeError) as caught:
+        od.broadcast([1, 2])
+    assert re.search(
+        r"Unhandled input type: tensor has type list \(\[1, 2\]\); allowed: .*\nHINT: od\.broadcast_object",
+        str(caught.value),
+    )
+    with pytest.raises(ValueError) as caught:
+        od.Parallel(backend="abc")
+    assert re.search(
+        r"Unknown backend 'abc'\. Available backends: .*\n  given: backend='abc'; allowed: .*\n"
+        r"HINT: `onedist info`",
+        str(caught.value),
+    )
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -442,6 +478,49 @@ def test_proxy_sampler_documented_differences(serial):
     # not a torch DistributedSampler subclass (ignite's is)
     s = od.DistributedProxySampler(SequentialSampler(range(3)), num_replicas=1, rank=0)
     assert not isinstance(s, torch.utils.data.DistributedSampler)
+
+
+def _share_drawn_under(seed: int, n: int, replicas: int, rank: int) -> list[int]:
+    """Rank ``rank``'s share of a RandomSampler over ``n`` drawn under ``seed``, padded with the
+    first items of the same draw."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        drawn = list(RandomSampler(range(n)))
+    total = -(-n // replicas) * replicas
+    return (drawn + drawn[: total - n])[rank:total:replicas]
+
+
+def test_proxy_sampler_draws_under_seed_plus_epoch_and_leaves_the_global_rng(serial):
+    """Each pass draws the wrapped sampler under seed ``seed + epoch``, the global RNG untouched;
+    the epoch advances by itself on each pass and set_epoch still wins. ignite's sampler calls
+    torch.manual_seed(epoch) on the global RNG."""
+    s = od.DistributedProxySampler(RandomSampler(range(5)), num_replicas=2, rank=1, seed=7)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    first, second = list(s), list(s)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert first == _share_drawn_under(7, 5, 2, 1) and second == _share_drawn_under(8, 5, 2, 1)
+    assert s.epoch == 1 and first != second
+    s.set_epoch(5)
+    assert list(s) == _share_drawn_under(12, 5, 2, 1)
+    list(ig.DistributedProxySampler(RandomSampler(range(5)), num_replicas=2, rank=1))
+    assert not torch.equal(torch.get_rng_state(), before)
+
+
+def _master_port(local_rank: int) -> tuple[int, int]:
+    return int(os.environ["MASTER_PORT"]), od.all_reduce(1)
+
+
+def test_spawn_without_master_port_picks_a_free_port(monkeypatch):
+    """ignite's spawn takes $MASTER_PORT or 2222; onedist's picks a free port: here $MASTER_PORT
+    names a port this test holds, and the workers meet on another one, not 2222."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        out = od.spawn("gloo", _master_port, nproc_per_node=2, start_method="fork")
+    assert out[0] == out[1] and out[0][1] == 2 and out[0][0] not in (port, 2222), (out, port)
 
 
 def test_serial_parallel_run(serial):
@@ -572,6 +651,42 @@ def _auto_match() -> dict[str, Any]:
     return {"rank": od.get_rank()}
 
 
+def check_documented_differences() -> dict[str, Any]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _documented_differences()
+
+
+def _documented_differences() -> dict[str, Any]:
+    r, ws = od.get_rank(), od.get_world_size()
+    # ignite's all_reduce takes no dict (every rank raises before communicating); onedist's does
+    metrics = {"loss": torch.tensor(1.0 + r), "n": 2}
+    with pytest.raises(TypeError, match="Unhandled input type <class 'dict'>"):
+        ig.all_reduce(dict(metrics))
+    reduced = od.all_reduce(dict(metrics))
+    assert torch.equal(reduced["loss"], torch.tensor(ws + ws * (ws - 1) / 2)) and reduced["n"] == 2 * ws
+
+    # sync_bn=True on CPU raises in both (torch's SyncBatchNorm is CUDA only); onedist's names its own
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+
+    with pytest.raises(ValueError, match="SyncBatchNorm layers only work with GPU modules"):
+        ig.auto_model(net(), sync_bn=True)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)SyncBatchNorm layers only work with GPU modules.*"
+        r"HINT: model = od\.convert_sync_batchnorm",
+    ):
+        od.auto_model(net(), sync_bn=True)
+
+    # safe_mode=True: a non-source rank's value is ignored, whatever its type
+    for placeholder in (None, [1, 2], object(), torch.ones(3), 7, "other"):
+        assert od.broadcast("from 0" if r == 0 else placeholder, safe_mode=True) == "from 0", placeholder
+    got = od.broadcast(torch.arange(3.0) if r == 0 else {"not": "a tensor"}, safe_mode=True)
+    assert torch.equal(got, torch.arange(3.0))
+    return {"rank": r}
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"ws{w}")
 def ignite_pool(request: pytest.FixtureRequest):
     """A gloo pool of this module's own: ignite keeps module state (its model, a helper group) in
@@ -588,4 +703,9 @@ def test_distributed_collectives_match(ignite_pool):
 
 def test_distributed_auto_match(ignite_pool):
     ranks = [o["rank"] for o in ignite_pool.run(check_auto_match)]
+    assert ranks == list(range(ignite_pool.world_size))
+
+
+def test_distributed_documented_differences(ignite_pool):
+    ranks = [o["rank"] for o in ignite_pool.run(check_documented_differences)]
     assert ranks == list(range(ignite_pool.world_size))
