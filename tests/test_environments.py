@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -307,3 +309,25 @@ def test_one_gpu_seen_by_several_processes_is_none_for_nccl_only():
     assert [gpu_index(r, 1, exclusive=True, sharing=2) for r in (0, 1)] == [None, None]
     assert [gpu_index(r, 1, exclusive=False, sharing=2) for r in (0, 1)] == [0, 0]
     assert gpu_index(0, 1, exclusive=True, sharing=1) == 0  # alone on the node: its GPU
+
+
+# ---------------------------------------------------------------------------- no torch
+def test_detection_imports_no_torch():
+    """Detecting each launcher's environment, and the layout, in a fresh interpreter leaves torch
+    unimported."""
+    envs = [TORCHRUN_NODE1, SRUN_3_PLUS_1, {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"},
+            {"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "2"}, {"PMI_RANK": "1", "PMI_SIZE": "2"},
+            {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, {"RANK": "1", "WORLD_SIZE": "2", "RAY_JOB_ID": "01"},
+            {"RANK": "1", "WORLD_SIZE": "2", "PET_NODE_RANK": "1", "PET_NNODES": "2"},
+            {"LSB_JOBID": "5", "JSM_NAMESPACE_RANK": "1", "JSM_NAMESPACE_SIZE": "2"}]  # fmt: skip
+    code = (
+        "import sys\n"
+        "from onedist.environments import detect_cluster, layout_from_environ\n"
+        f"names = [detect_cluster(e).name for e in {envs!r}]\n"
+        f"layout_from_environ({TORCHRUN_NODE1!r}, rank=5, world_size=6)\n"
+        "print(names, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    names = ["torchelastic", "slurm", "openmpi", "mvapich", "mpich", "horovod", "ray", "pytorchjob", "lsf"]
+    assert proc.stdout.strip() == f"{names} False", proc.stdout

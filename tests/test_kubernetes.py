@@ -145,6 +145,19 @@ def test_pytorchjob_pod_with_one_process_per_pod_is_that_rank():
     assert pod_start_problem(pod) is None and kubernetes_warnings(pod) == []
 
 
+def test_a_pre_1_7_pytorchjob_pod_is_a_torchrun_style_rank():
+    """Before v1.7 the operator set only MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (one process
+    per pod): plain python is rank RANK of WORLD_SIZE, at the operator's master, with no error and
+    no warning (the local layout is then completed from the nodes the ranks publish)."""
+    pod = {"PYTHONUNBUFFERED": "1", "MASTER_ADDR": "pyjob-master-0", "MASTER_PORT": "23456",
+           "WORLD_SIZE": "2", "RANK": "1"}  # fmt: skip
+    assert detect_cluster(pod) == ClusterEnv(
+        "torchelastic", 1, 2, None, None, None, None, "pyjob-master-0", 23456
+    )
+    assert pod_start_problem(pod) is None and kubernetes_warnings(pod) == []
+    assert launch_warnings(pod, network={}) == []
+
+
 def test_pytorchjob_rank_is_a_node_index_when_nproc_per_node_is_2():
     """Lightning-AI #13374: with nprocPerNode 2, RANK=1 is pod 1, not process 1 of WORLD_SIZE=4."""
     pod = pytorchjob_pod(1, pods=2, nproc="2")
@@ -212,6 +225,21 @@ def test_every_pet_flag_torchrun_reads_is_a_default_here():
     empty = _parse(environ={})
     defaults = (empty.nproc_per_node, empty.nnodes, empty.master_addr, empty.rdzv_backend)
     assert defaults == ("1", 1, "127.0.0.1", "static")
+
+
+@pytest.mark.parametrize(
+    "visible, workers",
+    [("0,1,2", 3), ("GPU-5f1c,GPU-77a0", 2), ("0", 1), ("", 1), ("-1", 1)],
+    ids=["three-gpus", "two-by-uuid", "one-gpu", "none", "hidden"],
+)
+def test_pet_nproc_per_node_auto_is_one_worker_per_visible_gpu_else_1(visible, workers, monkeypatch):
+    """PyTorchJob's default nprocPerNode "auto": the number of workers `onedist run` starts
+    (check_run_values' answer) is the count of GPUs CUDA_VISIBLE_DEVICES shows, and 1 without any."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    args = build_parser().parse_args(["train.py"])
+    args.from_environment = apply_pet_defaults(args, {"PET_NPROC_PER_NODE": "auto"})
+    assert args.nproc_per_node == "auto"
+    assert check_run_values(args) == workers
 
 
 def test_torchrun_pet_flags_are_all_known():

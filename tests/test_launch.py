@@ -383,3 +383,178 @@ def test_the_restart_loop_restarts_while_allowed_then_raises_the_failure(failing
         f"scripted: rank 1 failed (ValueError: boom); restarting the workers (attempt {n} of {max_restarts})"
         for n in range(1, min(failing, max_restarts) + 1)
     ]
+
+
+@pytest.mark.launcher
+def test_torchrun_c10d_rendezvous_two_agents(tmp_path):
+    """torchrun's dynamic rendezvous: two agents on one host, the same c10d endpoint and run id and
+    no node rank; torchrun numbers the nodes as the agents join, and the onedist script (agree.py)
+    gets the right ranks and layout from its variables."""
+    from test_run import SCRIPT as AGREE, _check_agree, _env
+
+    endpoint = f"127.0.0.1:{od._net.free_port()}"
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "job1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *rdzv]
+    env = _env(TMPDIR=str(tmp_path))  # torchrun's log folders
+    agents = [
+        subprocess.Popen(
+            [*cmd, AGREE, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
+    try:
+        outs = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert all(a.returncode == 0 for a in agents), outs
+    _check_agree(tmp_path, 2, nnodes=2)
+
+
+# ---------------------------------------------------------------------------- a failing rank under torchrun
+TORCHRUN_FAILING = REPO / "tests" / "scripts" / "launchpage_torchrun.py"
+_torchrun_runs: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+
+
+def _torchrun_failing(how: str, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """``torchrun --standalone --nproc-per-node 2 launchpage_torchrun.py OUT how``, run once per
+    ``how`` for the tests below: rank 1 raises, calls ``sys.exit(3)`` or is SIGKILLed while rank 0
+    waits in a barrier. Nothing of a launcher is inherited, and no ``OMP_NUM_THREADS``: torchrun
+    sets it. TMPDIR is the run's folder (torchrun leaves its error files there)."""
+    if how not in _torchrun_runs:
+        out = tmp_path_factory.mktemp(f"torchrun-{how}")
+        launcher = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "OMP_NUM_THREADS")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        proc = subprocess.run(
+            [*cmd, str(TORCHRUN_FAILING), str(out), how],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**env, "TMPDIR": str(out)},
+            cwd=out,
+        )
+        _torchrun_runs[how] = (proc, out)
+    return _torchrun_runs[how]
+
+
+_TORCHRUN_FAILURE = re.compile(
+    r"\[\d+\]:\n\s+time\s+: .*\n\s+host\s+: .*\n\s+rank\s+: (?P<rank>\d+) \(local_rank: \d+\)\n"
+    r"\s+exitcode\s+: (?P<exitcode>-?\d+) .*\n\s+error_file: (?P<error_file>.*)\n"
+    r"\s+traceback : (?P<traceback>.*?)\n(?:-{20,}|={20,})",
+    re.DOTALL,
+)
+
+
+def _torchrun_failures(stderr: str) -> dict[str, dict[str, str]]:
+    """torchrun's closing report: each failed rank's entry, and which one is the "Root Cause"."""
+    failures, root = stderr.partition("Root Cause (first observed failure):")[::2]
+    found = {m["rank"]: m.groupdict() for m in _TORCHRUN_FAILURE.finditer(failures)}
+    cause = _TORCHRUN_FAILURE.search(root)
+    assert cause is not None, f"no Root Cause in torchrun's output:\n{stderr[-3000:]}"
+    found[cause["rank"]] = {**cause.groupdict(), "root_cause": "yes"}
+    return found
+
+
+def _facts(proc: subprocess.CompletedProcess, out: Path) -> list[dict]:
+    """What each rank wrote once the group formed (before rank 1 failed)."""
+    import json
+
+    missing = [r for r in range(2) if not (out / f"{r}.json").exists()]
+    assert not missing, f"ranks {missing} never got a group:\n{proc.stderr[-3000:]}"
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.launcher
+def test_under_torchrun_the_group_joins_the_agents_store(tmp_path_factory):
+    """TORCHELASTIC_USE_AGENT_STORE: the socket listening on MASTER_PORT is the agent's (each
+    worker's parent); no worker, rank 0 included, listens there with a store of its own."""
+    proc, out = _torchrun_failing("raise", tmp_path_factory)
+    facts = _facts(proc, out)
+    assert [(f["store_listener_parent"], f["store_listener_here"]) for f in facts] == [(True, False)] * 2, (
+        facts,
+        proc.stderr[-3000:],
+    )
+
+
+@pytest.mark.launcher
+def test_onedist_leaves_torchruns_omp_num_threads_alone(tmp_path_factory):
+    """torchrun sets OMP_NUM_THREADS=1 when it was not set; the group formed, it is still 1 and
+    torch computes with 1 thread."""
+    proc, out = _torchrun_failing("raise", tmp_path_factory)
+    facts = _facts(proc, out)
+    assert [(f["omp_num_threads"], f["threads"]) for f in facts] == [("1", 1)] * 2, (
+        facts,
+        proc.stderr[-3000:],
+    )
+
+
+@pytest.mark.launcher
+def test_torchruns_root_cause_shows_the_error_file_onedist_wrote(tmp_path_factory):
+    """No @record in the script: onedist writes TORCHELASTIC_ERROR_FILE, so torchrun's "Root
+    Cause" is rank 1 with its exception and traceback, read from that file."""
+    proc, _ = _torchrun_failing("raise", tmp_path_factory)
+    failures = _torchrun_failures(proc.stderr)
+    cause = failures["1"]
+    assert cause.get("root_cause") == "yes" and cause["exitcode"] == "1", failures
+    assert cause["error_file"].endswith("error.json"), failures  # not <N/A>: the file exists
+    assert cause["traceback"].startswith("Traceback (most recent call last):"), failures
+    assert "launchpage_torchrun.py" in cause["traceback"] and ", in main" in cause["traceback"], failures
+    assert cause["traceback"].rstrip().endswith("ValueError: rank 1 failed on purpose"), failures
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("how, exitcode", [("exit", "3"), ("kill", "-9")])
+def test_a_worker_that_exits_or_is_killed_writes_no_error_file(how, exitcode, tmp_path_factory):
+    """torchrun then shows the exit code (or signal) of rank 1 only, with no error file."""
+    proc, _ = _torchrun_failing(how, tmp_path_factory)
+    failures = _torchrun_failures(proc.stderr)
+    assert failures["1"]["exitcode"] == exitcode, failures
+    assert failures["1"]["error_file"] == "<N/A>", failures
+
+
+@pytest.mark.launcher
+def test_torchrun_exits_1_on_a_workers_sys_exit_3(tmp_path_factory):
+    """torchrun's own status, whatever the worker's code (`onedist run` exits 3: test_run.py)."""
+    proc, _ = _torchrun_failing("exit", tmp_path_factory)
+    assert _torchrun_failures(proc.stderr)["1"]["exitcode"] == "3"
+    assert proc.returncode == 1, proc.stderr[-3000:]
+
+
+def _fail_with_an_error_file(local_rank: int, folder: str, existing: bool) -> None:
+    """Rank 1 raises with TORCHELASTIC_ERROR_FILE pointing into ``folder`` (written before, if
+    ``existing``) while rank 0 waits in a barrier."""
+    od.barrier()
+    if od.get_rank() == 1:
+        path = os.path.join(folder, "error.json")
+        os.environ["TORCHELASTIC_ERROR_FILE"] = path
+        if existing:
+            with open(path, "w") as f:
+                f.write('{"message": "written before onedist"}')
+        raise ValueError("rank 1 failed on purpose")
+    od.barrier()
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["absent", "existing"])
+def test_a_failing_rank_writes_its_error_file_unless_it_exists(existing, tmp_path):
+    """onedist writes torchelastic's error file (what @record writes) only where none exists."""
+    import json
+
+    with pytest.raises(od.WorkerFailedError, match="rank 1 failed on purpose"):
+        od.spawn(
+            "gloo",
+            _fail_with_an_error_file,
+            args=(str(tmp_path), existing),
+            nproc_per_node=2,
+            start_method="fork",
+        )
+    written = json.loads((tmp_path / "error.json").read_text())
+    if existing:
+        assert written == {"message": "written before onedist"}
+    else:
+        assert written["message"]["message"] == "ValueError: rank 1 failed on purpose", written
+        callstack = written["message"]["extraInfo"]["py_callstack"]
+        assert "in _fail_with_an_error_file" in callstack and callstack.rstrip().endswith(
+            "ValueError: rank 1 failed on purpose"
+        ), callstack

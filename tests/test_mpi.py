@@ -9,11 +9,13 @@ ends the job), all under Open MPI's ``mpirun``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +37,7 @@ pytestmark = [
 
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe"]
 HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPTS = os.path.join(HERE, "scripts")
 _pools: dict[int, LaunchPool] = {}
 
 
@@ -199,12 +202,30 @@ def test_a_crash_on_one_rank_ends_the_others_with_its_error():
 
 
 # ============================================================================ spawn("mpi") through mpirun
-def test_spawn_starts_the_ranks_through_mpirun():
+@pytest.fixture
+def launchpage_mpi(monkeypatch):
+    """tests/scripts/launchpage_mpi.py, imported by name (as the ranks import it: a pool's ranks run
+    from tests/scripts, spawn("mpi")'s ranks get this process's sys.path)."""
+    monkeypatch.syspath_prepend(SCRIPTS)
+    import launchpage_mpi
+
+    return launchpage_mpi
+
+
+def test_spawn_starts_the_ranks_through_mpirun(launchpage_mpi, monkeypatch):
     import workers
 
-    assert od.spawn("mpi", workers.mpi_report, args=(2,), nproc_per_node=3) == [
-        (r, 3, "mpi", r, r, 6) for r in range(3)
-    ]
+    # what spawn("mpi") adds for Open MPI: the variables that let it run as root (only when this
+    # process is root), --oversubscribe when the ranks outnumber the cores
+    monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT", raising=False)
+    monkeypatch.delenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", raising=False)
+    out = od.spawn("mpi", launchpage_mpi.report_with_launch, args=(2,), nproc_per_node=3)
+    assert [report for report, _ in out] == [(r, 3, "mpi", r, r, 6) for r in range(3)]
+    for _, launch in out:
+        assert launch["mpirun"][launch["mpirun"].index("-np") + 1] == "3", launch
+        assert ("--oversubscribe" in launch["mpirun"]) == ((os.cpu_count() or 1) < 3), launch
+        root = "1" if os.geteuid() == 0 else None
+        assert (launch["allow_run_as_root"], launch["allow_run_as_root_confirm"]) == (root, root), launch
     with od.Parallel(backend="mpi", nproc_per_node=2) as parallel:
         assert parallel.run(workers.mpi_report, 5) == (0, 2, "mpi", 0, 0, 10)  # rank 0's result
 
@@ -276,3 +297,111 @@ def test_uneven_data_inside_od_join_ends_with_torch_joins_weights(n):
         out = mpi_world(n).run(checks_join.check_uneven_loop_equals_torch_join, sync_bn, divide_by_world)
         assert [o["steps"] for o in out] == [10 + 3 * r for r in range(n)], out
     mpi_world(n).run(checks_join.check_broadcast_from_a_finished_rank_raises_everywhere)
+
+
+# ============================================================================ gloo under a user's mpirun
+_failing_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]] = {}
+
+
+def _mpirun_failing_rank(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`mpirun -np 2 python launchpage_failing_rank.py OUT` (gloo; rank 1 logs at INFO, then raises
+    while rank 0 waits in a barrier), run once for the tests below; no OMP_NUM_THREADS, and none
+    of the variables onedist derives (MASTER_PORT, ...)."""
+    if "mpirun" not in _failing_runs:
+        out = tmp_path_factory.mktemp("mpirun-failing-rank")
+        derived = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "GLOO_SOCKET_IFNAME", "OMP_NUM")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(derived)}
+        script = os.path.join(SCRIPTS, "launchpage_failing_rank.py")
+        proc = subprocess.run(
+            [*MPIRUN, "-np", "2", sys.executable, script, str(out)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        _failing_runs["mpirun"] = (proc, out)
+    return _failing_runs["mpirun"]
+
+
+def _rank_facts(out: Path) -> list[dict]:
+    return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+
+
+def test_mpirun_initialize_logs_each_variable_it_sets(tmp_path_factory):
+    """Rank 1 with the INFO log on (mpi_env.py on docs/launchers/mpirun.md): one line per variable
+    initialize exports for env://, in the page's order."""
+    proc, out = _mpirun_failing_rank(tmp_path_factory)
+    port = _rank_facts(out)[1]["master_port"]
+    lines = [
+        line
+        for line in proc.stdout.splitlines() + proc.stderr.splitlines()
+        if line.startswith("onedist set ")
+    ]
+    expected = ["RANK=1", "WORLD_SIZE=2", "LOCAL_RANK=1", "LOCAL_WORLD_SIZE=2", "GROUP_RANK=0",
+                "GROUP_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", f"MASTER_PORT={port}"]  # fmt: skip
+    assert [line.removesuffix(" (the environment did not set it)") for line in lines[:8]] == [
+        f"onedist set {v}" for v in expected
+    ], lines
+    # gloo pinned to the loopback interface (its name: lo on Linux), and nothing else
+    assert len(lines) == 9 and re.fullmatch(
+        r"onedist set GLOO_SOCKET_IFNAME=\S+ \(the environment did not set it\)", lines[8]
+    ), lines
+
+
+def test_mpirun_rank_0_chooses_the_port_through_mpi4py(tmp_path_factory):
+    """With mpi4py, rank 0 picks a free port and broadcasts it: every rank has it, and it is not the
+    port derived from Open MPI's job id."""
+    _, out = _mpirun_failing_rank(tmp_path_factory)
+    facts = _rank_facts(out)
+    assert {f["environment"] for f in facts} == {"openmpi"}, facts
+    assert facts[0]["master_port"] == facts[1]["master_port"] != facts[0]["derived_port"], facts
+
+
+def test_mpirun_leaves_torchs_thread_count_alone(tmp_path_factory):
+    """No OMP_NUM_THREADS from mpirun, and torch's thread count once the group formed is the one
+    torch chose itself before onedist ran."""
+    _, out = _mpirun_failing_rank(tmp_path_factory)
+    facts = _rank_facts(out)
+    assert all(f["omp_num_threads"] is None for f in facts), facts
+    assert [f["threads_after"] for f in facts] == [f["threads_before"] for f in facts], facts
+
+
+def test_under_mpirun_the_waiting_ranks_raise_remote_rank_error_naming_the_failing_rank(tmp_path_factory):
+    """Rank 0, waiting in a barrier when rank 1 raised, raises RemoteRankError naming rank 1 with its
+    error (recorded by rank 0 as it is raised, before mpirun, seeing rank 1 exit, ends the job)."""
+    proc, out = _mpirun_failing_rank(tmp_path_factory)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    raised = json.loads((out / "remote_error.json").read_text())  # rank 0's, in its barrier
+    assert raised["rank"] == 1, raised
+    assert "rank 1 failed, so this collective cannot complete" in raised["message"], raised
+    assert "ValueError: rank 1 failed on purpose" in raised["message"], raised
+
+
+def test_open_mpi_refuses_root_and_more_ranks_than_slots_without_its_flags():
+    """Open MPI's own behaviour, behind the flags on docs/launchers/mpirun.md (no Python started)."""
+    plain = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PRTE_"))}  # no MCA settings
+    more = str((os.cpu_count() or 1) + 1)
+
+    def mpirun(*args: str, env: dict[str, str] = plain) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["mpirun", *args, "true"], capture_output=True, text=True, timeout=60, env=env)
+
+    if os.geteuid() == 0:
+        refused = mpirun("-np", "1")
+        assert refused.returncode != 0 and "attempt to run as root" in refused.stdout + refused.stderr, (
+            refused
+        )
+        allowed = {**plain, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        assert mpirun("-np", "1", env=allowed).returncode == 0
+    as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    too_many = mpirun(*as_root, "-np", more)
+    assert too_many.returncode != 0, too_many
+    assert "There are not enough slots available in the system" in too_many.stdout + too_many.stderr, too_many
+    assert mpirun(*as_root, "--oversubscribe", "-np", more).returncode == 0
+
+
+def test_backend_mpi_still_makes_the_rendezvous_store(launchpage_mpi):
+    """Over mpi4py the collectives need no store, but onedist makes torch's TCPStore at the
+    MASTER_ADDR:MASTER_PORT it derived from Open MPI's variables (failure reports, the layout)."""
+    for seen in mpi_world(2).run(launchpage_mpi.check_rendezvous_store):
+        assert (seen["backend"], seen["torch_backend"], seen["tcp_store"]) == ("mpi", "mpi4py", True), seen
+        assert seen["address"] == seen["master"] and seen["joined"] == [True, True], seen

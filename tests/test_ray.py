@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -101,15 +102,16 @@ def _start(ray: Any, temp_dir: Path) -> None:
 
 
 def _fit(tmp: Path, name: str, max_failures: int = 0, **config: Any) -> Path:
-    """TorchTrainer(ray_train.train_loop) on 2 CPU workers; the folder the ranks wrote to."""
-    import ray_train  # tests/scripts, on sys.path while the cluster runs
+    """TorchTrainer(ray_train.train_loop) on 2 CPU workers, through launchpage_ray.train_loop (which
+    records what a worker sees before and after it); the folder the ranks wrote to."""
+    import launchpage_ray  # tests/scripts, on sys.path while the cluster runs
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     out = tmp / name
     out.mkdir()
     trainer = TorchTrainer(
-        ray_train.train_loop,
+        launchpage_ray.train_loop,
         train_loop_config={"out": str(out), "epochs": EPOCHS, **config},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
         run_config=RunConfig(
@@ -133,7 +135,24 @@ def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 @pytest.fixture(scope="module")
 def uninterrupted(cluster: Path) -> Path:
     """One run without failures (checkpoints on): the reference of the tests below."""
-    return _fit(cluster, "uninterrupted", checkpoint_dir=str(cluster / "uninterrupted-ckpt"))
+    return _fit(cluster, "uninterrupted", checkpoint_dir=str(cluster / "uninterrupted-ckpt"), info=True)
+
+
+@pytest.fixture(scope="module")
+def killed(cluster: Path) -> Path:
+    """Rank 1 SIGKILLed after step 8's checkpoint (first attempt only); FailureConfig(max_failures=1)."""
+    return _fit(
+        cluster,
+        "killed",
+        max_failures=1,
+        checkpoint_dir=str(cluster / "killed-ckpt"),
+        kill_after=KILL_AFTER,
+    )
+
+
+def _after(out: Path) -> list[dict[str, Any]]:
+    """What each rank saw once the script's function had returned (tests/scripts/launchpage_ray.py)."""
+    return [json.loads((out / f"after{r}.json").read_text()) for r in (0, 1)]
 
 
 def test_ray_train_worker_environment_is_detected() -> None:
@@ -200,17 +219,70 @@ def test_a_raising_worker_fails_the_run_with_its_error(cluster: Path) -> None:
     assert not (cluster / "raises" / "final.pt").exists()
 
 
-def test_a_killed_worker_resumes_to_the_uninterrupted_weights(cluster: Path, uninterrupted: Path) -> None:
+def test_a_killed_worker_resumes_to_the_uninterrupted_weights(killed: Path, uninterrupted: Path) -> None:
     """Rank 1 SIGKILLed after step 8's checkpoint; FailureConfig(max_failures=1) starts the workers
     again, od.resume loads step 8 on both ranks, and the final weights equal the uninterrupted
     run's bit for bit."""
-    out = _fit(
-        cluster,
-        "killed",
-        max_failures=1,
-        checkpoint_dir=str(cluster / "killed-ckpt"),
-        kill_after=KILL_AFTER,
-    )
+    out = killed
     assert (out / "killed").exists()  # the first attempt's rank 1 was killed
     assert [(out / f"resumed{r}").read_text() for r in (0, 1)] == [str(KILL_AFTER)] * 2
     assert _identical(_weights(out / "final.pt"), _weights(uninterrupted / "final.pt"))
+
+
+def test_parallel_leaves_rays_group_alive(uninterrupted: Path) -> None:
+    """od.Parallel adopted Ray's group and, leaving, did not destroy it: after the script's function
+    returned, the group is still initialised and an all_reduce over it sums both ranks."""
+    for seen in _after(uninterrupted):
+        assert seen["group_alive"] is True and seen["all_reduce"] == 2.0, seen
+
+
+def test_restart_count_stays_0_under_ray(uninterrupted: Path, killed: Path) -> None:
+    """Ray sets no TORCHELASTIC_RESTART_COUNT: 0 in a run without failures, and 0 again in the
+    attempt Ray started after rank 1 was killed (the only one that returned), which resumed at step 8."""
+    assert (killed / "killed").exists() and (killed / "resumed0").read_text() == str(KILL_AFTER)
+    assert [seen["restart_count"] for seen in _after(uninterrupted) + _after(killed)] == [0] * 4
+
+
+def test_onedist_info_in_a_ray_worker(uninterrupted: Path) -> None:
+    """`python -m onedist info --json` started from rank 0's training function names the
+    environment `ray`, with Ray's rank, sizes and local layout."""
+    info = _after(uninterrupted)[0]["info"]
+    assert isinstance(info, dict), info  # else the command's stderr
+    detected = info["detected_environment"]
+    assert (detected["name"], detected["rank"], detected["world_size"]) == ("ray", 0, 2), detected
+    assert (detected["local_rank"], detected["nproc_per_node"], detected["nnodes"]) == (0, 2, 1), detected
+
+
+def test_the_function_runs_in_the_runs_artifact_folder(uninterrupted: Path, cluster: Path) -> None:
+    """Ray Train (V2) starts the function in the run's artifact folder of its session
+    (``<temp dir>/session_*/artifacts/<run name>``), not in the driver's working directory: a
+    relative path in the script would land there (ray.md: give absolute paths)."""
+    for seen in _after(uninterrupted):
+        cwd = Path(seen["cwd"])
+        session = cwd.parent.parent
+        assert cwd.parts[-2:] == ("artifacts", "uninterrupted") and session.name.startswith("session_"), seen
+        assert session.parent == cluster / "ray" and cwd != Path.cwd(), seen
+
+
+def test_what_ray_sets_up_in_a_worker(uninterrupted: Path) -> None:
+    """Before the script runs: torchrun's variables but GROUP_RANK / GROUP_WORLD_SIZE (NODE_RANK
+    instead, and ACCELERATE_TORCH_DEVICE), and a process group with a 30-minute timeout (its gloo
+    backend: test_unchanged_script_under_torchtrainer)."""
+    for r in (0, 1):
+        setup = json.loads((uninterrupted / f"setup{r}.json").read_text())
+        assert setup["variables"] == [
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "ACCELERATE_TORCH_DEVICE",
+        ], setup  # fmt: skip
+        assert setup["timeout_s"] == 1800, setup
+
+
+def test_the_peer_of_a_killed_worker_fails_at_once(killed: Path) -> None:
+    """Rank 1 SIGKILLed: rank 0, in a collective, raises gloo's broken-connection error at once
+    (within seconds, not at the group's 30-minute timeout)."""
+    failed = json.loads((killed / "failed0.json").read_text())  # the first attempt's rank 0
+    assert (failed["type"], failed["module"]) == ("RuntimeError", "builtins"), failed
+    assert re.search(r"Connection (closed|reset) by peer", failed["message"]), failed
+    after = failed["time"] - (killed / "killed").stat().st_mtime  # the marker is written just before the kill
+    print(f"rank 0 failed {after:.2f} s after rank 1 was killed")
+    assert after < 60, after

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,6 +17,7 @@ from onedist._net import free_port
 from test_run import SCRIPT, _check_agree, _env, _onedist
 
 CLUSTER = Path(__file__).parent / "cluster"
+FAILING_RANK = str(Path(__file__).parent / "scripts" / "launchpage_failing_rank.py")
 
 pytestmark = [
     pytest.mark.launcher,
@@ -78,3 +81,97 @@ def test_sbatch(slurm, tmp_path):
     log = (tmp_path / "out.txt").read_text() if (tmp_path / "out.txt").exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log
     _check_agree(tmp_path, 2)
+
+
+def test_srun_pmi2_variables_are_read_before_slurms(slurm):
+    """`srun --mpi=pmi2` gives each task PMI_RANK / PMI_SIZE beside its SLURM variables: the
+    detection names the PMI environment (`mpich`), not `slurm`."""
+    plugins = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=60, env=slurm)
+    if "pmi2" not in plugins.stdout + plugins.stderr:
+        pytest.skip("this SLURM has no pmi2 plugin")
+    detect = (
+        "import json, os; from onedist.environments import detect_cluster; e = detect_cluster(os.environ); "
+        "print(json.dumps([os.environ['SLURM_PROCID'], os.environ.get('PMI_RANK'), e.name, e.rank, "
+        "e.world_size]))"
+    )
+    proc = subprocess.run(
+        ["srun", "-N1", "-n2", "--mpi=pmi2", sys.executable, "-c", detect],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=slurm,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = sorted(json.loads(line) for line in proc.stdout.splitlines())
+    assert seen == [["0", "0", "mpich", 0, 2], ["1", "1", "mpich", 1, 2]], proc.stdout
+
+
+def test_onedist_info_in_a_task(slurm):
+    """What `onedist info` shows in task 1 of `srun -n2`: the slurm environment with the first host
+    of the node list as master and the port derived from the job id, and the probe of that address."""
+    only_task_1 = f'[ "$SLURM_PROCID" = 1 ] && exec {sys.executable} -m onedist info --json; true'
+    proc = subprocess.run(
+        ["srun", "-N1", "-n2", "sh", "-c", only_task_1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=slurm,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    info = json.loads(proc.stdout)
+    job = int(info["launcher_environment"]["SLURM_JOB_ID"])
+    port = 20000 + job % 20000  # step 0 of the job srun made
+    assert info["detected_environment"] == {
+        "name": "slurm", "rank": 1, "world_size": 2, "local_rank": 1, "nproc_per_node": 2, "node_rank": 0,
+        "nnodes": 1, "master_addr": socket.gethostname(), "master_port": port, "master_port_derived": True,
+    }  # fmt: skip
+    network = info["network"]
+    assert network["master_addr_source"] == "detected environment (slurm)", network
+    probe = network["master_probe"]
+    assert probe is not None, network
+    assert probe["address"] in network["resolved"] and probe["port"] == port, probe
+    # nothing of this job listens there: refused, unless another program happens to hold the port
+    assert probe["reachable"] is True and probe["result"] in ("refused", "open"), probe
+
+
+_failing_runs: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
+
+
+def _srun_failing_rank(slurm, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`srun -n2 python launchpage_failing_rank.py OUT` (rank 1 raises while rank 0 waits in a
+    barrier), run once for the tests below; no OMP_NUM_THREADS, as srun sets none."""
+    if "srun" not in _failing_runs:
+        out = tmp_path_factory.mktemp("srun-failing-rank")
+        env = {k: v for k, v in slurm.items() if k != "OMP_NUM_THREADS"}
+        proc = subprocess.run(
+            ["srun", "-N1", "-n2", "--overcommit", sys.executable, FAILING_RANK, str(out)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+        _failing_runs["srun"] = (proc, out)
+    return _failing_runs["srun"]
+
+
+def test_srun_leaves_torchs_thread_count_alone(slurm, tmp_path_factory):
+    """No OMP_NUM_THREADS from srun, and torch's thread count once the group formed is the one torch
+    chose itself before onedist ran (every CPU the task sees: srun binds nothing here)."""
+    _, out = _srun_failing_rank(slurm, tmp_path_factory)
+    facts = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    assert all(f["environment"] == "slurm" and f["omp_num_threads"] is None for f in facts), facts
+    assert [f["threads_after"] for f in facts] == [f["threads_before"] for f in facts], facts
+
+
+def test_under_srun_the_waiting_rank_raises_remote_rank_error_naming_the_failing_task(
+    slurm, tmp_path_factory
+):
+    """Rank 0, waiting in a barrier when task 1 raised, raises RemoteRankError naming rank 1 with its
+    error, and prints it."""
+    proc, out = _srun_failing_rank(slurm, tmp_path_factory)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    raised = json.loads((out / "remote_error.json").read_text())  # rank 0's, in its barrier
+    assert raised["rank"] == 1, raised
+    assert "rank 1 failed, so this collective cannot complete" in raised["message"], raised
+    assert "ValueError: rank 1 failed on purpose" in raised["message"], raised
+    assert "RemoteRankError: onedist.barrier (rank 0" in proc.stderr, proc.stderr[-3000:]
