@@ -241,6 +241,51 @@ def test_mpich_intel_pmi_and_mvapich():
     assert mv is not None and mv.name == "mvapich" and mv.nnodes == 1 and mv.master_addr == "127.0.0.1"
 
 
+# task 1 of `srun -N1 -n2 --mpi=pmi2` (the variables detection reads; the real run: tests/test_slurm.py)
+SRUN_PMI2_TASK_1 = {
+    **{"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1"},
+    **{"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1"},
+    **{"SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "node7"},
+    **{"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "5"},
+}
+
+
+def test_srun_pmi2_tasks_are_slurm_tasks_and_mpirun_in_an_allocation_is_mpi():
+    """`srun --mpi=pmi2`: the PMI rank and size repeat the task's SLURM ones, which also say where
+    rank 0 runs (the node list): read as slurm. `mpirun` (hydra) inside an allocation leaves the
+    SLURM variables of the batch step, which differ from the PMI ranks: read as mpich."""
+    task = detect_cluster(SRUN_PMI2_TASK_1)
+    assert task is not None and (task.name, task.rank, task.world_size, task.local_rank) == ("slurm", 1, 2, 1)
+    assert (task.master_addr, task.nproc_per_node, task.nnodes) == ("node7", 2, 1)
+    batch_step = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1"}
+    hydra = {"PMI_KVSNAME": "kvs_9_0", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    ranks = detect_cluster({**SRUN_PMI2_TASK_1, **batch_step, **hydra})
+    assert ranks is not None and (ranks.name, ranks.rank, ranks.world_size, ranks.local_rank) == (
+        "mpich",
+        1,
+        2,
+        1,
+    )
+
+
+def test_pmi_variables_without_the_layout_do_not_claim_several_nodes(monkeypatch):
+    """PMI variables that name neither the local ranks nor rank 0's host: initialize says it cannot
+    find rank 0, without claiming the ranks are on several nodes (it does not know)."""
+    from onedist.backends._rendezvous import prepare_env_rendezvous
+    from onedist.errors import OnedistValueError
+
+    for name in [k for k in os.environ if k.startswith(("SLURM_", "PMI", "OMPI_", "MASTER_"))]:
+        monkeypatch.delenv(name)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # not installed: nobody to ask
+    with pytest.raises(OnedistValueError) as raised:
+        prepare_env_rendezvous(None, None, {})
+    assert "the mpich environment (rank 1 of 2) does not say where rank 0 runs" in str(raised.value)
+
+
 def test_mpich_hydra_without_a_job_name():
     """What MPICH 4.0.2's mpiexec.hydra -n 2 set here (no PMI_KVSNAME): on one node the port comes
     from the ranks' parent, the hydra proxy (the same for every rank of the node)."""

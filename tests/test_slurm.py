@@ -83,16 +83,18 @@ def test_sbatch(slurm, tmp_path):
     _check_agree(tmp_path, 2)
 
 
-def test_srun_pmi2_variables_are_read_before_slurms(slurm):
-    """`srun --mpi=pmi2` gives each task PMI_RANK / PMI_SIZE beside its SLURM variables: the
-    detection names the PMI environment (`mpich`), not `slurm`."""
+def test_srun_pmi2_tasks_are_read_as_slurm_tasks(slurm):
+    """`srun --mpi=pmi2` gives each task PMI_RANK / PMI_SIZE beside its SLURM variables, the same
+    rank and size: the detection reads the SLURM ones (`slurm`), which also say where rank 0 runs.
+    Read as PMI (`mpich`), rank 0's host was unknown: onedist asked mpi4py, whose Open MPI aborted
+    in MPI_Init (built without SLURM's PMI)."""
     plugins = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=60, env=slurm)
     if "pmi2" not in plugins.stdout + plugins.stderr:
         pytest.skip("this SLURM has no pmi2 plugin")
     detect = (
         "import json, os; from onedist.environments import detect_cluster; e = detect_cluster(os.environ); "
         "print(json.dumps([os.environ['SLURM_PROCID'], os.environ.get('PMI_RANK'), e.name, e.rank, "
-        "e.world_size]))"
+        "e.world_size, e.master_addr is not None]))"
     )
     proc = subprocess.run(
         ["srun", "-N1", "-n2", "--mpi=pmi2", sys.executable, "-c", detect],
@@ -103,7 +105,7 @@ def test_srun_pmi2_variables_are_read_before_slurms(slurm):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = sorted(json.loads(line) for line in proc.stdout.splitlines())
-    assert seen == [["0", "0", "mpich", 0, 2], ["1", "1", "mpich", 1, 2]], proc.stdout
+    assert seen == [["0", "0", "slurm", 0, 2, True], ["1", "1", "slurm", 1, 2, True]], proc.stdout
 
 
 def test_onedist_info_in_a_task(slurm):

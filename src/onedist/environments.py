@@ -17,9 +17,10 @@ Detection order (the first that matches wins):
    variables). Before the rest, because torchrun is often started *inside* an ``srun`` or
    ``mpirun`` step and then the SLURM / MPI variables describe the agents, not the workers.
 3. ``horovod`` — horovodrun; before MPI because horovodrun may launch through ``mpirun``.
-4. ``openmpi``, ``mvapich``, ``mpich`` (PMI: MPICH, Intel MPI, and ``srun --mpi=pmi2``) — before
-   SLURM, because ``mpirun`` inside an ``salloc`` leaves SLURM variables that describe the
-   allocation, not the ranks.
+4. ``openmpi``, ``mvapich``, ``mpich`` (PMI: MPICH, Intel MPI) — before SLURM, because ``mpirun``
+   inside an ``salloc`` leaves SLURM variables that describe the allocation, not the ranks. Under
+   ``srun --mpi=pmi2`` the PMI variables repeat the task's SLURM ones, which also name the nodes
+   (where rank 0 runs): read as ``slurm``.
 5. ``slurm`` — a task started by ``srun`` (SLURM_STEP_ID is set); an ``sbatch`` script itself is
    not a distributed run.
 6. ``lsf`` — IBM ``jsrun`` (JSM_NAMESPACE_*).
@@ -428,7 +429,8 @@ class Mvapich(_Mpi):
 
 
 class Mpich(_Mpi):
-    """PMI launchers: MPICH / Intel MPI (hydra) and ``srun --mpi=pmi2``."""
+    """PMI launchers: MPICH / Intel MPI (hydra). Not ``srun --mpi=pmi2``, whose PMI variables
+    repeat the task's SLURM ones: those also name the nodes (see :func:`_srun_ran_pmi`)."""
 
     name = "mpich"
     RANK, SIZE = ("PMI_RANK", "PMIX_RANK"), ("PMI_SIZE",)
@@ -437,7 +439,20 @@ class Mpich(_Mpi):
 
     @staticmethod
     def matches(environ: Mapping[str, str]) -> bool:
-        return "PMI_SIZE" in environ and ("PMI_RANK" in environ or "PMIX_RANK" in environ)
+        has_pmi = "PMI_SIZE" in environ and ("PMI_RANK" in environ or "PMIX_RANK" in environ)
+        return has_pmi and not _srun_ran_pmi(environ)
+
+
+def _srun_ran_pmi(environ: Mapping[str, str]) -> bool:
+    """Whether srun itself gave this task its PMI rank (``--mpi=pmi2``): the PMI rank and size are
+    the task's SLURM_PROCID and step size. ``mpirun`` inside an allocation leaves SLURM variables of
+    the allocation or of hydra's proxies instead, which differ (or agree with the ranks exactly:
+    one rank per node, in node order)."""
+    if not Slurm.matches(environ):
+        return False
+    pmi_rank = environ.get("PMI_RANK", environ.get("PMIX_RANK"))
+    tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))
+    return pmi_rank == environ["SLURM_PROCID"] and environ["PMI_SIZE"] == tasks
 
 
 class Slurm(Environment):

@@ -64,13 +64,7 @@ def prepare_env_rendezvous(
         if cluster is not None:
             cluster = _agree_master(cluster)
             if cluster.master_addr is None:
-                raise OnedistValueError(
-                    f"onedist.initialize: the {cluster.name} environment (rank {cluster.rank} of "
-                    f"{cluster.world_size}, over several nodes) does not say where rank 0 runs, so the "
-                    "rendezvous address is unknown\n"
-                    "HINT: pass it to every rank, e.g. `mpirun -x MASTER_ADDR=<host of rank 0> "
-                    "-x MASTER_PORT=<port> ...`, or install mpi4py (onedist then asks rank 0)"
-                )
+                raise _no_master_error(cluster)
             for name, value in cluster.rendezvous_env().items():
                 if name not in env:
                     set_env(name, value, env_set)
@@ -103,6 +97,19 @@ def prepare_env_rendezvous(
                 env[STORE_FD_ENV] = str(sock.detach())
             else:
                 set_env(name, default or str(free_port()), env_set)
+
+
+def _no_master_error(cluster: ClusterEnv) -> OnedistValueError:
+    """A launcher's environment that does not say where rank 0 runs (MPI over several nodes, or
+    PMI variables without the local layout): what to pass instead."""
+    several = (cluster.nnodes or 1) > 1 or (cluster.nproc_per_node or cluster.world_size) < cluster.world_size
+    return OnedistValueError(
+        f"onedist.initialize: the {cluster.name} environment (rank {cluster.rank} of {cluster.world_size}"
+        f"{', over several nodes' if several else ''}) does not say where rank 0 runs, so the "
+        "rendezvous address is unknown\n"
+        "HINT: pass it to every rank, e.g. `mpirun -x MASTER_ADDR=<host of rank 0> "
+        "-x MASTER_PORT=<port> ...`, or install mpi4py (onedist then asks rank 0)"
+    )
 
 
 def rank_world_from_env(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
