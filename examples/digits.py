@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,19 +40,21 @@ from torch.utils.data import TensorDataset
 import onedist as od
 
 
-def load_digits() -> tuple[np.ndarray, np.ndarray]:
+def load_digits() -> tuple[Any, Any]:
     """scikit-learn's digits as ``sklearn.datasets.load_digits()`` gives them: images (N x 8 x 8,
     values 0-16) and labels. Read from the file scikit-learn ships: importing sklearn.datasets
     (scipy, pandas) costs every worker ~2 CPU-s, more than importing torch."""
-    sklearn = importlib.util.find_spec("sklearn")
+    sklearn = importlib.util.find_spec("sklearn")  # found, not imported
     if sklearn is None:
-        raise SystemExit("examples/digits.py needs scikit-learn: pip install scikit-learn")
-    path = Path(*sklearn.submodule_search_locations or ["."]) / "datasets" / "data" / "digits.csv.gz"
+        raise ImportError("examples/digits.py needs scikit-learn: pip install scikit-learn")
+    path = Path(sklearn.origin or "").parent / "datasets" / "data" / "digits.csv.gz"
     if not path.is_file():  # a scikit-learn that keeps it elsewhere
         from sklearn.datasets import load_digits as sklearn_digits
 
         digits = sklearn_digits()
         return digits.images, digits.target
+    import numpy as np  # scikit-learn's dependency
+
     data = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, per row
     return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
 
