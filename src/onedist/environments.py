@@ -452,7 +452,7 @@ def _srun_ran_pmi(environ: Mapping[str, str]) -> bool:
         return False
     pmi_rank = environ.get("PMI_RANK", environ.get("PMIX_RANK"))
     tasks = environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS"))
-    return pmi_rank == environ["SLURM_PROCID"] and environ["PMI_SIZE"] == tasks
+    return pmi_rank == environ["SLURM_PROCID"] and environ.get("PMI_SIZE") == tasks
 
 
 class Slurm(Environment):
