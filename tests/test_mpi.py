@@ -22,6 +22,7 @@ import pytest
 import checks
 import checks_join
 import checks_loop
+import checks_mpi4py
 import checks_pg
 import checks_sharded_checkpoint
 import checks_sharding
@@ -74,7 +75,7 @@ def test_core_checks_under_mpirun_np3(check):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_every_dtype_and_op_exact(n):
-    assert mpi_world(n).run(checks_pg.check_mpi_every_dtype_and_op_exact, timeout=120)[0] > 250
+    assert mpi_world(n).run(checks_mpi4py.check_mpi_every_dtype_and_op_exact, timeout=120)[0] > 250
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -90,7 +91,7 @@ def test_copy_collectives_equal_gloo(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_exchanges_p2p_and_sub_groups(n):
-    mpi_world(n).run(checks_pg.check_mpi_exchanges)
+    mpi_world(n).run(checks_mpi4py.check_mpi_exchanges)
     mpi_world(n).run(checks_pg.check_reduce_and_barrier_and_gloo_ops)
     mpi_world(n).run(checks_pg.check_sub_groups)
 
