@@ -49,7 +49,7 @@ from .launcher import Launcher
 from .nodes import Agents, AgentsError
 from .pet import apply_pet_defaults, ignored_variables
 from .report import Failure, failure_report
-from .spec import RunSpec, check_run_nproc_against, check_run_values
+from .spec import RunSpec, check_run_nproc_against, check_run_values, run_command
 from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
@@ -286,8 +286,9 @@ class RunLauncher(Launcher):
 
     def attempt(self, number: int) -> list[Failure]:
         self.supervisor = Supervisor()
-        output = (self.show, self.no_prefix)
-        self.code, failures = _attempt(self.spec, output, number, self.supervisor, self.received, self.agents)
+        self.code, failures = _attempt(
+            self.spec, number, self.supervisor, self.received, self.agents, self.show, self.no_prefix
+        )
         return failures
 
     def restart(self, number: int, failures: list[Failure]) -> Optional[list[Failure]]:
@@ -342,15 +343,16 @@ class RunLauncher(Launcher):
 
 def _attempt(
     spec: RunSpec,
-    output: tuple[Optional[set[int]], bool],
     attempt: int,
     supervisor: Supervisor[PopenWorker],
     received: list[int],
     agents: Optional[Agents] = None,
+    show: Optional[set[int]] = None,
+    no_prefix: bool = False,
 ) -> tuple[int, list[Failure]]:
     """Start this node's workers once (attempt ``attempt``) and watch them: the exit status, and
-    the failures. ``output``: the ranks whose output is shown (None: all), and whether it goes
-    without the ``[rank<N>]:`` prefix. Each attempt gets a fresh store, so no key of a failed
+    the failures. ``show``: the ranks whose output is shown (None: all); ``no_prefix``: without
+    the ``[rank<N>]:`` prefix. Each attempt gets a fresh store, so no key of a failed
     attempt (a failure report, a counter) is read by the next one; with ``agents``, on the port
     node 0 publishes."""
     port, store_sock = _attempt_port(spec, attempt, agents)
@@ -366,7 +368,7 @@ def _attempt(
     try:
         if not received:
             _start_workers(spec, port, tmpdir, supervisor, attempt)
-            pumps = _start_pumps(supervisor, output[1], output[0])
+            pumps = _start_pumps(supervisor, no_prefix, show)
         if store_sock is not None:  # after the last fork: the store runs threads of its own
             stores.append(_agent_store(store_sock, spec.master_addr, spec.world_size))
             store_sock = None
@@ -483,9 +485,8 @@ def _run_in_place(args: argparse.Namespace) -> int:
 
     if args.backend:
         os.environ["ONEDIST_BACKEND"] = args.backend
-    target = ["-m", args.target] if args.module else [args.target]
     try:
-        run_target([*target, *args.args])
+        run_target(list(run_command(args)))
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return 0

@@ -45,6 +45,7 @@ __all__ = [
     "check_serial_args",
     "check_xla_device_count",
     "port_number",
+    "run_command",
     "visible_gpus",
 ]
 
@@ -547,9 +548,8 @@ class RunSpec:
         """
         _check_run_nodes(args)
         _check_run_backend(args.backend, args.nnodes, nproc)
-        target = ("-m", args.target) if args.module else (args.target,)
         return cls(
-            command=(*target, *args.args),
+            command=run_command(args),
             nproc_per_node=nproc,
             run_id=args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}",
             nnodes=args.nnodes,
@@ -564,6 +564,13 @@ class RunSpec:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+
+def run_command(args: argparse.Namespace) -> tuple[str, ...]:
+    """What ``onedist run`` runs, as the arguments after ``python``: ``script.py ...`` or
+    ``-m module ...``; the same in place (under srun, mpirun) as in the workers it starts."""
+    target = ("-m", args.target) if args.module else (args.target,)
+    return (*target, *args.args)
 
 
 def visible_gpus(environ: Optional[dict[str, str]] = None) -> int:
