@@ -301,37 +301,33 @@ def test_uneven_data_inside_od_join_ends_with_torch_joins_weights(n):
 
 
 # ============================================================================ gloo under a user's mpirun
-_failing_runs: dict[str, tuple[subprocess.CompletedProcess[str], Path]] = {}
-
-
-def _mpirun_failing_rank(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
+@pytest.fixture(scope="module")
+def mpirun_failing_rank(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:
     """`mpirun -np 2 python launchpage_failing_rank.py OUT` (gloo; rank 1 logs at INFO, then raises
     while rank 0 waits in a barrier), run once for the tests below; no OMP_NUM_THREADS, and none
     of the variables onedist derives (MASTER_PORT, ...)."""
-    if "mpirun" not in _failing_runs:
-        out = tmp_path_factory.mktemp("mpirun-failing-rank")
-        derived = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "GLOO_SOCKET_IFNAME", "OMP_NUM")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(derived)}
-        script = os.path.join(SCRIPTS, "launchpage_failing_rank.py")
-        proc = subprocess.run(
-            [*MPIRUN, "-np", "2", sys.executable, script, str(out)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-        )
-        _failing_runs["mpirun"] = (proc, out)
-    return _failing_runs["mpirun"]
+    out = tmp_path_factory.mktemp("mpirun-failing-rank")
+    derived = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "GLOO_SOCKET_IFNAME", "OMP_NUM")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(derived)}
+    script = os.path.join(SCRIPTS, "launchpage_failing_rank.py")
+    proc = subprocess.run(
+        [*MPIRUN, "-np", "2", sys.executable, script, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    return proc, out
 
 
 def _rank_facts(out: Path) -> list[dict]:
     return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
 
 
-def test_mpirun_initialize_logs_each_variable_it_sets(tmp_path_factory):
+def test_mpirun_initialize_logs_each_variable_it_sets(mpirun_failing_rank):
     """Rank 1 with the INFO log on (mpi_env.py on docs/launchers/mpirun.md): one line per variable
     initialize exports for env://, in the page's order."""
-    proc, out = _mpirun_failing_rank(tmp_path_factory)
+    proc, out = mpirun_failing_rank
     port = _rank_facts(out)[1]["master_port"]
     lines = [
         line
@@ -349,28 +345,28 @@ def test_mpirun_initialize_logs_each_variable_it_sets(tmp_path_factory):
     ), lines
 
 
-def test_mpirun_rank_0_chooses_the_port_through_mpi4py(tmp_path_factory):
+def test_mpirun_rank_0_chooses_the_port_through_mpi4py(mpirun_failing_rank):
     """With mpi4py, rank 0 picks a free port and broadcasts it: every rank has it, and it is not the
     port derived from Open MPI's job id."""
-    _, out = _mpirun_failing_rank(tmp_path_factory)
+    _, out = mpirun_failing_rank
     facts = _rank_facts(out)
     assert {f["environment"] for f in facts} == {"openmpi"}, facts
     assert facts[0]["master_port"] == facts[1]["master_port"] != facts[0]["derived_port"], facts
 
 
-def test_mpirun_leaves_torchs_thread_count_alone(tmp_path_factory):
+def test_mpirun_leaves_torchs_thread_count_alone(mpirun_failing_rank):
     """No OMP_NUM_THREADS from mpirun, and torch's thread count once the group formed is the one
     torch chose itself before onedist ran."""
-    _, out = _mpirun_failing_rank(tmp_path_factory)
+    _, out = mpirun_failing_rank
     facts = _rank_facts(out)
     assert all(f["omp_num_threads"] is None for f in facts), facts
     assert [f["threads_after"] for f in facts] == [f["threads_before"] for f in facts], facts
 
 
-def test_under_mpirun_the_waiting_ranks_raise_remote_rank_error_naming_the_failing_rank(tmp_path_factory):
+def test_under_mpirun_the_waiting_ranks_raise_remote_rank_error_naming_the_failing_rank(mpirun_failing_rank):
     """Rank 0, waiting in a barrier when rank 1 raised, raises RemoteRankError naming rank 1 with its
     error (recorded by rank 0 as it is raised, before mpirun, seeing rank 1 exit, ends the job)."""
-    proc, out = _mpirun_failing_rank(tmp_path_factory)
+    proc, out = mpirun_failing_rank
     assert proc.returncode != 0, proc.stdout + proc.stderr
     raised = json.loads((out / "remote_error.json").read_text())  # rank 0's, in its barrier
     assert raised["rank"] == 1, raised

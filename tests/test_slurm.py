@@ -136,41 +136,35 @@ def test_onedist_info_in_a_task(slurm):
     assert probe["reachable"] is True and probe["result"] in ("refused", "open"), probe
 
 
-_failing_runs: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
-
-
-def _srun_failing_rank(slurm, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+@pytest.fixture(scope="module")
+def srun_failing_rank(slurm, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """`srun -n2 python launchpage_failing_rank.py OUT` (rank 1 raises while rank 0 waits in a
     barrier), run once for the tests below; no OMP_NUM_THREADS, as srun sets none."""
-    if "srun" not in _failing_runs:
-        out = tmp_path_factory.mktemp("srun-failing-rank")
-        env = {k: v for k, v in slurm.items() if k != "OMP_NUM_THREADS"}
-        proc = subprocess.run(
-            ["srun", "-N1", "-n2", "--overcommit", sys.executable, FAILING_RANK, str(out)],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env=env,
-        )
-        _failing_runs["srun"] = (proc, out)
-    return _failing_runs["srun"]
+    out = tmp_path_factory.mktemp("srun-failing-rank")
+    env = {k: v for k, v in slurm.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        ["srun", "-N1", "-n2", "--overcommit", sys.executable, FAILING_RANK, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    return proc, out
 
 
-def test_srun_leaves_torchs_thread_count_alone(slurm, tmp_path_factory):
+def test_srun_leaves_torchs_thread_count_alone(srun_failing_rank):
     """No OMP_NUM_THREADS from srun, and torch's thread count once the group formed is the one torch
     chose itself before onedist ran (every CPU the task sees: srun binds nothing here)."""
-    _, out = _srun_failing_rank(slurm, tmp_path_factory)
+    _, out = srun_failing_rank
     facts = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
     assert all(f["environment"] == "slurm" and f["omp_num_threads"] is None for f in facts), facts
     assert [f["threads_after"] for f in facts] == [f["threads_before"] for f in facts], facts
 
 
-def test_under_srun_the_waiting_rank_raises_remote_rank_error_naming_the_failing_task(
-    slurm, tmp_path_factory
-):
+def test_under_srun_the_waiting_rank_raises_remote_rank_error_naming_the_failing_task(srun_failing_rank):
     """Rank 0, waiting in a barrier when task 1 raised, raises RemoteRankError naming rank 1 with its
     error, and prints it."""
-    proc, out = _srun_failing_rank(slurm, tmp_path_factory)
+    proc, out = srun_failing_rank
     assert proc.returncode != 0, proc.stdout + proc.stderr
     raised = json.loads((out / "remote_error.json").read_text())  # rank 0's, in its barrier
     assert raised["rank"] == 1, raised
