@@ -288,20 +288,12 @@ def test_clip_grad_norm_does_not_check_for_an_inf_norm():
 def _torchrun_env(rank: int, world_size: int, nnodes: int) -> None:
     """torchrun's variables for ``rank`` of ``world_size`` over ``nnodes`` nodes, set in this worker
     of a pool of the test's own (the group exists: Accelerate and Fabric adopt it)."""
+    from onedist.launchers.worker import torchrun_env
+
     per_node = world_size // nnodes
-    os.environ.update(
-        {
-            "TORCHELASTIC_RUN_ID": "migration-pages",
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank % per_node),
-            "LOCAL_WORLD_SIZE": str(per_node),
-            "GROUP_RANK": str(rank // per_node),
-            "GROUP_WORLD_SIZE": str(nnodes),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": "1",  # never used: the group exists
-        }
-    )
+    # MASTER_PORT 1: never used, the group exists
+    os.environ.update(torchrun_env(rank % per_node, per_node, rank // per_node, nnodes, "127.0.0.1", 1))
+    os.environ["TORCHELASTIC_RUN_ID"] = "migration-pages"
 
 
 @pytest.fixture(scope="module")
