@@ -29,6 +29,7 @@ import checks_sharding
 import onedist as od
 from launchpool import LaunchPool
 from prereqs import mpirun_missing
+from test_launch import _facts
 from test_shm import CORE_CHECKS
 
 pytestmark = [
@@ -320,15 +321,11 @@ def mpirun_failing_rank(tmp_path_factory) -> tuple[subprocess.CompletedProcess[s
     return proc, out
 
 
-def _rank_facts(out: Path) -> list[dict]:
-    return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
-
-
 def test_mpirun_initialize_logs_each_variable_it_sets(mpirun_failing_rank):
     """Rank 1 with the INFO log on (mpi_env.py on docs/launchers/mpirun.md): one line per variable
     initialize exports for env://, in the page's order."""
     proc, out = mpirun_failing_rank
-    port = _rank_facts(out)[1]["master_port"]
+    port = _facts(proc, out)[1]["master_port"]
     lines = [
         line
         for line in proc.stdout.splitlines() + proc.stderr.splitlines()
@@ -348,8 +345,7 @@ def test_mpirun_initialize_logs_each_variable_it_sets(mpirun_failing_rank):
 def test_mpirun_rank_0_chooses_the_port_through_mpi4py(mpirun_failing_rank):
     """With mpi4py, rank 0 picks a free port and broadcasts it: every rank has it, and it is not the
     port derived from Open MPI's job id."""
-    _, out = mpirun_failing_rank
-    facts = _rank_facts(out)
+    facts = _facts(*mpirun_failing_rank)
     assert {f["environment"] for f in facts} == {"openmpi"}, facts
     assert facts[0]["master_port"] == facts[1]["master_port"] != facts[0]["derived_port"], facts
 
@@ -357,8 +353,7 @@ def test_mpirun_rank_0_chooses_the_port_through_mpi4py(mpirun_failing_rank):
 def test_mpirun_leaves_torchs_thread_count_alone(mpirun_failing_rank):
     """No OMP_NUM_THREADS from mpirun, and torch's thread count once the group formed is the one
     torch chose itself before onedist ran."""
-    _, out = mpirun_failing_rank
-    facts = _rank_facts(out)
+    facts = _facts(*mpirun_failing_rank)
     assert all(f["omp_num_threads"] is None for f in facts), facts
     assert [f["threads_after"] for f in facts] == [f["threads_before"] for f in facts], facts
 

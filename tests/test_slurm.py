@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from onedist._net import free_port
+from test_launch import _facts
 from test_run import SCRIPT, _check_agree, _env, _onedist
 
 CLUSTER = Path(__file__).parent / "cluster"
@@ -155,8 +156,7 @@ def srun_failing_rank(slurm, tmp_path_factory) -> tuple[subprocess.CompletedProc
 def test_srun_leaves_torchs_thread_count_alone(srun_failing_rank):
     """No OMP_NUM_THREADS from srun, and torch's thread count once the group formed is the one torch
     chose itself before onedist ran (every CPU the task sees: srun binds nothing here)."""
-    _, out = srun_failing_rank
-    facts = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    facts = _facts(*srun_failing_rank)
     assert all(f["environment"] == "slurm" and f["omp_num_threads"] is None for f in facts), facts
     assert [f["threads_after"] for f in facts] == [f["threads_before"] for f in facts], facts
 
