@@ -11,6 +11,7 @@ import logging
 import numbers
 import os
 import socket
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -256,13 +257,21 @@ def finalize() -> None:
     takes at most the stall check's time after the last collective began (``ONEDIST_STALL_S``,
     3 s), and nothing when every rank reaches finalize together.
 
+    Called while an exception propagates (``try: train() finally: od.finalize()``), it first
+    reports that exception to the other ranks, as the process's end would: a peer waiting for this
+    rank (in DDP's backward, in a collective) raises :class:`~onedist.RemoteRankError` with it now,
+    not once this process has exited.
+
     Example:
         >>> import onedist as od
         >>> od.finalize()   # nothing to do: no context
         >>> od.get_world_size()
         1
     """
-    finalize_context(check_last_call=True)
+    failing = sys.exc_info()[1]
+    if failing is not None and not isinstance(world.backend, SerialBackend):
+        failures.publish_failure(failing)
+    finalize_context(check_last_call=failing is None)
 
 
 def finalize_context(check_last_call: bool) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 __all__ = [
     "ArgCheck",
+    "NamedGroup",
     "OrderedGroup",
     "PyWork",
     "all_cpu",
@@ -84,21 +85,8 @@ def _stop_threads_at_exit() -> None:
         group._stop_thread()
 
 
-class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
-    """A process group whose collectives run one at a time, in call order (see the module doc)."""
-
-    _thread_name = "onedist-group"
-
-    def __init__(self, rank: int, size: int) -> None:
-        super().__init__(rank, size)
-        self._lock = threading.Lock()  # guards _pending
-        self._exec = threading.Lock()  # held while a collective runs (one at a time)
-        self._pending = 0
-        #: how many collectives this process started on the group: the stall check's call number
-        #: for plain torch.distributed calls (torch numbers only its C++ groups' calls)
-        self.collectives = 0
-        self._queue: Optional[queue.SimpleQueue[Any]] = None
-        self._thread: Optional[threading.Thread] = None
+class NamedGroup(_ProcessGroup):  # type: ignore[misc]
+    """A Python process group that keeps the name and description torch gives it."""
 
     # torch names a group through its backends' ids (ProcessGroup::getGroupName), and a Python
     # group has none: without these, ``group.group_name`` raised "ProcessGroup name not set",
@@ -116,6 +104,23 @@ class OrderedGroup(_ProcessGroup):  # type: ignore[misc]
     @property
     def group_desc(self) -> str:
         return getattr(self, "_group_desc", "")
+
+
+class OrderedGroup(NamedGroup):
+    """A process group whose collectives run one at a time, in call order (see the module doc)."""
+
+    _thread_name = "onedist-group"
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)
+        self._lock = threading.Lock()  # guards _pending
+        self._exec = threading.Lock()  # held while a collective runs (one at a time)
+        self._pending = 0
+        #: how many collectives this process started on the group: the stall check's call number
+        #: for plain torch.distributed calls (torch numbers only its C++ groups' calls)
+        self.collectives = 0
+        self._queue: Optional[queue.SimpleQueue[Any]] = None
+        self._thread: Optional[threading.Thread] = None
 
     # the coalesced forms (FSDP, DTensor and the functional collectives call them from C++,
     # where a Python group without them failed with "No backend type associated with device

@@ -197,6 +197,11 @@ class Backend(ABC):
         """A key-value store every rank reaches outside the collectives (failure reports), or None."""
         return None
 
+    def call_log(self) -> Any:
+        """The default group's :class:`~onedist.backends.recorded.calls.CallLog` when its calls are
+        on record (onedist's gloo, shm and mpi4py groups), else None."""
+        return None
+
     def wrap_dataloader(self, loader: Any) -> Any:
         """Adapt a DataLoader to this backend (XLA: a device loader). Default: unchanged."""
         return loader

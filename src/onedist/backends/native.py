@@ -28,6 +28,8 @@ from ._environ import restore_env
 from ._rendezvous import check_tcp_host, env_store, prepare_env_rendezvous, rank_world_from_env
 from .interface import NATIVE_REDUCE_DTYPES, Backend, Layout, Work
 from .mpi import installed as mpi4py_installed
+from .recorded import gloo as recorded_gloo
+from .recorded.calls import CallLog
 
 __all__ = ["NativeBackend"]
 
@@ -113,6 +115,9 @@ class NativeBackend(Backend):
         if not self._nccl:
             self.cpu_reduce_dtypes = NATIVE_REDUCE_DTYPES
         self._env_layout = layout_from_environ(os.environ, self.rank, self.world_size)
+        log = getattr(world, "calls", None)
+        if isinstance(log, CallLog):
+            log.default = True
         _gloo_threads.install_exit_hook()  # gloo threads go idle before the interpreter finalizes
         self._publish_node_key()
         dev = self.device()
@@ -178,6 +183,10 @@ class NativeBackend(Backend):
             backend = _MPI4PY  # stock wheels: onedist's process group over mpi4py
         if backend in ("shm", _MPI4PY):
             register_torch_backends()  # torch did at import, unless TORCH_DEVICE_BACKEND_AUTOLOAD=0
+        torch_name = backend
+        if backend == "gloo" and recorded_gloo.enabled():  # every call on record (recorded/gloo.py)
+            recorded_gloo.register()
+            torch_name = recorded_gloo.NAME
         try:
             store = None
             fds_before = socket_fds()
@@ -186,11 +195,11 @@ class NativeBackend(Backend):
             if store is not None:
                 assert rank is not None and world_size is not None
                 dist.init_process_group(
-                    backend, store=store, timeout=timeout, rank=rank, world_size=world_size, **kwargs
+                    torch_name, store=store, timeout=timeout, rank=rank, world_size=world_size, **kwargs
                 )
             else:
                 dist.init_process_group(
-                    backend,
+                    torch_name,
                     init_method=init_method,
                     timeout=timeout,
                     rank=-1 if rank is None else rank,
@@ -201,6 +210,8 @@ class NativeBackend(Backend):
             restore_env(env_set)
             discard_store_fd(os.environ)
             raise
+        if torch_name != backend:
+            recorded_gloo.rename_in_torch()
         made = cls(owned=True, env_set=env_set)
         made.init_method = init_method
         made._group_fds = socket_fds() - fds_before  # the store's client and gloo's connections
@@ -215,7 +226,11 @@ class NativeBackend(Backend):
 
             return revoke_all()
         # the store's connections stay: the verdict that explains the break travels there
-        return break_connections(self._group_fds, keep_port=_store_port()) > 0
+        broken = break_connections(self._group_fds, keep_port=_store_port()) > 0
+        if self.name == "shm":  # shared memory has no connection: the group's mark ends the waits
+            self._world.abort()
+            broken = True
+        return broken
 
     def break_tells_peers(self) -> bool:
         return self.name == _MPI4PY
@@ -354,6 +369,9 @@ class NativeBackend(Backend):
     def side_store(self) -> Any:
         return _default_store()
 
+    def call_log(self) -> Any:
+        return getattr(self._world, "calls", None) if self.owned else None
+
     def new_group(self, ranks: tuple[int, ...], **kwargs: Any) -> Any:
         key = (ranks, tuple(sorted(kwargs.items())))
         if key in self._groups:
@@ -371,10 +389,15 @@ class NativeBackend(Backend):
                 # (e.g. a collective inside `if rank in ranks`) does not deadlock
                 kwargs = {**kwargs, "use_local_synchronization": True}
             fds_before = socket_fds()
+            recorded = isinstance(self._world, recorded_gloo.RecordedGloo) and "backend" not in kwargs
+            if recorded:  # onedist's sub-groups are on record too
+                kwargs = {**kwargs, "backend": recorded_gloo.NAME}
             if kwargs.get("use_local_synchronization"):
                 group = _new_local_group(ranks, kwargs)
             else:
                 group = dist.new_group(list(ranks), **kwargs)
+            if recorded:
+                recorded_gloo.rename_in_torch(group)
             self._group_fds |= socket_fds() - fds_before  # its connections, for break_pending
         self._groups[key] = group
         return group

@@ -14,10 +14,13 @@ When the communication library raises in a collective:
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from datetime import timedelta
 from typing import Any
+
+import torch
 
 from ..errors import CollectiveMismatchError, OnedistTimeoutError, RemoteRankError, call_site, user_frame
 from ..state import world
@@ -31,6 +34,8 @@ from .channel import (
     stuck_reports,
 )
 from .stall import read_verdict
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 _PEER_GONE_WAIT_S = 0.5  # how long a rank whose peer vanished waits for that peer's report
 
@@ -67,7 +72,7 @@ def explain(name: str, e: BaseException, group: Any, started: float, seq: int = 
     if verdict is not None:
         return CollectiveMismatchError(verdict)
     ranks = _group_ranks(group)
-    site = call_site(user_frame(sys._getframe(1)))
+    site = call_site(user_frame(sys._getframe(1), _TORCH_DIR))  # a DDP backward's: below torch's frames
     failed = failed_reports(ranks, rank)
     if _is_timeout(e):  # a peer that timed out too did not cause this timeout: report both calls
         failed = {r: rep for r, rep in failed.items() if rep.get("type") != "OnedistTimeoutError"}
@@ -121,6 +126,19 @@ def explain(name: str, e: BaseException, group: Any, started: float, seq: int = 
             time.sleep(0.05)
         return _peer_gone_error(name, e, ranks, rank, site, store)
     return e
+
+
+def known_cause(name: str, e: BaseException, rank: int, world_size: int) -> Any:
+    """The stall verdict behind ``e``, or the error of a peer that published its failure, as
+    onedist's error; None when neither is known (the caller's own error stands)."""
+    store = side_store()
+    verdict = read_verdict(store, sys.maxsize, rank, world_size)
+    if verdict is not None:
+        return CollectiveMismatchError(verdict)
+    failed = failed_reports(range(world_size), rank)
+    if not failed:
+        return None
+    return _remote_failure(name, rank, call_site(user_frame(sys._getframe(1), _TORCH_DIR)), failed)
 
 
 def _peer_gone_error(

@@ -11,13 +11,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["BLOCKED_KEY", "DONE_KEY", "READ_KEY", "RECEIPT_WAIT_S", "VERDICT_KEY", "await_receipts"]
+__all__ = [
+    "BLOCKED_KEY",
+    "DONE_KEY",
+    "HISTORY_KEY",
+    "READ_KEY",
+    "RECEIPT_WAIT_S",
+    "VERDICT_KEY",
+    "await_receipts",
+]
 
 BLOCKED_KEY = "onedist/blocked/{}"
 VERDICT_KEY = "onedist/stall-verdict"
 READ_KEY = "onedist/stall-verdict-read/{}"
 #: a rank done with its collectives, at finalize
 DONE_KEY = "onedist/done/{}"
+#: a rank's last calls on a recorded group (the group's log key, the rank), see .history
+HISTORY_KEY = "onedist/calls/{}/{}"
 #: how long the rank that hosts the store waits for the others' receipts before it raises (its
 #: exit would take the verdict with it)
 RECEIPT_WAIT_S = 3.0

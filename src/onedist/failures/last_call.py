@@ -39,13 +39,17 @@ def check_at_finalize() -> Optional[str]:
         store = side_store()
         if store is None or server_gone(store):
             return None
+        log = world.backend.call_log()
+        if log is not None:  # every call of the default group is on record, numbered by its log
+            started = max((e.started for e in log.recent() if e.peer < 0), default=0.0)
+            return last_call_verdict(store, rank, world_size, log.seq, started, "recorded")
         return last_call_verdict(store, rank, world_size, world.world_calls, world.last_started)
     except Exception:  # the store's host left: the job is ending anyway
         return None
 
 
 def last_call_verdict(
-    store: Any, rank: int, world_size: int, last_seq: int, last_started: float
+    store: Any, rank: int, world_size: int, last_seq: int, last_started: float, domain: str = "onedist"
 ) -> Optional[str]:
     """Mark this rank done after call ``last_seq`` of the default group (begun at monotonic
     ``last_started``) and return the mismatch report when a peer is still blocked in it or earlier."""
@@ -59,7 +63,7 @@ def last_call_verdict(
     pause = 0.01
     failed_before = int(store.add(FAILED_COUNT, 0))
     while True:
-        blocked = _blocked_behind(store, peers, last_seq)
+        blocked = _blocked_behind(store, peers, last_seq, domain)
         if blocked is None or int(store.add(FAILED_COUNT, 0)) > failed_before:
             return None  # every peer is done, or one failed (its error is what the job reports)
         now = time.monotonic()
@@ -69,14 +73,16 @@ def last_call_verdict(
             if seen[0] != report["id"]:
                 first_seen[r] = (report["id"], beat, now)
             elif now - seen[2] >= _CONFIRM_S and beat > seen[1]:  # still there, and current
-                return _decide(store, rank, world_size, last_seq, report, after)
+                return _decide(store, rank, world_size, last_seq, report, after, domain)
         if now > deadline and (not blocked or now > deadline + 2 * _CONFIRM_S):
             return None  # the peers not done are busy elsewhere (or left and came back)
         time.sleep(pause)
         pause = min(2 * pause, 0.2)
 
 
-def _blocked_behind(store: Any, peers: list[int], last_seq: int) -> Optional[dict[int, dict[str, Any]]]:
+def _blocked_behind(
+    store: Any, peers: list[int], last_seq: int, domain: str
+) -> Optional[dict[int, dict[str, Any]]]:
     """The peers' reports of default-group calls numbered ``last_seq`` or below (None when every
     peer is done)."""
     blocked: dict[int, dict[str, Any]] = {}
@@ -88,13 +94,14 @@ def _blocked_behind(store: Any, peers: list[int], last_seq: int) -> Optional[dic
         key = BLOCKED_KEY.format(r)
         if store.check([key]):
             report = json.loads(store.get(key))
-            if report.get("domain") == "onedist" and 0 < report.get("seq", 0) <= last_seq:
+            default = domain == "onedist" or report.get("default")
+            if report.get("domain") == domain and default and 0 < report.get("seq", 0) <= last_seq:
                 blocked[r] = report
     return blocked if waiting else None
 
 
 def _decide(
-    store: Any, rank: int, world_size: int, last_seq: int, report: dict[str, Any], after: float
+    store: Any, rank: int, world_size: int, last_seq: int, report: dict[str, Any], after: float, domain: str
 ) -> str:
     seq = report["seq"]
     message = "\n".join(
@@ -108,6 +115,6 @@ def _decide(
             HINT,
         ]
     )
-    write_verdict(store, seq, report.get("group"), message, rank)
+    write_verdict(store, seq, report.get("group"), message, rank, domain)
     await_receipts(store, report.get("group") or range(world_size), rank, RECEIPT_WAIT_S)
     return message

@@ -36,8 +36,10 @@ import os
 import time
 from typing import Any, Optional
 
+from ..backends.recorded.calls import SEND
 from ..state import world
 from .keys import BLOCKED_KEY, DONE_KEY, READ_KEY, RECEIPT_WAIT_S, VERDICT_KEY, await_receipts
+from .logged import LoggedCall, first_difference, main_thread_idle, p2p_deadlock, waiting_call
 from .torch_calls import TorchCall, torch_call
 
 __all__ = ["HINT", "RETURNED_EARLY", "StallCheck", "forget_stalls", "read_verdict", "write_verdict"]
@@ -70,6 +72,7 @@ class StallCheck:
         if self.after <= 0:
             return None
         call = self._blocked()
+        idle = main_thread_idle()
         now = time.monotonic()
         if not _same(call, self.call):
             if self.mine is not None:  # left the call it reported: peers must not count it blocked
@@ -85,17 +88,17 @@ class StallCheck:
                 return None
         else:  # still blocked in it: a new beat tells the peers that this report is current
             self.mine["beat"] = self.mine.get("beat", 0) + 1
+        self.mine["idle"] = idle
         self.store.set(BLOCKED_KEY.format(self.rank), json.dumps(self.mine))
         return self._verdict_of_peer() or self._compare()
 
     def _blocked(self) -> Any:
-        call = world.call
-        if call is not None:
-            return call if call.seq >= 0 else None
-        return torch_call(self.main_ident) if self.main_ident else None
+        return blocked_call(self.main_ident)
 
     def _report(self, call: Any) -> Optional[dict[str, Any]]:
-        if isinstance(call, TorchCall):
+        if isinstance(call, LoggedCall):
+            described, seq, domain = describe_logged(call, self.main_ident), call.seq, "recorded"
+        elif isinstance(call, TorchCall):
             described, seq, domain = call.describe(), call.seq, "torch"
         else:
             # the default group's calls and a sub-group's are counted apart, even when it has every rank
@@ -121,6 +124,13 @@ class StallCheck:
     def _compare(self) -> Optional[str]:
         assert self.mine is not None
         reports = self._peers()
+        if self.mine["domain"] == "recorded":
+            found = self._compare_recorded(reports)
+            if found is not None:
+                return found
+            if self.mine.get("peer", -1) >= 0:
+                return None  # a send or receive: only a peer's missing counterpart settles it
+            reports = {r: rep for r, rep in reports.items() if rep.get("peer", -1) < 0}
         same = {r: rep for r, rep in reports.items() if rep["seq"] == self.mine["seq"]}
         if any(rep["sig"] != self.mine["sig"] for rep in same.values()):
             return self._decide(same, _report(same, self.after))
@@ -138,17 +148,35 @@ class StallCheck:
             return None
         return self._decide(reports, _report_apart(reports, self.after))
 
-    def _decide(self, reports: dict[int, dict[str, Any]], message: str) -> str:
-        seq = min(rep["seq"] for rep in reports.values())
-        write_verdict(self.store, seq, self.mine["group"] if self.mine else None, message, self.rank)
+    def _compare_recorded(self, reports: dict[int, dict[str, Any]]) -> Optional[str]:
+        """The calls on record settle it: the first call the ranks' hashes differ at, or a send or
+        receive whose peer is blocked elsewhere without the matching call."""
+        assert self.mine is not None
+        found = first_difference(reports)
+        if found is not None:
+            seq, calls = found
+            waiting = {r: rep for r, rep in reports.items() if rep["seq"] == seq and rep.get("peer", -1) < 0}
+            if len(waiting) == len(calls):  # every rank waits in its call seq
+                return self._decide(waiting, _report(waiting, self.after), seq)
+            return self._decide(reports, _report_differ(seq, calls, reports, self.after), seq)
+        peer = p2p_deadlock(self.mine, self.rank, reports)
+        if peer is not None:
+            return self._decide(reports, _report_p2p(self.mine, self.rank, reports[peer], peer, self.after))
+        return None
+
+    def _decide(self, reports: dict[int, dict[str, Any]], message: str, seq: Optional[int] = None) -> str:
+        if seq is None:
+            seq = min(rep["seq"] for rep in reports.values())
+        domain = self.mine["domain"] if self.mine else None
+        write_verdict(self.store, seq, self.mine["group"] if self.mine else None, message, self.rank, domain)
         self.decided = True
         return message
 
     def let_peers_read(self) -> None:
         """After this rank's verdict, wait (up to 2 s) until the group's other ranks have read it:
         a plain torch.distributed call learns why its group broke from nowhere else."""
-        if not self.decided or self.mine is None:
-            return
+        if not self.decided or self.mine is None or self.rank != 0:
+            return  # only rank 0 may host the store: the others' exit takes no verdict with it
         try:
             await_receipts(self.store, self.mine["group"], self.rank, 2.0)
         except Exception:
@@ -162,7 +190,37 @@ class StallCheck:
         return None if verdict is None else str(verdict["message"])
 
 
-def write_verdict(store: Any, seq: int, group: Any, message: str, rank: int) -> None:
+def blocked_call(main_ident: int) -> Any:
+    """What this rank waits in: its oldest unfinished call on record (every call of onedist's
+    gloo and shm groups), else onedist's call or a plain ``torch.distributed`` call the main thread
+    is in (numbered apart); None when it waits in none."""
+    logged = waiting_call()
+    if logged is not None:
+        return logged
+    call = world.call
+    if call is not None:
+        return call if call.seq >= 0 else None
+    return torch_call(main_ident) if main_ident else None
+
+
+def describe_logged(call: LoggedCall, main_ident: int) -> dict[str, Any]:
+    """A call on record as the ranks compare it, in the words of what the user called when it is
+    the call the main thread is in: onedist's (``all_reduce(op=SUM, value ...)``) or
+    ``torch.distributed``'s function."""
+    words = None
+    if call.newest and world.call is not None:
+        words = str(world.call.describe()["call"])
+    elif call.newest and main_ident:
+        plain = torch_call(main_ident)
+        words = None if plain is None else str(plain.describe()["call"])
+    described = call.describe(words)
+    described["default"] = world.backend.call_log() is call.log
+    return described
+
+
+def write_verdict(
+    store: Any, seq: int, group: Any, message: str, rank: int, domain: Optional[str] = None
+) -> None:
     """Publish the mismatch report about call ``seq`` of ``group`` for every rank to read (the
     peers' watchers break their calls on it, their guards raise it).
 
@@ -172,7 +230,7 @@ def write_verdict(store: Any, seq: int, group: Any, message: str, rank: int) -> 
     same connection is answered after the write. The writer keeps its own copy (its guard reads it
     without the store) and leaves its own receipt (the store's host waits for every member's)."""
     global _known
-    verdict = {"seq": seq, "group": group, "message": message}
+    verdict = {"seq": seq, "group": group, "message": message, "domain": domain}
     store.set(VERDICT_KEY, json.dumps(verdict))
     store.check([VERDICT_KEY])  # the round trip that orders the write before the break
     _known = verdict
@@ -190,7 +248,7 @@ def forget_stalls(store: Any, rank: int) -> None:
 
 
 def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, TorchCall):
+    if isinstance(a, (TorchCall, LoggedCall)):
         return a.same(b)
     return a is b
 
@@ -232,9 +290,44 @@ RETURNED_EARLY = (
 )
 
 
+def _report_differ(
+    seq: int, calls: dict[int, list[Any]], reports: dict[int, dict[str, Any]], after: float
+) -> str:
+    """Each rank's call ``seq``, in the words of its report when that is the call it waits in."""
+    returned = sorted(r for r in calls if reports[r]["seq"] != seq)
+    lines = [
+        f"onedist: the ranks made different calls as call {seq} on "
+        f"{_group_text(next(iter(reports.values())))}; ranks {returned} returned from theirs and wait "
+        f"in later calls (found after {after:.0f} s without debug mode), so none of them can complete:"
+    ]
+    for r in sorted(calls):
+        text = (
+            reports[r]["call"] if reports[r]["seq"] == seq and reports[r].get("peer", -1) < 0 else calls[r][2]
+        )
+        lines.append(f"  rank {r}: {text} at {calls[r][3]}")
+    lines.append(RETURNED_EARLY)
+    lines.append(HINT)
+    return "\n".join(lines)
+
+
+def _report_p2p(mine: dict[str, Any], rank: int, theirs: dict[str, Any], peer: int, after: float) -> str:
+    counterpart = "receive from" if mine["kind"] == SEND else "send to"
+    lines = [
+        f"onedist: rank {rank} waits in a point-to-point call with rank {peer}, which waits elsewhere and "
+        f"never posted the matching {counterpart} rank {rank} (found after {after:.0f} s without debug "
+        "mode), so neither can complete:",
+        f"  rank {rank}: {mine['call']} at {mine['site']}",
+        f"  rank {peer}: {theirs['call']} at {theirs['site']}",
+        "HINT: every send needs a receive posted on its destination (and the other way round) before "
+        "either rank waits in another call; batch_isend_irecv posts them together",
+    ]
+    return "\n".join(lines)
+
+
 def _group_text(rep: dict[str, Any]) -> str:
     group = rep["group"]
-    where = "the default group" if rep["domain"] == "onedist" or rep.get("default") else f"group {group}"
+    default = rep["domain"] == "onedist" or rep.get("default")
+    where = "the default group" if default else f"group {group}"
     if rep["domain"] == "torch":
         where += " (torch.distributed calls, numbered by the process group)"
     return where
@@ -274,7 +367,10 @@ def _read(store: Any, seq: int, rank: int, group: Any = None) -> Optional[dict[s
         return None
     global _known
     verdict: dict[str, Any] = json.loads(store.get(VERDICT_KEY))
-    if verdict["seq"] > seq or (group is not None and verdict.get("group") != group):
+    # a verdict on calls on record is numbered by the group's log, not by onedist's count: the
+    # group is broken after it, so any failure of the group's calls is its consequence
+    later = verdict["seq"] > seq and verdict.get("domain") != "recorded"
+    if later or (group is not None and verdict.get("group") != group):
         return None
     store.set(READ_KEY.format(rank), "1")
     _known = verdict

@@ -8,11 +8,17 @@ import sys
 import time
 from typing import Any, Optional
 
-from ..errors import CollectiveMismatchError, RemoteRankError
+from ..backends.recorded import calls as recorded_log
+from ..errors import CollectiveMismatchError, OnedistError, RemoteRankError
 from ..state import world
-from .channel import FAILED_COUNT, ServerProbe, failed_reports, rank_and_world, side_store
+from .channel import FAILED_COUNT, ServerProbe, failed_reports, publish_failure, rank_and_world, side_store
+from .explain import explain, known_cause
+from .history import HistoryCheck
 from .hooks import wait_until_gone
-from .stall import StallCheck, forget_stalls
+from .logged import LoggedCall
+from .signals import SignalPipe
+from .stall import StallCheck, forget_stalls, write_verdict
+from .stall_report import StallReports, rank_state
 from .stderr import release_stderr
 
 _WATCH_S = 1.0  # how often each rank asks the store whether another rank failed
@@ -39,10 +45,37 @@ def _watch(stop: Any, store: Any, rank: int, world_size: int, main_ident: int) -
         probe.close()
 
 
+def _where(rank: int, main_ident: int) -> str:
+    """Where this rank was: the collective it waited in and its line, or its main thread's line."""
+    try:
+        state = rank_state(rank, main_ident)
+    except Exception:
+        return f"rank {rank}'s whereabouts unknown"
+    waits = state.get("waits")
+    if waits is not None:
+        return f"rank {rank} was waiting in {waits['call']} at {waits['site']}"
+    return f"rank {rank} was at {state.get('site', '<unknown>')}"
+
+
+def _sleep(stop: Any, seconds: float) -> bool:
+    """Wait between two polls, handling Ctrl-C and SIGTERM meanwhile (:mod:`.signals`); True when
+    the watcher is to stop."""
+    pipe = _pipe
+    if pipe is None:
+        return bool(stop.wait(seconds))
+    for signum in pipe.wait(seconds):
+        if stop.is_set():
+            break
+        pipe.handle(signum, stop)
+    return bool(stop.is_set())
+
+
 def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int, main_ident: int) -> None:
     handled = 0
     stall: Optional[StallCheck] = StallCheck(store, rank, world_size, main_ident)
-    while not stop.wait(_WATCH_S):
+    history = HistoryCheck(store, rank)
+    reports = StallReports(store, rank, world_size, main_ident)
+    while not _sleep(stop, _WATCH_S):
         if probe.gone():
             return  # the rank hosting the store exited: the job is ending
         try:
@@ -51,9 +84,20 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
             if count > handled and not world.published and not world.explaining:
                 handled = count
                 failed = failed_reports(range(world_size), rank)
-            verdict = stall.sample() if stall is not None and not failed and not world.explaining else None
+            # the store's host may leave at any moment (the job ends): asking a store that is gone
+            # makes torch print a C++ stack trace, so look again before each part of the poll
+            verdict = found = None
+            if stall is not None and not failed and not world.explaining and not probe.gone():
+                verdict = stall.sample()
+                if verdict is None and not probe.gone():
+                    found = history.sample()
+            if not failed and verdict is None and found is None and not probe.gone():
+                reports.sample()
         except Exception:
             return  # the store is gone: the job is ending anyway
+        if found is not None:  # calls that completed although the ranks disagreed
+            _end_on_history(stop, store, found[0], found[1], rank, main_ident)
+            return
         if failed:
             r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
             if report.get("type") == CollectiveMismatchError.__name__:  # the same verdict on every rank
@@ -61,7 +105,8 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
                 _end_main_thread(stop, main_ident, _mismatch_error_class(message), message, rank)
                 return
             message = (
-                f"onedist: rank {r} failed, so rank {rank} stops too:\n{report.get('traceback', '').rstrip()}"
+                f"onedist: rank {r} failed, so rank {rank} stops too ({_where(rank, main_ident)}):\n"
+                f"{report.get('traceback', '').rstrip()}"
             )
             # if it must end this process, let the failed rank exit first: launchers blame the first
             gone = functools.partial(wait_until_gone, report)
@@ -75,6 +120,13 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
                 _break()
                 _end_main_thread(stop, main_ident, _mismatch_error_class(verdict), verdict, rank)
                 return
+            if world.call is None and isinstance(check.call, LoggedCall):
+                # a call on record outside onedist's guard (a plain call, DDP's backward): its work
+                # raises the verdict itself once the group is broken (recorded.calls.explain_failure)
+                check.let_peers_read()
+                _break()
+                _end_if_still_blocked(stop, check.call, verdict, rank)
+                return
             if world.call is None:  # a plain torch.distributed call: no guard there to explain it
 
                 def break_after_peers_read(check: StallCheck = check) -> None:
@@ -87,6 +139,32 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
             if not _break_pending(stop):
                 _end_main_thread(stop, main_ident, _mismatch_error_class(verdict), verdict, rank)
                 return
+
+
+def _end_on_history(stop: Any, store: Any, message: str, log: Any, rank: int, main_ident: int) -> None:
+    """Every rank learns it (the verdict, and this rank's failure report: their watchers raise it);
+    the group's pending calls break; this rank's main thread raises it."""
+    error = _mismatch_error_class(message)
+    write_verdict(store, log.seq, list(log.ranks), message, rank, "recorded")
+    before = int(store.add(FAILED_COUNT, 0))
+    publish_failure(error())
+    # the peers raise it from their own watchers (within a second): this rank waits for them
+    # first, so that no launcher stops them as consequences of this rank's failure
+    deadline = time.monotonic() + 2 * _WATCH_S
+    while int(store.add(FAILED_COUNT, 0)) < before + len(log.ranks) and time.monotonic() < deadline:
+        if stop.wait(0.05):
+            return
+    _end_main_thread(stop, main_ident, error, message, rank, _break)
+
+
+def _end_if_still_blocked(stop: Any, call: LoggedCall, message: str, rank: int) -> None:
+    """End the process (the message printed) when the main thread is still blocked in ``call``
+    after the grace period: a wait that no explanation reaches (inside a C++ caller)."""
+    deadline = time.monotonic() + _WATCH_GRACE_S
+    while time.monotonic() < deadline:
+        if stop.wait(0.05) or call.entry not in call.log.waiting():
+            return
+    _exit_with(message, rank)
 
 
 def _break() -> bool:
@@ -137,6 +215,10 @@ def _end_main_thread(
         return
     if before_exit is not None:
         before_exit()
+    _exit_with(message, rank)
+
+
+def _exit_with(message: str, rank: int) -> None:
     try:
         release_stderr()
         sys.stderr.write(message + f"\n(rank {rank} was blocked outside Python; ending it)\n")
@@ -184,11 +266,15 @@ def start_watch() -> None:
     if store is None:
         return
     world.published = False
+    recorded_log.explain_failure = _explain_failure
+    recorded_log.known_cause = functools.partial(known_cause, rank=rank, world_size=world_size)
     try:
         forget_stalls(store, rank)
     except Exception:  # a store without delete_key: nothing of an earlier group in it either
         pass
     stop = threading.Event()
+    global _pipe
+    _pipe = SignalPipe(rank, threading.main_thread().ident or 0)
     thread = threading.Thread(
         target=_watch,
         args=(stop, store, rank, world_size, threading.main_thread().ident),
@@ -205,12 +291,33 @@ def start_watch() -> None:
     atexit.register(stop_watch)
 
 
+def _explain_failure(name: str, error: BaseException, started: float) -> BaseException:
+    """onedist's explanation of a failed collective that no guard runs around (a DDP backward's):
+    the stall verdict that broke it, a peer's error, a timeout naming the ranks."""
+    if isinstance(error, OnedistError):  # explained already (a work's wait inside a DDP step)
+        return error
+    explained = explain(name, error, None, started, sys.maxsize)
+    if explained is not error and isinstance(explained, OnedistError):
+        explained.backend_error = error
+    return explained
+
+
+#: the pipe that wakes the watcher on a signal (and to stop), while it runs
+_pipe: Optional[SignalPipe] = None
+
+
 def stop_watch() -> None:
     """Stop the failure watcher (called by finalize, and at exit)."""
+    global _pipe
     if world.watcher is not None and world.watch_stop is not None:
         world.watch_stop.set()
+        if _pipe is not None:
+            _pipe.wake()
         # a watcher left inside a store call would take the GIL back while the interpreter
         # finalizes, which can abort the process: its calls end within seconds (a store whose host
         # left fails at once), so wait long enough for one, and bounded all the same
         world.watcher.join(timeout=_WATCH_S + 10)
         world.watcher = world.watch_stop = None
+        if _pipe is not None:
+            _pipe.close()
+            _pipe = None

@@ -179,6 +179,7 @@ def _run_attempt(spec: LaunchSpec, attempt: int, supervisor: Supervisor[ProcessW
         )
     except OSError as e:
         raise OnedistRuntimeError(f"onedist.spawn: {e.strerror or e}") from e
+    terminated = _TerminateHandler()
     try:
         _start_workers(spec, port, store_sock, supervisor, attempt)
         return supervisor.watch()
@@ -186,11 +187,54 @@ def _run_attempt(spec: LaunchSpec, attempt: int, supervisor: Supervisor[ProcessW
         supervisor.interrupted()
         _print_where_workers_were(supervisor)
         raise e.with_traceback(None) from None  # the workers' tracebacks tell where it was
+    except _Terminated:  # the workers print where they were (onedist.failures.signals), then end
+        terminated.ignore()  # a second SIGTERM (to the whole process group) must not cut it short
+        supervisor.signal_all(signal.SIGTERM)
+        supervisor.interrupted()
+        terminated.die()
+        raise
     except BaseException:
         supervisor.stop()
         raise
     finally:
+        terminated.restore()
         supervisor.close()
+
+
+class _Terminated(BaseException):
+    """SIGTERM to the launching process while its workers run."""
+
+
+class _TerminateHandler:
+    """While workers run, SIGTERM (when nothing else handles it) stops them as Ctrl-C does, giving
+    each the time to print where it was, and then ends this process by SIGTERM as it would have."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        try:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._raise)
+                self.installed = True
+        except ValueError:  # not the main thread: nothing to install
+            pass
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise _Terminated()
+
+    def ignore(self) -> None:
+        if self.installed:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        if self.installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            self.installed = False
+
+    def die(self) -> None:
+        self.restore()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _start_workers(

@@ -36,6 +36,9 @@ __all__ = [
 
 # the failure policy of every launcher that watches its workers:
 GRACE_S = 0.3  # wait this long after the first failure for near-simultaneous reports
+#: ... and this long when it is a CollectiveMismatchError: every rank raises that verdict itself,
+#: some from their failure watcher (polling once a second), not as a consequence of the first
+MISMATCH_GRACE_S = 2.0
 INTERRUPT_S = 2.0  # on Ctrl-C, how long the workers get to say where they were
 TERM_S = 3.0  # then SIGTERM, and SIGKILL whoever is left after this long
 POLL_S = 0.02  # how often workers without a waitable handle are polled
@@ -284,6 +287,12 @@ class Supervisor(Generic[W]):
         else:
             time.sleep(POLL_S if timeout is None else min(timeout, POLL_S))
 
+    def _grace(self) -> float:
+        mismatch = any(
+            getattr(w.failure, "exc_type", None) == "CollectiveMismatchError" for w in self.workers
+        )
+        return MISMATCH_GRACE_S if mismatch else GRACE_S
+
     def watch(self, give_up: Optional[Callable[[], bool]] = None) -> list[Failure]:
         """Wait for every worker; :data:`GRACE_S` after the first failure (or once ``give_up()``
         is true) stop the others. Returns the failures (empty: every worker succeeded)."""
@@ -294,7 +303,8 @@ class Supervisor(Generic[W]):
             running = self.running()
             if not running:
                 break
-            if first is not None and time.monotonic() >= first + GRACE_S:
+            grace = self._grace()
+            if first is not None and time.monotonic() >= first + grace:
                 self.failures(mark_stopped=True)
                 self.stop()
                 break
@@ -303,7 +313,7 @@ class Supervisor(Generic[W]):
                 self.stop()
                 break
             if first is not None:
-                self.wait(max(0.0, first + GRACE_S - time.monotonic()))
+                self.wait(max(0.0, first + grace - time.monotonic()))
             else:  # without a failure, only a signal to give up needs polling
                 self.wait(None if give_up is None else POLL_S)
         return self.failures()

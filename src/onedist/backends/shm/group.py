@@ -19,6 +19,8 @@ import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
+from ..recorded import steps
+from ..recorded.calls import RECV, SEND, CallLog, RecordedWork
 from . import cma
 from .hosts import TwoLevels, ranks_by_host
 from .phases import bytes_of, helper_pool
@@ -32,6 +34,7 @@ from .protocol import (
     KIND_REDUCE,
     KIND_REDUCE_SCATTER,
     poison_on_error,
+    step_root,
 )
 from .reduce_ops import check_op, reduce_fn, reduce_into, reduction
 from .scatter_gather import Exchanges, Head
@@ -44,9 +47,14 @@ _ASYNC_BYTES = 1 << 20
 class ShmProcessGroup(TwoLevels, Exchanges):
     """The process group behind ``backend="shm"`` (see the package docstring)."""
 
+    #: the calls on record of a group torch made (not of one host's part of a group over several):
+    #: point-to-point calls, where a rank waits, and the step of DDP's gradient buckets
+    calls: Optional[CallLog] = None
+
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
+        self._store = store  # where the ranks tell each other their script lines at a mismatch
         self._timeout = timeout.total_seconds() if timeout else 1800.0
         self._gloo: Any = dist.ProcessGroupGloo(
             _c10d.PrefixStore("onedist-shm-gloo", store), rank, size, timeout
@@ -102,7 +110,12 @@ class ShmProcessGroup(TwoLevels, Exchanges):
             return self._run(job, tensors, tensors)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.allreduce(tensors, opts_or(_c10d.AllreduceOptions, opts))
-        return self._reduce_each(tensors, op, None)
+        return self._reduce_each(tensors, op, None, self._ddp_step())
+
+    def _ddp_step(self) -> int:
+        """The DDP step of a call inside a backward (recorded.steps): its parity goes in the call's
+        record, so buckets of steps one apart differ at the barrier, like any two calls."""
+        return 0 if self.calls is None else steps.step_of_call(self.calls)
 
     @poison_on_error
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -112,7 +125,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         check_op(op, tensors)
         if self._seg is None or not all_cpu(tensors):
             return self._gloo.allreduce_coalesced(tensors, opts or _c10d.AllreduceCoalescedOptions())
-        return self._reduce_each(tensors, op, None)
+        return self._reduce_each(tensors, op, None, self._ddp_step())
 
     @poison_on_error
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
@@ -122,14 +135,13 @@ class ShmProcessGroup(TwoLevels, Exchanges):
             return self._gloo.reduce(tensors, opts)
         return self._reduce_each(tensors, opts.reduceOp, opts.rootRank)
 
-    def _reduce_each(self, tensors: list[torch.Tensor], op: Any, root: Optional[int]) -> Any:
+    def _reduce_each(self, tensors: list[torch.Tensor], op: Any, root: Optional[int], step: int = 0) -> Any:
         """all_reduce (``root`` None) or reduce to ``root`` of each tensor, in order (their ops
-        and dtypes checked)."""
-        return self._run(
-            partial(for_each, partial(self._all_reduce_one, op=op, root=root), tensors), tensors, tensors
-        )
+        and dtypes checked); ``step``: the DDP step of a gradient bucket."""
+        one = partial(self._all_reduce_one, op=op, root=root, step=step)
+        return self._run(partial(for_each, one, tensors), tensors, tensors)
 
-    def _all_reduce_one(self, tensor: torch.Tensor, op: Any, root: Optional[int]) -> None:
+    def _all_reduce_one(self, tensor: torch.Tensor, op: Any, root: Optional[int], step: int = 0) -> None:
         fn, code, average, dtype_code = reduction(op, tensor.dtype)
         seg = self._seg
         assert seg is not None
@@ -140,7 +152,7 @@ class ShmProcessGroup(TwoLevels, Exchanges):
             n,
             dtype_code,
             code,
-            -1 if root is None else root,
+            (-1 if root is None else root) if not step else step_root(step),
         )
         if n == 0:  # nothing moves, but the ranks meet: a peer's non-empty call fails here, not later
             self._barrier("all_reduce")
@@ -360,13 +372,19 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         self._barrier("barrier")
 
     def send(self, tensors: Any, dst: int, tag: int) -> Any:
-        return self._gloo.send(tensors, dst, tag)
+        return self._p2p(SEND, dst, tensors, self._gloo.send(tensors, dst, tag))
 
     def recv(self, tensors: Any, src: int, tag: int) -> Any:
-        return self._gloo.recv(tensors, src, tag)
+        return self._p2p(RECV, src, tensors, self._gloo.recv(tensors, src, tag))
 
     def recv_anysource(self, tensors: Any, tag: int) -> Any:
-        return self._gloo.recv_anysource(tensors, tag)
+        return self._p2p(RECV, -1, tensors, self._gloo.recv_anysource(tensors, tag))
+
+    def _p2p(self, kind: int, peer: int, tensors: Any, work: Any) -> Any:
+        """A send or receive (on the gloo group beside the memory) on record, for the stall check."""
+        if self.calls is None:
+            return work
+        return RecordedWork(work, self.calls.record_p2p(kind, peer, tensors, work))
 
     def abort(self) -> None:
         """Mark the group failed by this rank: peers waiting in a collective raise at once."""
@@ -387,5 +405,12 @@ class ShmProcessGroup(TwoLevels, Exchanges):
 
 def create(store: Any, rank: int, size: int, timeout: timedelta) -> ShmProcessGroup:
     """torch.distributed's constructor hook for ``backend="shm"`` (registered by
-    :func:`onedist.register_torch_backends`)."""
-    return ShmProcessGroup(store, rank, size, timeout)
+    :func:`onedist.register_torch_backends`): the group, with its calls on record."""
+    group = ShmProcessGroup(store, rank, size, timeout)
+    if size > 1:
+        mine = torch.randint(-(2**62), 2**62, (1,), dtype=torch.int64)
+        parts = [torch.empty(1, dtype=torch.int64) for _ in range(size)]
+        group._gloo.allgather([parts], [mine]).wait()  # a number the members agree on (calls.py)
+        group.calls = CallLog(rank, partial(dist.get_process_group_ranks, group), sum(int(p) for p in parts))
+        steps.install()
+    return group

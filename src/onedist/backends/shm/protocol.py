@@ -12,8 +12,11 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import sys
+import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -21,6 +24,8 @@ import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError
 from .._pygroup import OrderedGroup, op_name
+from ..recorded import calls
+from ..recorded.calls import CallLog, Entry, user_site
 from .segment import HEADER_BYTES, LINE_BYTES, Segment
 
 _SYS_FUTEX = 202  # x86-64
@@ -72,6 +77,12 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES.get(dtype, -1)
 
 
+def step_root(step: int) -> int:
+    """The root field of a DDP gradient bucket's record: the parity of its step (-2 even, -3 odd),
+    so that buckets of steps one apart differ at the barrier (see onedist.backends.recorded.steps)."""
+    return -2 - (step & 1)
+
+
 def _describe(call: tuple[int, ...]) -> str:
     """One rank's call (a CALL_RECORD), as a user would write it."""
     kind, op, root, dtype, count, step = call
@@ -91,7 +102,18 @@ def _describe(call: tuple[int, ...]) -> str:
     else:
         what = f"{count} {_dtypes()[dtype - 1]} elements" if known else f"{count} bytes"
     later = f", step {step}" if step else ""
-    return f"{name}({', '.join(args)}) of {what}{later}"
+    bucket = (
+        f": a DDP gradient bucket of an {'odd' if root == -3 else 'even'} step" if root in (-2, -3) else ""
+    )
+    return f"{name}({', '.join(args)}) of {what}{later}{bucket}"
+
+
+def _site() -> str:
+    """The calling script's line (the main thread's, when a collective runs on the group's thread)."""
+    frame = sys._getframe(1)
+    if threading.current_thread() is not threading.main_thread():
+        frame = sys._current_frames().get(threading.main_thread().ident or 0, frame)
+    return user_site(frame)
 
 
 class _Timespec(ctypes.Structure):
@@ -165,9 +187,11 @@ class SegmentSync(OrderedGroup):
     _others: list[int]
     _spin: int
     _shown_as: Optional[list[int]]
+    calls: Optional[CallLog]
 
     def _poisoning(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``call(*args, **kwargs)``, marking the segment when it fails (see poison_on_error)."""
+        """``call(*args, **kwargs)``, marking the segment when it fails (see poison_on_error); a
+        failure is raised as onedist explains it (a failed peer's error, the stall verdict)."""
         gen = self._gen
         try:
             return call(*args, **kwargs)
@@ -177,7 +201,14 @@ class SegmentSync(OrderedGroup):
             raise
         except ShmError as e:
             self._mark(e.culprit)
-            raise
+            cause = (
+                None
+                if self.calls is None
+                else calls.known_cause(f"shm {getattr(call, '__name__', 'collective')}", e)
+            )
+            if cause is None:
+                raise
+            raise cause from e
         except CollectiveMismatchError:  # every rank raises it at the same barrier: no harm
             raise
         except BaseException:
@@ -246,13 +277,37 @@ class SegmentSync(OrderedGroup):
                 "broadcast):"
             ]
             usable = False
-        lines += [f"  rank {r}: {_describe(call)}" for r, call in zip(ranks, calls)]
+        sites = self._sites_of_all()
+        lines += [f"  rank {r}: {_describe(call)}{sites.get(r, '')}" for r, call in zip(ranks, calls)]
         lines.append(
             "HINT: every rank of a group must call the same collectives, in the same order, with tensors "
             "of the same size and dtype (and the same op and root); ONEDIST_DEBUG=1 also names each "
             "rank's file:line." + (" No tensor was changed, and the group is still usable." if usable else "")
         )
         return CollectiveMismatchError("\n".join(lines))
+
+    def _sites_of_all(self) -> dict[int, str]:
+        """Each rank's script line at a mismatch (every rank finds it at the same barrier): through
+        the store, waiting at most 2 s for the peers'. Empty for one host's part of a larger group."""
+        log, store = self.calls, getattr(self, "_store", None)
+        if log is None or store is None:
+            return {}
+        key = f"onedist/shm-sites/{log.key}/{self._gen}/{{}}"
+        sites = {}
+        try:
+            store.set(key.format(self._rank), _site())
+            store.wait([key.format(r) for r in range(self._size)], timedelta(seconds=2))
+            for r in range(self._size):
+                sites[r] = f" at {store.get(key.format(r)).decode()}"
+            # rank 0 may host the store: it leaves once every rank has read the lines
+            read = store.add(key.format("read"), 1)
+            deadline = time.monotonic() + 2.0
+            while self._rank == 0 and read < self._size and time.monotonic() < deadline:
+                time.sleep(0.01)
+                read = store.add(key.format("read"), 0)
+        except Exception:  # a peer that never wrote: its line stays unnamed
+            pass
+        return sites
 
     def _aborted(self, what: str) -> ShmError:
         seg = self._seg
@@ -269,6 +324,19 @@ class SegmentSync(OrderedGroup):
         )
 
     def _block(self, j: int, g: int, what: str) -> None:
+        """Wait (futex) until rank ``j`` reached generation ``g``; on record meanwhile, for the
+        stall check and its reports."""
+        log = self.calls
+        if log is None or log.blocked is not None:
+            return self._wait_for(j, g, what)
+        text = _describe(CALL_RECORD.unpack(self._record))
+        log.blocked = Entry(self.collectives, (-1, -1, -1, -1, -1), 0, _site(), time.monotonic(), -1, 0, text)
+        try:
+            self._wait_for(j, g, what)
+        finally:
+            log.blocked = None
+
+    def _wait_for(self, j: int, g: int, what: str) -> None:
         seg = self._seg
         assert seg is not None
         counters, idx = seg.counters, j * (LINE_BYTES // 4)

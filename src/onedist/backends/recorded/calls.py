@@ -1,0 +1,289 @@
+"""The calls one process group carried: numbered, compared across ranks, described when they stall.
+
+A :class:`CallLog` belongs to one recorded group on one rank. For each collective the group carries
+(onedist's, a plain ``torch.distributed`` call, DDP's gradient buckets, FSDP2's all-gathers, an
+asynchronous call waited on later) it keeps its number among the group's collectives, a signature
+of ints (what the ranks must agree on: kind, reduction, dtype, element count, root, DDP step), a
+running hash of every signature so far, the line of the user's script that made it, and, until it
+completes, its ``Work``. Point-to-point calls are counted per peer instead (rank A's k-th send to B
+is B's k-th receive from A). Nothing is communicated here: the failure watcher reads the logs once a
+second (:mod:`onedist.failures.stall`, :mod:`onedist.failures.history`).
+
+Cost on the calling thread: one frame walk to the user's line, a tuple, a hash and two deque
+appends (~2-3 us); a completed call's ``Work`` (and so its tensors) is let go at the next call on
+the group, or by the watcher within a second.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["KINDS", "CallLog", "Entry", "RecordedWork", "explain_failure", "known_cause", "logs", "signature"]
+
+_Work: Any = dist.distributed_c10d.Work
+
+#: the kinds of call, by their index in a signature (the names the reports print)
+KINDS = (
+    "barrier",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "gather",
+    "scatter",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "reduce_scatter_coalesced",
+    "monitored_barrier",
+    "send",
+    "recv",
+)
+_KIND = {name: i for i, name in enumerate(KINDS)}
+SEND, RECV = _KIND["send"], _KIND["recv"]
+
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)  # fmt: skip
+#: dtype -> a small int every process agrees on (a dtype's own hash is its address)
+_DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
+_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+
+#: how many recent calls a log keeps for comparing and naming them
+WINDOW = 128
+
+_SKIP_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # onedist/backends
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,  # onedist
+)
+
+
+class Entry(NamedTuple):
+    """One call as the log keeps it (without its Work)."""
+
+    seq: int  # its number among the group's collectives (p2p: its number with that peer)
+    sig: tuple[int, ...]  # kind, op, dtype, elements, root (see :func:`signature`)
+    chain: int  # hash of every signature of the group up to this one
+    site: str  # "file:line" of the user's code that made it
+    started: float  # time.monotonic()
+    peer: int  # p2p: the peer's rank in the group; -1 for a collective
+    step: int  # in a backward: the DDP step (forward passes) it belongs to; 0 otherwise
+    text: str = ""  # how to describe it, where the signature cannot (shm's calls)
+
+
+def signature(
+    kind: str, tensors: Any = (), op: Any = None, root: int = -1, sized: bool = True
+) -> tuple[int, ...]:
+    """What every rank's call must agree on, as ints (hashes of ints are the same in every
+    process; a string's is not): ``sized=False`` for calls whose sizes may differ per rank
+    (all_to_all with splits)."""
+    dtype, numel = 0, 0
+    for t in tensors:
+        dtype = dtype or _DTYPE_CODE.get(t.dtype, 99)
+        numel += t.numel()
+    return (_KIND[kind], _op_code(op), dtype, numel if sized else -1, root)
+
+
+def _op_code(op: Any) -> int:
+    if op is None:
+        return -1
+    op = getattr(op, "reduceOp", op)  # options
+    op = getattr(op, "op", op)  # ReduceOp -> RedOpType
+    try:
+        return int(op)
+    except (TypeError, ValueError):
+        return 99
+
+
+def describe(sig: tuple[int, ...], step: int = 0) -> str:
+    """A signature as people read it: ``all_reduce(SUM, float32 x 4)``."""
+    kind, op, dtype, numel, root = sig
+    parts = []
+    if op >= 0:
+        parts.append(_OPS[op] if op < len(_OPS) else f"op {op}")
+    if dtype:
+        what = str(_DTYPES[dtype - 1]).replace("torch.", "") if dtype <= len(_DTYPES) else "?"
+        parts.append(what if numel < 0 else f"{what} x {numel}")
+    if root >= 0:
+        parts.append(("peer " if kind in (SEND, RECV) else "root ") + str(root))
+    text = f"{KINDS[kind]}({', '.join(parts)})"
+    if step:
+        text = f"DDP gradient {text} in the backward of step {step}"
+    return text
+
+
+def user_site(frame: Optional[FrameType]) -> str:
+    """``file:line`` of the first frame outside torch and onedist from ``frame`` outward."""
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_SKIP_DIRS) and not name.startswith("<frozen"):
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+class CallLog:
+    """The calls of one recorded group on this rank (see the module doc)."""
+
+    def __init__(self, rank: int, ranks: Any, nonce: int) -> None:
+        #: this rank's rank in the group, and the group's global ranks (or a function that gives
+        #: them once torch has registered the group)
+        self.rank, self._ranks = rank, ranks
+        #: a name every member, and no other group, gives this group: a number its members agreed
+        #: on when they made it (keys in a store that outlives the group never mix with the next's)
+        self.key = f"{nonce & (2**64 - 1):016x}"
+        #: the default group's log (its owner says so)
+        self.default = False
+        self.seq = 0
+        self.chain = 0
+        #: the last :data:`WINDOW` collectives (and p2p calls), oldest first
+        self.window: deque[Entry] = deque(maxlen=WINDOW)
+        #: (entry, work) of the calls not known to be complete, oldest first
+        self.pending: deque[tuple[Entry, Any]] = deque()
+        #: p2p counts: peer -> how many sends to it / receives from it this rank posted
+        self.sent: dict[int, int] = {}
+        self.received: dict[int, int] = {}
+        #: the step (forward passes with gradients) of the DDP model on this group that ran the last
+        #: forward, and > 0 while a finished rank matches its peers' buckets (see .steps)
+        self.ddp_step = 0
+        self.shadowing = 0
+        self.waited_step = 0  # the step whose end of backward waits for its calls (see .steps)
+        #: a call this rank waits in inside the caller (shm's barriers), with the time it began
+        self.blocked: Optional[Entry] = None
+        self.lock = threading.Lock()  # the watcher's pruning against the caller's
+        _LOGS.add(self)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        if callable(self._ranks):
+            self._ranks = tuple(self._ranks())
+        return tuple(self._ranks)
+
+    def record(self, sig: tuple[int, ...], work: Any, step: int = 0) -> Entry:
+        """Log one collective; ``work`` is kept until it completes."""
+        seq = self.seq = self.seq + 1
+        chain = self.chain = hash((self.chain, sig))
+        entry = Entry(seq, sig, chain, user_site(sys._getframe(2)), time.monotonic(), -1, step)
+        self.window.append(entry)
+        self._keep(entry, work)
+        return entry
+
+    def record_p2p(self, kind: int, peer: int, tensors: Any, work: Any) -> Entry:
+        """Log a send (``kind`` SEND) to or receive (RECV) from group rank ``peer`` (-1: any)."""
+        counts = self.sent if kind == SEND else self.received
+        n = counts[peer] = counts.get(peer, 0) + 1
+        sig = signature(KINDS[kind], tensors, root=peer)
+        entry = Entry(n, sig, 0, user_site(sys._getframe(2)), time.monotonic(), peer, 0)
+        self.window.append(entry)
+        self._keep(entry, work)
+        return entry
+
+    def _keep(self, entry: Entry, work: Any) -> None:
+        pending = self.pending
+        with self.lock:
+            while pending and _completed(pending[0][1]):
+                pending.popleft()
+            pending.append((entry, work))
+
+    def waiting(self) -> list[Entry]:
+        """The calls not complete yet, oldest first (completed ones are dropped on the way)."""
+        with self.lock:
+            pending = self.pending
+            while pending and _completed(pending[0][1]):
+                pending.popleft()
+            waiting = [entry for entry, work in pending if not _completed(work)]
+        blocked = self.blocked
+        return waiting if blocked is None else sorted([*waiting, blocked], key=lambda e: e.started)
+
+    def recent(self) -> list[Entry]:
+        return list(self.window)
+
+
+class RecordedWork(_Work):  # type: ignore[misc]
+    """The work of a call on record, whose ``wait()`` raises onedist's explanation of a failure
+    (the stall verdict that broke the call, a peer's error) instead of the transport's "Connection
+    closed by peer"."""
+
+    def __init__(self, work: Any, entry: Entry) -> None:
+        super().__init__()
+        self._work, self._entry = work, entry
+
+    def wait(self, timeout: Any = None) -> bool:
+        try:
+            return bool(self._work.wait() if timeout is None else self._work.wait(timeout))
+        except Exception as e:
+            entry = self._entry
+            raise explain_failure(entry.text or describe(entry.sig, entry.step), e, entry.started) from None
+
+    def get_future(self) -> Any:
+        return self._work.get_future()
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._work.is_success())
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def result(self) -> Any:
+        return self._work.result()
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def _source_rank(self) -> int:  # dist.recv(src=None) asks the work who sent
+        return int(self._work._source_rank())
+
+
+def _completed(work: Any) -> bool:
+    if work is None:
+        return True
+    try:
+        return bool(work.is_completed())
+    except Exception:  # a broken work: nothing to wait for
+        return True
+
+
+_LOGS: weakref.WeakSet[CallLog] = weakref.WeakSet()
+
+
+def _as_is(name: str, error: BaseException, started: float) -> BaseException:
+    return error
+
+
+def _unknown(name: str, error: BaseException) -> Optional[BaseException]:
+    return None
+
+
+#: turns the error of a call on record into onedist's (the stall verdict that broke it, a failed
+#: peer's error, a timeout naming the ranks); the failure watcher installs it, as the backends know
+#: no store. Arguments: the call's description, the error, when the call began.
+explain_failure: Callable[[str, BaseException, float], BaseException] = _as_is
+
+#: the narrower form, for groups that explain their own failures (shm names a peer that exited):
+#: the stall verdict or a failed peer's report as an error, else None
+known_cause: Callable[[str, BaseException], Optional[BaseException]] = _unknown
+
+
+def logs() -> list[CallLog]:
+    """The call logs of this process's live recorded groups."""
+    return list(_LOGS)

@@ -1,0 +1,250 @@
+"""onedist's gloo group: torch's ``ProcessGroupGloo``, with every call it carries on record.
+
+``initialize("gloo")`` makes the default group (and onedist's sub-groups) a :class:`RecordedGloo`:
+a Python process group, as torch lets Python register one, around a real ``ProcessGroupGloo`` that
+does the communication. torch calls it for every collective on the group, whoever issues it:
+``DistributedDataParallel``'s gradient buckets (from C++), FSDP2, ``torch.distributed``'s functions,
+onedist's own, asynchronous calls and point-to-point. Each call is passed on unchanged and written
+to the group's :class:`~onedist.backends.recorded.calls.CallLog`, which the failure watcher compares
+across ranks. Measured cost: ~3 us a call (1.02x a 1-float all_reduce between 2 ranks, see
+docs/performance.md); ``ONEDIST_RECORD=0`` gives the plain gloo group instead.
+
+torch knows the group as ``"gloo"`` (``dist.get_backend()``); its own name for DDP's logs is
+``"onedist-gloo"`` (``group.name()``), since torch's C++ would otherwise look for a gloo backend
+inside it. Groups your code makes with ``dist.new_group`` are torch's plain gloo groups.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .._pygroup import NamedGroup
+from . import steps
+from .calls import RECV, SEND, CallLog, RecordedWork, signature
+
+__all__ = ["NAME", "RecordedGloo", "create", "enabled", "register"]
+
+#: the name the group is registered under in torch (torch's own map then says "gloo")
+NAME = "onedist-gloo"
+
+_c10d: Any = dist.distributed_c10d
+
+
+def enabled() -> bool:
+    """Recording is on unless ``ONEDIST_RECORD`` is 0 / false / off."""
+    return os.environ.get("ONEDIST_RECORD", "1").lower() not in ("0", "false", "off", "no")
+
+
+def register() -> None:
+    """Make :data:`NAME` known to ``torch.distributed`` (idempotent)."""
+    if NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def create(options: Any, backend_options: Any = None) -> RecordedGloo:
+    """torch's constructor for :data:`NAME` (its extended form, which names the global ranks)."""
+    ranks = tuple(options.global_ranks_in_group or range(options.group_size))
+    return RecordedGloo(options.store, options.group_rank, options.group_size, options.timeout, ranks)
+
+
+def _gloo(store: Any, rank: int, size: int, timeout: timedelta, prefix: str) -> Any:
+    """torch's own gloo group, made as torch makes it (its devices from ``GLOO_SOCKET_IFNAME``)."""
+    return _c10d.ProcessGroupGloo(_c10d.PrefixStore(prefix, store), rank, size, timeout)
+
+
+class RecordedGloo(NamedGroup):
+    """A gloo process group whose calls are written to :attr:`calls` (see the module doc)."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, ranks: tuple[int, ...]) -> None:
+        super().__init__(rank, size)
+        #: the group that moves the data
+        self.inner = _gloo(store, rank, size, timeout, "data/")
+        #: the groups of DDP's gradient buckets, by the parity of their step (:mod:`.steps`)
+        self.buckets = tuple(_gloo(store, rank, size, timeout, f"steps-{k}/") for k in (0, 1))
+        self.calls = CallLog(rank, ranks, self._agreed_nonce())
+        steps.install()
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def _agreed_nonce(self) -> int:
+        """A number every member of this group (and no earlier group) shares: the keys the ranks
+        publish its calls under, so that an earlier group's left in the same store never count."""
+        mine = torch.randint(-(2**62), 2**62, (1,), dtype=torch.int64)
+        parts = [torch.empty(1, dtype=torch.int64) for _ in range(self.size())]
+        self.buckets[0].allgather([parts], [mine]).wait()
+        return int(sum(int(p) for p in parts))
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or _c10d.AllreduceOptions()
+        step = steps.step_of_call(self.calls)  # DDP's buckets: on their step's group
+        work = (self.buckets[step & 1] if step else self.inner).allreduce(tensors, opts)
+        return RecordedWork(work, self.calls.record(signature("all_reduce", tensors, opts), work, step))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or _c10d.AllreduceCoalescedOptions()
+        step = steps.step_of_call(self.calls)
+        work = (self.buckets[step & 1] if step else self.inner).allreduce_coalesced(tensors, opts)
+        sig = signature("all_reduce_coalesced", tensors, opts)
+        return RecordedWork(work, self.calls.record(sig, work, step))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or _c10d.BroadcastOptions()
+        sig = signature("broadcast", tensors, root=opts.rootRank)
+        return self._keep(sig, self.inner.broadcast(tensors, opts))
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or _c10d.ReduceOptions()
+        sig = signature("reduce", tensors, opts, root=opts.rootRank)
+        return self._keep(sig, self.inner.reduce(tensors, opts))
+
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        work = self.inner.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
+        return self._keep(signature("all_gather", inputs), work)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        work = self.inner._allgather_base(output, input, opts or _c10d.AllgatherOptions())
+        return self._keep(signature("all_gather_into_tensor", (input,)), work)
+
+    _allgather_base = all_gather_single  # torch's name before 2.13
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        work = self.inner.allgather_coalesced(outputs, inputs, opts or _c10d.AllgatherOptions())
+        return self._keep(signature("all_gather_coalesced", inputs), work)
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return _each(self.all_gather_single, outputs, inputs, opts)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        opts = opts or _c10d.GatherOptions()
+        return self._keep(
+            signature("gather", inputs, root=opts.rootRank), self.inner.gather(outputs, inputs, opts)
+        )
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        opts = opts or _c10d.ScatterOptions()
+        return self._keep(
+            signature("scatter", outputs, root=opts.rootRank), self.inner.scatter(outputs, inputs, opts)
+        )
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        opts = opts or _c10d.ReduceScatterOptions()
+        return self._keep(
+            signature("reduce_scatter", outputs, opts), self.inner.reduce_scatter(outputs, inputs, opts)
+        )
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        opts = opts or _c10d.ReduceScatterOptions()
+        work = self.inner._reduce_scatter_base(output, input, opts)
+        return self._keep(signature("reduce_scatter_tensor", (output,), opts), work)
+
+    _reduce_scatter_base = reduce_scatter_single  # torch's name before 2.13
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return _each(self.reduce_scatter_single, outputs, inputs, opts)
+
+    # torch's names for the coalesced forms before 2.13
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, out_splits: Any, in_splits: Any, opts: Any = None
+    ) -> Any:
+        work = self.inner.alltoall_base(output, input, out_splits, in_splits, opts or _c10d.AllToAllOptions())
+        # the split sizes may differ per rank: only the dtype must agree
+        return self._keep(signature("all_to_all_single", (input,), sized=False), work)
+
+    alltoall_base = all_to_all_single  # torch's name before 2.13
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        work = self.inner.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions())
+        return self._keep(signature("all_to_all", inputs, sized=False), work)
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self._keep(signature("barrier"), self.inner.barrier(opts or _c10d.BarrierOptions()))
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        blocking = _Blocking()
+        self.calls.record(signature("monitored_barrier"), blocking)
+        try:
+            if timeout is None:
+                self.inner.monitored_barrier(wait_all_ranks=wait_all_ranks)
+            else:
+                self.inner.monitored_barrier(timeout, wait_all_ranks)
+        finally:
+            blocking.done = True
+
+    def _keep(self, sig: tuple[int, ...], work: Any) -> RecordedWork:
+        """Put a started collective on record; the caller gets its work, explained when it fails."""
+        return RecordedWork(work, self.calls.record(sig, work))
+
+    # ------------------------------------------------------------------ point-to-point
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        work = self.inner.send(tensors, dst, tag)
+        return RecordedWork(work, self.calls.record_p2p(SEND, dst, tensors, work))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        work = self.inner.recv(tensors, src, tag)
+        return RecordedWork(work, self.calls.record_p2p(RECV, src, tensors, work))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
+        work = self.inner.recv_anysource(tensors, tag)
+        return RecordedWork(work, self.calls.record_p2p(RECV, -1, tensors, work))
+
+    # ------------------------------------------------------------------ the rest of the group's API
+    def _get_backend(self, device: Any) -> Any:
+        """The gloo backend that moves the data (torch's code and yours ask it for its options)."""
+        return self.inner
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self.calls.seq
+
+    def _set_sequence_number_for_group(self) -> None:
+        pass  # the log numbers the calls
+
+    def abort(self) -> None:
+        for group in (self.inner, *self.buckets):
+            group.abort()
+
+    def shutdown(self) -> None:
+        for group in (self.inner, *self.buckets):
+            group.shutdown()
+
+
+class _Blocking:
+    """The "work" of a call that blocks in the caller (monitored_barrier): complete on return."""
+
+    done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _each(call: Any, outputs: Any, inputs: Any, opts: Any) -> Any:
+    """A coalesced collective as its pairs in call order, one Work over them all (the gloo
+    backend's own coalesced forms are not reachable from Python)."""
+    from .._pygroup import PyWork
+
+    works = [call(o, i, opts) for o, i in zip(outputs, inputs)]
+    return PyWork(torch.futures.collect_all([w.get_future() for w in works]))
+
+
+def rename_in_torch(group: Optional[Any] = None) -> None:
+    """Let torch's map name ``group`` (default: the default group) ``"gloo"``, the backend it
+    runs: ``dist.get_backend()`` reads it (ignite's suite checks it after ``initialize("gloo")``)."""
+    pg = group if group is not None else _c10d._get_default_group()
+    backend, store = _c10d._world.pg_map[pg]
+    if backend == NAME:
+        _c10d._world.pg_map[pg] = ("gloo", store)
