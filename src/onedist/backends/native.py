@@ -477,9 +477,9 @@ class NativeBackend(Backend):
         # dist.all_reduce takes 1.08x this call's time for od.all_reduce of 1 float32 and of a Python
         # float (gloo, 2 ranks, 5 interleaved runs of bench_handwritten's timing, 2026-11-28)
         if group is None and not t.is_complex():
-            work = self._world.allreduce([t], _reduce_options(op))
-            if async_op:
-                return work
+            work = self._world.allreduce([t], _reduce_options(op, async_op))
+            if async_op:  # its wait() comes later, outside onedist's guard (a group on record
+                return work  # gives one that explains a failure: the options say asynchronous)
             work.wait()
             return None
         return dist.all_reduce(t, op=_REDUCE_OPS[op], group=group, async_op=async_op)  # type: ignore[no-any-return]
@@ -564,9 +564,17 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 @functools.cache
-def _reduce_options(op: str) -> Any:
+def _reduce_options(op: str, async_op: bool = False) -> Any:
     opts = dist.AllreduceOptions()
     opts.reduceOp = _REDUCE_OPS[op]  # type: ignore[assignment]  # a RedOpType, as torch's own
+    return _synchronous(opts, async_op)
+
+
+def _synchronous(opts: Any, async_op: bool = False) -> Any:
+    """``opts`` saying whether the caller waits at once (torch >= 2.7's ``asyncOp``, as torch's
+    functions set it): a group on record then returns gloo's own work, not one that explains."""
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = async_op
     return opts
 
 
@@ -574,14 +582,14 @@ def _reduce_options(op: str) -> Any:
 def _broadcast_options(src: int) -> Any:
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0  # the default group: group rank == global rank
-    return opts
+    return _synchronous(opts)
 
 
 @functools.cache
 def _allgather_options() -> Any:
     from torch._C._distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
-    return AllgatherOptions()
+    return _synchronous(AllgatherOptions())
 
 
 def _new_local_group(ranks: tuple[int, ...], kwargs: dict[str, Any]) -> Any:

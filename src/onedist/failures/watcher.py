@@ -20,6 +20,7 @@ from .signals import SignalPipe
 from .stall import StallCheck, forget_stalls, write_verdict
 from .stall_report import StallReports, rank_state
 from .stderr import release_stderr
+from .torch_calls import torch_call
 
 _WATCH_S = 1.0  # how often each rank asks the store whether another rank failed
 
@@ -120,9 +121,10 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
                 _break()
                 _end_main_thread(stop, main_ident, _mismatch_error_class(verdict), verdict, rank)
                 return
-            if world.call is None and isinstance(check.call, LoggedCall):
-                # a call on record outside onedist's guard (a plain call, DDP's backward): its work
-                # raises the verdict itself once the group is broken (recorded.calls.explain_failure)
+            if world.call is None and isinstance(check.call, LoggedCall) and not torch_call(main_ident):
+                # a call on record waited on outside torch's functions (an asynchronous call's or a
+                # send's wait(), DDP's backward): its wait raises the verdict itself once the group
+                # is broken (recorded.calls.explain_failure)
                 check.let_peers_read()
                 _break()
                 _end_if_still_blocked(stop, check.call, verdict, rank)

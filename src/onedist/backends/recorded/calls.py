@@ -94,6 +94,9 @@ def signature(
     """What every rank's call must agree on, as ints (hashes of ints are the same in every
     process; a string's is not): ``sized=False`` for calls whose sizes may differ per rank
     (all_to_all with splits)."""
+    if len(tensors) == 1:  # the common case, without the loop
+        t = tensors[0]
+        return (_KIND[kind], _op_code(op), _DTYPE_CODE.get(t.dtype, 99), t.numel() if sized else -1, root)
     dtype, numel = 0, 0
     for t in tensors:
         dtype = dtype or _DTYPE_CODE.get(t.dtype, 99)
@@ -102,10 +105,13 @@ def signature(
 
 
 def _op_code(op: Any) -> int:
+    """A reduction (options holding one, a ReduceOp, its RedOpType) as an int; -1 for none."""
     if op is None:
         return -1
-    op = getattr(op, "reduceOp", op)  # options
-    op = getattr(op, "op", op)  # ReduceOp -> RedOpType
+    try:
+        return int(op.reduceOp.op)  # options, the usual case
+    except AttributeError:
+        op = getattr(op, "op", op)  # ReduceOp -> RedOpType
     try:
         return int(op)
     except (TypeError, ValueError):
@@ -131,12 +137,22 @@ def describe(sig: tuple[int, ...], step: int = 0) -> str:
 
 def user_site(frame: Optional[FrameType]) -> str:
     """``file:line`` of the first frame outside torch and onedist from ``frame`` outward."""
+    skipped = _SKIPPED
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith(_SKIP_DIRS) and not name.startswith("<frozen"):
-            return f"{name}:{frame.f_lineno}"
+        code = frame.f_code
+        skip = skipped.get(code)
+        if skip is None:
+            name = code.co_filename
+            skip = skipped[code] = name.startswith(_SKIP_DIRS) or name.startswith("<frozen")
+        if not skip:
+            return f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
+
+
+#: code object -> whether its frames are torch's or onedist's (asked once per code: the walk is on
+#: every call's path)
+_SKIPPED: dict[Any, bool] = {}
 
 
 class CallLog:
@@ -167,6 +183,7 @@ class CallLog:
         self.waited_step = 0  # the step whose end of backward waits for its calls (see .steps)
         #: a call this rank waits in inside the caller (shm's barriers), with the time it began
         self.blocked: Optional[Entry] = None
+        self._before = (0, 0)  # seq and chain before the last call begun (see abandon)
         self.lock = threading.Lock()  # the watcher's pruning against the caller's
         _LOGS.add(self)
 
@@ -176,13 +193,38 @@ class CallLog:
             self._ranks = tuple(self._ranks())
         return tuple(self._ranks)
 
-    def record(self, sig: tuple[int, ...], work: Any, step: int = 0) -> Entry:
-        """Log one collective; ``work`` is kept until it completes."""
+    def begin(self, sig: tuple[int, ...], step: int = 0) -> Entry:
+        """Log one collective about to start; :meth:`started` gives it its work.
+
+        All the bookkeeping happens before the call starts (and completed works are let go of now,
+        not after): after it, the backend's threads need the core, and the caller waits at once
+        (measured: the same work after the start cost 1.07-1.2x a 2-rank all_reduce here, before
+        it nothing measurable)."""
+        pending = self.pending
+        with self.lock:
+            while pending and _completed(pending[0][1]):
+                pending.popleft()
+        self._before = (self.seq, self.chain)
         seq = self.seq = self.seq + 1
         chain = self.chain = hash((self.chain, sig))
-        entry = Entry(seq, sig, chain, user_site(sys._getframe(2)), time.monotonic(), -1, step)
+        entry = Entry(seq, sig, chain, user_site(sys._getframe(1)), time.monotonic(), -1, step)
         self.window.append(entry)
-        self._keep(entry, work)
+        return entry
+
+    def started(self, entry: Entry, work: Any) -> None:
+        """``work`` is what ``entry`` waits for (kept until it completes)."""
+        self.pending.append((entry, work))
+
+    def abandon(self, entry: Entry) -> None:
+        """The call of ``entry`` (the last begun) raised before it started: it was never made."""
+        if self.window and self.window[-1] is entry:
+            self.window.pop()
+            self.seq, self.chain = self._before
+
+    def record(self, sig: tuple[int, ...], work: Any, step: int = 0) -> Entry:
+        """Log one collective that has started (a call that blocks in the caller)."""
+        entry = self.begin(sig, step)
+        self.started(entry, work)
         return entry
 
     def record_p2p(self, kind: int, peer: int, tensors: Any, work: Any) -> Entry:

@@ -17,6 +17,7 @@ inside it. Groups your code makes with ``dist.new_group`` are torch's plain gloo
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -84,71 +85,71 @@ class RecordedGloo(NamedGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or _c10d.AllreduceOptions()
         step = steps.step_of_call(self.calls)  # DDP's buckets: on their step's group
-        work = (self.buckets[step & 1] if step else self.inner).allreduce(tensors, opts)
-        return RecordedWork(work, self.calls.record(signature("all_reduce", tensors, opts), work, step))
+        group = self.buckets[step & 1] if step else self.inner
+        return self._issue(signature("all_reduce", tensors, opts), step, group.allreduce, tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or _c10d.AllreduceCoalescedOptions()
         step = steps.step_of_call(self.calls)
-        work = (self.buckets[step & 1] if step else self.inner).allreduce_coalesced(tensors, opts)
+        group = self.buckets[step & 1] if step else self.inner
         sig = signature("all_reduce_coalesced", tensors, opts)
-        return RecordedWork(work, self.calls.record(sig, work, step))
+        return self._issue(sig, step, group.allreduce_coalesced, tensors, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or _c10d.BroadcastOptions()
-        sig = signature("broadcast", tensors, root=opts.rootRank)
-        return self._keep(sig, self.inner.broadcast(tensors, opts))
+        return self._issue(
+            signature("broadcast", tensors, root=opts.rootRank), 0, self.inner.broadcast, tensors, opts
+        )
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or _c10d.ReduceOptions()
         sig = signature("reduce", tensors, opts, root=opts.rootRank)
-        return self._keep(sig, self.inner.reduce(tensors, opts))
+        return self._issue(sig, 0, self.inner.reduce, tensors, opts)
 
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        work = self.inner.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
-        return self._keep(signature("all_gather", inputs), work)
+        opts = opts or _c10d.AllgatherOptions()
+        return self._issue(signature("all_gather", inputs), 0, self.inner.allgather, outputs, inputs, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        work = self.inner._allgather_base(output, input, opts or _c10d.AllgatherOptions())
-        return self._keep(signature("all_gather_into_tensor", (input,)), work)
+        opts = opts or _c10d.AllgatherOptions()
+        sig = signature("all_gather_into_tensor", (input,))
+        return self._issue(sig, 0, self.inner._allgather_base, output, input, opts)
 
     _allgather_base = all_gather_single  # torch's name before 2.13
 
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        work = self.inner.allgather_coalesced(outputs, inputs, opts or _c10d.AllgatherOptions())
-        return self._keep(signature("all_gather_coalesced", inputs), work)
+        opts = opts or _c10d.AllgatherOptions()
+        sig = signature("all_gather_coalesced", inputs)
+        return self._issue(sig, 0, self.inner.allgather_coalesced, outputs, inputs, opts)
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         return _each(self.all_gather_single, outputs, inputs, opts)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts or _c10d.GatherOptions()
-        return self._keep(
-            signature("gather", inputs, root=opts.rootRank), self.inner.gather(outputs, inputs, opts)
-        )
+        sig = signature("gather", inputs, root=opts.rootRank)
+        return self._issue(sig, 0, self.inner.gather, outputs, inputs, opts)
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
         opts = opts or _c10d.ScatterOptions()
-        return self._keep(
-            signature("scatter", outputs, root=opts.rootRank), self.inner.scatter(outputs, inputs, opts)
-        )
+        sig = signature("scatter", outputs, root=opts.rootRank)
+        return self._issue(sig, 0, self.inner.scatter, outputs, inputs, opts)
 
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
         opts = opts or _c10d.ReduceScatterOptions()
-        return self._keep(
-            signature("reduce_scatter", outputs, opts), self.inner.reduce_scatter(outputs, inputs, opts)
-        )
+        sig = signature("reduce_scatter", outputs, opts)
+        return self._issue(sig, 0, self.inner.reduce_scatter, outputs, inputs, opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts or _c10d.ReduceScatterOptions()
-        work = self.inner._reduce_scatter_base(output, input, opts)
-        return self._keep(signature("reduce_scatter_tensor", (output,), opts), work)
+        sig = signature("reduce_scatter_tensor", (output,), opts)
+        return self._issue(sig, 0, self.inner._reduce_scatter_base, output, input, opts)
 
     _reduce_scatter_base = reduce_scatter_single  # torch's name before 2.13
 
@@ -162,18 +163,20 @@ class RecordedGloo(NamedGroup):
     def all_to_all_single(
         self, output: torch.Tensor, input: torch.Tensor, out_splits: Any, in_splits: Any, opts: Any = None
     ) -> Any:
-        work = self.inner.alltoall_base(output, input, out_splits, in_splits, opts or _c10d.AllToAllOptions())
-        # the split sizes may differ per rank: only the dtype must agree
-        return self._keep(signature("all_to_all_single", (input,), sized=False), work)
+        opts = opts or _c10d.AllToAllOptions()
+        sig = signature("all_to_all_single", (input,), sized=False)  # the split sizes may differ per rank
+        return self._issue(sig, 0, self.inner.alltoall_base, output, input, out_splits, in_splits, opts)
 
     alltoall_base = all_to_all_single  # torch's name before 2.13
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
-        work = self.inner.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions())
-        return self._keep(signature("all_to_all", inputs, sized=False), work)
+        opts = opts or _c10d.AllToAllOptions()
+        return self._issue(
+            signature("all_to_all", inputs, sized=False), 0, self.inner.alltoall, outputs, inputs, opts
+        )
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._keep(signature("barrier"), self.inner.barrier(opts or _c10d.BarrierOptions()))
+        return self._issue(signature("barrier"), 0, self.inner.barrier, opts or _c10d.BarrierOptions())
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         blocking = _Blocking()
@@ -186,9 +189,18 @@ class RecordedGloo(NamedGroup):
         finally:
             blocking.done = True
 
-    def _keep(self, sig: tuple[int, ...], work: Any) -> RecordedWork:
-        """Put a started collective on record; the caller gets its work, explained when it fails."""
-        return RecordedWork(work, self.calls.record(sig, work))
+    def _issue(self, sig: tuple[int, ...], step: int, call: Any, *args: Any) -> Any:
+        """Start a collective on record (begun before it starts: see CallLog.begin)."""
+        log = self.calls
+        entry = log.begin(sig, step)
+        later = _waited_later(args[-1])
+        try:
+            work = call(*args)
+        except BaseException:  # refused here (an argument error): it was never made
+            log.abandon(entry)
+            raise
+        log.started(entry, work)
+        return RecordedWork(work, entry) if later else work
 
     # ------------------------------------------------------------------ point-to-point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
@@ -230,6 +242,25 @@ class _Blocking:
 
     def is_completed(self) -> bool:
         return self.done
+
+
+_C10D = _c10d.__file__
+
+
+def _waited_later(opts: Any, depth: int = 3) -> bool:
+    """Whether the work goes to code that waits on it itself later (an asynchronous call: the
+    options say so, torch >= 2.7; DDP's C++ and an older torch's asynchronous ``dist.*`` call): it
+    then gets one whose ``wait()`` explains a failure. A synchronous call waits inside torch's
+    function, where the failure watcher's verdict reaches the main thread, or inside onedist's guard;
+    and a Python Work on torch's wait path cost 1.15x a 2-rank all_reduce here: only where needed."""
+    later = getattr(opts, "asyncOp", None)
+    if later is not None:
+        return bool(later)
+    try:
+        caller = sys._getframe(depth)
+    except ValueError:  # called from C++ (a backward on autograd's threads): no Python caller
+        return False
+    return caller.f_code.co_filename == _C10D and bool(caller.f_locals.get("async_op"))
 
 
 def _each(call: Any, outputs: Any, inputs: Any, opts: Any) -> Any:
