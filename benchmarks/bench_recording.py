@@ -6,6 +6,7 @@ torch's plain gloo group, in the same worker processes, interleaved.
 
 Rows (each a ratio to the plain group: 1.00 = free):
   dist.all_reduce, 1 float       torch.distributed's function on each group
+  dist.all_reduce, 64 KiB        the same, 16384 floats (the record's cost is per call)
   od.all_reduce, 1 float         onedist's, on each group (``group=``)
   DDP step                       forward, backward (the gradient buckets), SGD step of an MLP
                                  (128 -> 256 -> 256 -> 2, 64 samples a rank): DDP over each group
@@ -59,12 +60,16 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]
     recorded_gloo.register()
     recorded = dist.new_group(backend=recorded_gloo.NAME)
     plain, plain_again = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-    t = torch.ones(1)
+    t, big = torch.ones(1), torch.ones(16384)
     cases: dict[str, dict[str, Callable[[], Any]]] = {
         "dist.all_reduce, 1 float": {
             "plain gloo": lambda: dist.all_reduce(t, group=plain),
             "recorded": lambda: dist.all_reduce(t, group=recorded),
             "plain gloo again (A/A)": lambda: dist.all_reduce(t, group=plain_again),
+        },
+        "dist.all_reduce, 64 KiB": {
+            "plain gloo": lambda: dist.all_reduce(big, group=plain),
+            "recorded": lambda: dist.all_reduce(big, group=recorded),
         },
         "od.all_reduce, 1 float": {
             "plain gloo": lambda: od.all_reduce(t, group=plain),

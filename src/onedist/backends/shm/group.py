@@ -115,7 +115,8 @@ class ShmProcessGroup(TwoLevels, Exchanges):
     def _ddp_step(self) -> int:
         """The DDP step of a call inside a backward (recorded.steps): its parity goes in the call's
         record, so buckets of steps one apart differ at the barrier, like any two calls."""
-        return 0 if self.calls is None else steps.step_of_call(self.calls)
+        calls = self.calls
+        return 0 if calls is None or not calls.ddp_step else steps.step_of_call(calls)
 
     @poison_on_error
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

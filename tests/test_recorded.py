@@ -1,0 +1,77 @@
+"""The calls on record (onedist.backends.recorded) in one process: what torch sees of onedist's
+gloo group, the switch that turns it off, and the call log's numbering, hashes and rollback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import onedist as od
+from onedist.backends.recorded.calls import RECV, SEND, CallLog, signature
+from onedist.backends.recorded.gloo import RecordedGloo
+
+
+@pytest.fixture(autouse=True)
+def _serial_after():
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    yield
+    od.finalize()
+
+
+def test_gloo_is_on_record_and_torch_still_calls_it_gloo():
+    """``dist.get_backend()`` says "gloo" (ignite's suite checks it), DDP's and every call's
+    collectives go through the recording group, numbered in its log."""
+    od.initialize("gloo", timeout=30)
+    group = dist.distributed_c10d._get_default_group()
+    assert isinstance(group, RecordedGloo) and dist.get_backend() == "gloo"
+    before = group.calls.seq
+    dist.all_reduce(torch.ones(2))
+    od.all_reduce(torch.ones(2))
+    dist.barrier()
+    assert group.calls.seq == before + 3
+    assert [e.sig[0] for e in group.calls.recent()[-3:]] == [1, 1, 0]  # all_reduce, all_reduce, barrier
+    assert group.calls.recent()[-1].site.endswith(f"test_recorded.py:{_line('dist.barrier()')}")
+
+
+def test_onedist_record_0_gives_torchs_plain_gloo_group(monkeypatch):
+    monkeypatch.setenv("ONEDIST_RECORD", "0")
+    od.initialize("gloo", timeout=30)
+    group = dist.distributed_c10d._get_default_group()
+    assert not isinstance(group, RecordedGloo) and dist.get_backend() == "gloo"
+
+
+def test_a_call_refused_before_it_starts_is_taken_off_the_record():
+    """A ValueError from gloo (a wrong root) leaves the log as it was: a rank that catches it and
+    goes on stays numbered like its peers."""
+    od.initialize("gloo", timeout=30)
+    log = dist.distributed_c10d._get_default_group().calls
+    seq, chain, count = log.seq, log.chain, len(log.recent())
+    with pytest.raises((ValueError, RuntimeError)):
+        dist.broadcast(torch.ones(1), src=5)
+    assert (log.seq, log.chain, len(log.recent())) == (seq, chain, count)
+
+
+def test_the_running_hash_tells_calls_apart_and_agrees_across_processes():
+    """Signatures are ints (a string's hash differs per process): two logs of the same calls end
+    with the same hash, one call's reduction or size apart differs from there on; sends and
+    receives are counted per peer, apart from the collectives."""
+    t = [torch.ones(4)]
+    a, b = CallLog(0, (0, 1), 1), CallLog(1, (0, 1), 1)
+    for log, op in ((a, dist.ReduceOp.SUM), (b, dist.ReduceOp.MAX)):
+        log.record(signature("barrier"), None)
+        log.record(signature("all_reduce", t, op), None)
+    assert a.recent()[0].chain == b.recent()[0].chain and a.chain != b.chain
+    assert signature("all_reduce", t, dist.ReduceOp.SUM) == (1, 0, 1, 4, -1)
+    a.record_p2p(SEND, 1, t, None)
+    a.record_p2p(SEND, 1, t, None)
+    a.record_p2p(RECV, 1, t, None)
+    assert (a.seq, a.sent, a.received) == (2, {1: 2}, {1: 1})
+
+
+def _line(text: str) -> int:
+    with open(__file__) as f:
+        return next(n for n, source in enumerate(f, 1) if source.strip() == text)
