@@ -33,9 +33,12 @@ HISTORY_KEY = "onedist/calls/{}/{}"
 RECEIPT_WAIT_S = 3.0
 
 
-def await_receipts(store: Any, members: Any, me: int, timeout: float) -> None:
-    """Wait up to ``timeout`` s until every member but ``me`` has left its read receipt."""
+def await_receipts(store: Any, members: Any, me: int, timeout: float, gone: Any = None) -> None:
+    """Wait up to ``timeout`` s until every member but ``me`` has left its read receipt (or
+    ``gone(store)`` says the store's host left)."""
     receipts = [READ_KEY.format(r) for r in members if r != me]
     deadline = time.monotonic() + timeout
-    while receipts and not store.check(receipts) and time.monotonic() < deadline:
+    while receipts and time.monotonic() < deadline:
+        if (gone is not None and gone(store)) or store.check(receipts):
+            return
         time.sleep(0.02)

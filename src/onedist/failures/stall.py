@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from ..backends.recorded.calls import SEND
 from ..state import world
+from .channel import server_gone
 from .keys import BLOCKED_KEY, DONE_KEY, READ_KEY, RECEIPT_WAIT_S, VERDICT_KEY, await_receipts
 from .logged import LoggedCall, first_difference, main_thread_idle, p2p_deadlock, waiting_call
 from .torch_calls import TorchCall, torch_call
@@ -174,11 +175,13 @@ class StallCheck:
 
     def let_peers_read(self) -> None:
         """After this rank's verdict, wait (up to 2 s) until the group's other ranks have read it:
-        a plain torch.distributed call learns why its group broke from nowhere else."""
-        if not self.decided or self.mine is None or self.rank != 0:
-            return  # only rank 0 may host the store: the others' exit takes no verdict with it
+        a plain torch.distributed call learns why its group broke from nowhere else (its peer's
+        watcher raises the verdict in its main thread before the break wakes it). A store whose
+        host has gone ends the wait: a request to it could hang for the store's whole timeout."""
+        if not self.decided or self.mine is None:
+            return
         try:
-            await_receipts(self.store, self.mine["group"], self.rank, 2.0)
+            await_receipts(self.store, self.mine["group"], self.rank, 2.0, gone=server_gone)
         except Exception:
             pass
 

@@ -138,6 +138,7 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
                 error = _mismatch_error_class(verdict)
                 _end_main_thread(stop, main_ident, error, verdict, rank, break_after_peers_read)
                 return
+            check.let_peers_read()  # a peer in a plain call hears the verdict before the break
             if not _break_pending(stop):
                 _end_main_thread(stop, main_ident, _mismatch_error_class(verdict), verdict, rank)
                 return
