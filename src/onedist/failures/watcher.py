@@ -73,6 +73,7 @@ def _sleep(stop: Any, seconds: float) -> bool:
 
 def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int, main_ident: int) -> None:
     handled = 0
+    failed_before = int(store.add(FAILED_COUNT, 0))  # failures of an earlier group on this store
     stall: Optional[StallCheck] = StallCheck(store, rank, world_size, main_ident)
     history = HistoryCheck(store, rank)
     reports = StallReports(store, rank, world_size, main_ident)
@@ -97,7 +98,7 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
         except Exception:
             return  # the store is gone: the job is ending anyway
         if found is not None:  # calls that completed although the ranks disagreed
-            _end_on_history(stop, store, found[0], found[1], rank, main_ident)
+            _end_on_history(stop, store, found[0], found[1], rank, main_ident, failed_before)
             return
         if failed:
             r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
@@ -144,17 +145,19 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
                 return
 
 
-def _end_on_history(stop: Any, store: Any, message: str, log: Any, rank: int, main_ident: int) -> None:
+def _end_on_history(
+    stop: Any, store: Any, message: str, log: Any, rank: int, main_ident: int, failed_before: int
+) -> None:
     """Every rank learns it (the verdict, and this rank's failure report: their watchers raise it);
     the group's pending calls break; this rank's main thread raises it."""
     error = _mismatch_error_class(message)
     write_verdict(store, log.seq, list(log.ranks), message, rank, "recorded")
-    before = int(store.add(FAILED_COUNT, 0))
     publish_failure(error())
-    # the peers raise it from their own watchers (within a second): this rank waits for them
-    # first, so that no launcher stops them as consequences of this rank's failure
+    # the peers raise it from their own watchers (within a second; a neighbour may have found it
+    # too): this rank waits until every rank of the group has, so that no launcher stops one of
+    # them as a consequence of this rank's failure
     deadline = time.monotonic() + 2 * _WATCH_S
-    while int(store.add(FAILED_COUNT, 0)) < before + len(log.ranks) and time.monotonic() < deadline:
+    while int(store.add(FAILED_COUNT, 0)) < failed_before + len(log.ranks) and time.monotonic() < deadline:
         if stop.wait(0.05):
             return
     _end_main_thread(stop, main_ident, error, message, rank, _break)

@@ -38,7 +38,7 @@ __all__ = [
 GRACE_S = 0.3  # wait this long after the first failure for near-simultaneous reports
 #: ... and this long when it is a CollectiveMismatchError: every rank raises that verdict itself,
 #: some from their failure watcher (polling once a second), not as a consequence of the first
-MISMATCH_GRACE_S = 2.0
+MISMATCH_GRACE_S = 3.0
 INTERRUPT_S = 2.0  # on Ctrl-C, how long the workers get to say where they were
 TERM_S = 3.0  # then SIGTERM, and SIGKILL whoever is left after this long
 POLL_S = 0.02  # how often workers without a waitable handle are polled
