@@ -75,3 +75,36 @@ def test_the_running_hash_tells_calls_apart_and_agrees_across_processes():
 def _line(text: str) -> int:
     with open(__file__) as f:
         return next(n for n, source in enumerate(f, 1) if source.strip() == text)
+
+
+def test_a_failed_call_takes_its_group_out_of_the_history_comparison():
+    """A call that timed out is complete but failed: its group's calls are no longer published for
+    the comparison of completed calls (the timeout's own path explains it; compared, a failed
+    all_reduce and the barrier a peer was in read as a mismatch that completed)."""
+    from datetime import timedelta
+    from threading import Thread
+
+    from onedist.failures.history import HistoryCheck
+    from onedist.failures.keys import HISTORY_KEY
+
+    store, groups = dist.HashStore(), [None, None]
+
+    def make(rank: int) -> None:  # two gloo ranks in one process: threads on one store
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("g", store), rank, 2, timedelta(seconds=0.5))
+
+    threads = [Thread(target=make, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    log = CallLog(0, (0, 1), 1)
+    check = HistoryCheck(store, 0)
+    log.record(signature("barrier"), None)  # completed
+    check.sample()
+    assert store.check([HISTORY_KEY.format(log.key, 0)])  # published while nothing failed
+    store.delete_key(HISTORY_KEY.format(log.key, 0))
+    t = [torch.ones(3)]
+    work = groups[0].allreduce(t)  # rank 1 never joins: times out after 0.5 s
+    log.record(signature("all_reduce", t, dist.ReduceOp.SUM), work)
+    with pytest.raises(RuntimeError, match="[Tt]imed out"):
+        work.wait()
+    assert check.sample() is None and log.failed
+    assert not store.check([HISTORY_KEY.format(log.key, 0)])

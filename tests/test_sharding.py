@@ -155,13 +155,15 @@ def test_a_sharded_save_over_an_existing_path_moves_it_aside(tmp_path):
 
 def test_fsdp_and_ddp_round_apart_about_1e_6_with_adamw_and_1e_8_with_sgd():
     """20 steps: AdamW with torch's defaults and SGD (lr 0.01). At 3 ranks DDP's (g / 3 summed) and
-    FSDP2's (g summed, / 3) roundings differ; at 2 ranks dividing by 2 is exact: equal weights."""
+    FSDP2's (g summed, / 3) roundings differ; at 2 ranks dividing by 2 is exact: equal weights.
+    How far apart depends on a few elements whose gradient is near zero (Adam's step is ~lr
+    whatever the gradient's size): 8e-7 and 5e-8 with AdamW on two machines here, 2e-8 with SGD."""
     for n in (2, 3):
         out = Runner(n)(checks_sharding.check_fsdp_and_ddp_rounding_with_adamw_and_sgd, timeout=120)[0]
         if n == 2:
             assert out == {"adamw": 0.0, "sgd": 0.0}, out
         else:
-            assert 1e-7 < out["adamw"] <= 3e-6 and 1e-9 < out["sgd"] <= 1e-7, out
+            assert 1e-9 < out["adamw"] <= 3e-6 and 1e-10 < out["sgd"] <= 1e-7, out
 
 
 @pytest.mark.parametrize("n", [2, 3])

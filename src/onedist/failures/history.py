@@ -44,15 +44,20 @@ class HistoryCheck:
             if len(log.ranks) < 2 or self.rank not in log.ranks:
                 continue
             mine = self._publish(log)
+            if mine is None:
+                continue
             found = self._compare(log, mine)
             if found is not None:
                 return found, log
         return None
 
-    def _publish(self, log: CallLog) -> dict[str, Any]:
+    def _publish(self, log: CallLog) -> Optional[dict[str, Any]]:
         """This rank's completed calls (a call still waited for is the stall check's), published
-        when they changed."""
+        when they changed; None once a call of the group failed (a timeout, a broken connection:
+        the failure's own path explains it, and a failed call's partner may be any call)."""
         waiting = log.waiting()
+        if log.failed:
+            return None
         done = min((e.seq for e in waiting if not is_p2p(e)), default=log.seq + 1) - 1
         last = self._published.get(log.key)
         if last is not None and last[0] == done:

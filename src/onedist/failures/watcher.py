@@ -98,7 +98,7 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
         except Exception:
             return  # the store is gone: the job is ending anyway
         if found is not None:  # calls that completed although the ranks disagreed
-            _end_on_history(stop, store, found[0], found[1], rank, main_ident, failed_before)
+            _end_on_history(stop, store, probe, found, rank, main_ident, failed_before)
             return
         if failed:
             r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
@@ -146,20 +146,27 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
 
 
 def _end_on_history(
-    stop: Any, store: Any, message: str, log: Any, rank: int, main_ident: int, failed_before: int
+    stop: Any, store: Any, probe: ServerProbe, found: Any, rank: int, main_ident: int, failed_before: int
 ) -> None:
     """Every rank learns it (the verdict, and this rank's failure report: their watchers raise it);
     the group's pending calls break; this rank's main thread raises it."""
+    message, log = found
     error = _mismatch_error_class(message)
-    write_verdict(store, log.seq, list(log.ranks), message, rank, "recorded")
-    publish_failure(error())
     # the peers raise it from their own watchers (within a second; a neighbour may have found it
     # too): this rank waits until every rank of the group has, so that no launcher stops one of
-    # them as a consequence of this rank's failure
+    # them as a consequence of this rank's failure. The store may be gone meanwhile (its host, a
+    # neighbour that found it too, has raised it and ended): this rank raises it all the same.
     deadline = time.monotonic() + 2 * _WATCH_S
-    while int(store.add(FAILED_COUNT, 0)) < failed_before + len(log.ranks) and time.monotonic() < deadline:
-        if stop.wait(0.05):
-            return
+    try:
+        write_verdict(store, log.seq, list(log.ranks), message, rank, "recorded")
+        publish_failure(error())
+        while time.monotonic() < deadline and not probe.gone():
+            if int(store.add(FAILED_COUNT, 0)) >= failed_before + len(log.ranks):
+                break
+            if stop.wait(0.05):
+                return
+    except Exception:
+        pass
     _end_main_thread(stop, main_ident, error, message, rank, _break)
 
 

@@ -186,6 +186,7 @@ class RecordedGloo(NamedGroup):
                 self.inner.monitored_barrier(wait_all_ranks=wait_all_ranks)
             else:
                 self.inner.monitored_barrier(timeout, wait_all_ranks)
+            blocking.succeeded = True
         finally:
             blocking.done = True
 
@@ -238,10 +239,15 @@ class RecordedGloo(NamedGroup):
 class _Blocking:
     """The "work" of a call that blocks in the caller (monitored_barrier): complete on return."""
 
-    done = False
+    done = succeeded = False
 
     def is_completed(self) -> bool:
         return self.done
+
+    def wait(self) -> bool:
+        if not self.succeeded:
+            raise RuntimeError("monitored_barrier failed")
+        return True
 
 
 _C10D = _c10d.__file__
