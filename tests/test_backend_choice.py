@@ -316,3 +316,15 @@ def test_mpi4py_sums_of_8_and_16_bit_integers_wrap_as_torchs_instead_of_saturati
     assert proc.stdout.splitlines() == [f"{dtype} [{value}]" for dtype, value in expected.items()], (
         proc.stdout
     )
+
+
+def test_the_error_for_a_backend_not_here_is_the_one_backends_md_shows(monkeypatch):
+    """docs/backends.md quotes the error of backend='nccl' on a machine with gloo and shm only."""
+    if "nccl" in od.available_backends():
+        pytest.skip("nccl is available here: the page shows a machine without it")
+    monkeypatch.setattr("onedist.context.available_backends", lambda: ("gloo", "shm"))
+    with pytest.raises(od.BackendUnavailableError) as info:
+        od.initialize("nccl")
+    shown = f"{type(info.value).__module__}.{type(info.value).__name__}: {info.value}"
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "backends.md")) as f:
+        assert shown + "\n```" in f.read(), shown

@@ -54,3 +54,15 @@ def test_load_checkpoint_loads_only_weights_unless_told(tmp_path):
     with pytest.raises(Exception, match="(?i)weights_only"):
         od.load_checkpoint(path)
     assert od.load_checkpoint(path, weights_only=False)["custom"].value == 3
+
+
+def test_save_checkpoint_with_fabrics_argument_order_says_to_swap_them(tmp_path):
+    """Fabric's ``save(path, state)`` has the path first: the error says so and shows the call."""
+    import onedist as od
+
+    path = str(tmp_path / "last.pt")
+    with pytest.raises(od.OnedistTypeError) as info:
+        od.save_checkpoint(path, {"epoch": 3})  # type: ignore[arg-type]
+    text = str(info.value)
+    assert "path has type dict" in text and f"od.save_checkpoint(state, {path!r})" in text, text
+    assert not (tmp_path / "last.pt").exists()

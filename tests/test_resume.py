@@ -204,3 +204,21 @@ def test_resume_on_another_world_size_restores_the_model_but_not_the_rng_states(
     assert three[1]["warnings"] == three[2]["warnings"] == [], three
     two = Runner(2)(_resume_on, str(tmp_path))
     assert [(r["step"], r["rng_left"], r["warnings"]) for r in two] == [(7, False, [])] * 2, two
+
+
+def test_resume_says_where_it_resumed_from_with_default_logging(tmp_path):
+    """Parallel's lines show with Python's default logging; od.resume's do too (the "onedist"
+    logger, unconfigured, showed only warnings): a plain script, nothing configured."""
+    script = (
+        "import sys, torch, onedist as od\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "print(od.resume(sys.argv[1], model=m))\n"
+        "od.save_training_state(sys.argv[1], 7, model=m)\n"
+        "print(od.resume(sys.argv[1], model=m))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["0", "7"], out
+    assert f"onedist.resume: no checkpoint in {tmp_path}; starting at step 0" in out.stderr, out.stderr
+    assert f"onedist.resume: resumed from step 7 ({tmp_path}/step_00000007.pt)" in out.stderr, out.stderr

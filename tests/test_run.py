@@ -258,13 +258,53 @@ def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
         (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"], "--node-rank is needed"),
         (["--rdzv-endpoint", "h:1", "--master-port", "2"], "name the same thing: pass one"),
         (["--rdzv-endpoint", "h:port"], "--rdzv-endpoint='h:port' is not allowed; allowed: HOST[:PORT]"),
+        (["-n", "2", "missing.py"], "can't open file '{cwd}/missing.py': [Errno 2] No such file"),
+        (["-n", "2", "-m", "no_such_module"], "No module named 'no_such_module'"),
     ],
 )
 def test_onedist_run_usage_errors(args, message, tmp_path):
+    """Refused before any worker starts: exit status 2 and the launcher's one line (a missing
+    script was each worker's runpy error, after its start-up)."""
+    target = [] if args[-1] in ("missing.py", "no_such_module") else [SCRIPT, str(tmp_path)]
     proc = subprocess.run(
-        _onedist(*args, SCRIPT, str(tmp_path)), capture_output=True, text=True, timeout=120, env=_env()
+        _onedist(*args, *target), capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path
     )
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and message.format(cwd=tmp_path) in proc.stderr, proc.stderr
+    assert "[rank" not in proc.stdout + proc.stderr, proc.stderr  # no worker ran
+
+
+PROBE = """
+import json, os, sys
+here = os.path.dirname(__file__)
+os.chdir("/")  # a script that changes directory, then finds its files through __file__
+print(json.dumps([__file__, sys.argv, os.path.exists(os.path.join(here, "data.txt"))]))
+"""
+
+
+def test_a_script_sees_what_python_gives_it_and_every_argument_after_its_name(tmp_path):
+    """``__file__`` absolute and ``sys.argv`` as typed, as ``python sub/probe.py`` gives them (it
+    was relative under onedist run: after os.chdir the script lost its files); an option after
+    the script's name is the script's, even one that abbreviates a launcher flag (``--nproc``
+    was refused as ambiguous)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "probe.py").write_text(PROBE)
+    (tmp_path / "sub" / "data.txt").write_text("x")
+    command = ["sub/probe.py", "--nproc", "2", "--max-restarts", "-m"]
+    python = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, timeout=60, env=_env(), cwd=tmp_path
+    )
+    expected = [str(tmp_path / "sub" / "probe.py"), command, True]
+    assert json.loads(python.stdout) == expected, python.stderr
+    ran = subprocess.run(
+        _onedist("-n", "2", "--no-prefix", *command),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        cwd=tmp_path,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert [json.loads(line) for line in ran.stdout.splitlines()] == [expected] * 2, ran.stdout
 
 
 def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in_place(tmp_path):

@@ -105,10 +105,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command")
     info = sub.add_parser("info", help="what is installed, which backends work here, what launcher set")
     info.add_argument("--json", action="store_true", help="print JSON")
-    from .launchers.run import build_parser
+    from .launchers.run import build_parser, split_at_target
 
-    build_parser(sub.add_parser("run", help="start the workers of a script (torchrun-compatible)"))
+    run = build_parser(sub.add_parser("run", help="start the workers of a script (torchrun-compatible)"))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    script_args = None
+    if argv[:1] == ["run"]:
+        head, script_args = split_at_target(run, argv[1:])
+        argv = ["run", *head]
     args = parser.parse_args(argv)
+    if script_args is not None:
+        args.args = script_args
     if args.command == "run":
         from .launchers.run import main as run_main
 

@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import IO, Optional
 
-__all__ = ["setup_logger"]
+__all__ = ["log_shown", "setup_logger"]
 
 _DEFAULT_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 _ALL_RANKS_FORMAT = "%(asctime)s [rank%(rank)s] %(name)s %(levelname)s: %(message)s"
@@ -87,3 +87,16 @@ def setup_logger(
         h._onedist = True  # type: ignore[attr-defined]
         logger.addHandler(h)
     return logger
+
+
+def log_shown(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
+    """``logger.log(level, msg, *args)``, and where logging is configured nowhere (no handler
+    between ``logger`` and the root) the line on stderr on rank 0 all the same, as
+    :func:`setup_logger`'s lines are: Python's last resort shows warnings only, and onedist's
+    INFO lines (od.resume's step) are what a user looks for. A handler anywhere decides instead."""
+    if logger.hasHandlers():
+        logger.log(level, msg, *args)
+        return
+    record = logger.makeRecord(logger.name, level, "(unknown file)", 0, msg, args, None)
+    if _RankFilter(None, False).filter(record):
+        sys.stderr.write(logging.Formatter(_DEFAULT_FORMAT).format(record) + "\n")

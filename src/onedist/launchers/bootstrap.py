@@ -9,10 +9,15 @@ show the failing rank's error first (the role of torchelastic's ``@record``, wit
 
 from __future__ import annotations
 
+import builtins
+import importlib.machinery
+import io
 import os
 import runpy
 import signal
 import sys
+import types
+import zipfile
 
 from ..errors import user_traceback
 from .worker import write_error_file
@@ -29,10 +34,34 @@ def run_target(argv: list[str]) -> None:
         sys.argv = [module, *argv[2:]]  # `python -m` already put the working directory first
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
-    script = argv[0]
+    script = os.path.abspath(argv[0])
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
+    sys.path[0] = os.path.dirname(script)
+    if os.path.isfile(script) and not zipfile.is_zipfile(script):
+        _run_file(script)
+    else:  # a directory or zip file with a __main__.py
+        runpy.run_path(script, run_name="__main__")
+
+
+def _run_file(path: str) -> None:
+    """Run the script at ``path`` as ``python script.py`` does: in ``__main__``, with an absolute
+    ``__file__`` (Python >= 3.9) and ``sys.argv[0]`` as typed. (``runpy.run_path`` gives both the
+    path it was given: a relative ``__file__`` broke a script that changes directory first.)"""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=path,
+        __cached__=None,
+        __builtins__=builtins,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+    )
+    _replaced.append(sys.modules.get("__main__"))  # this module, kept alive while its code runs
+    sys.modules["__main__"] = main
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)  # no __future__ flag of this file
+    exec(code, main.__dict__)
+
+
+_replaced: list[object] = []
 
 
 def main() -> None:

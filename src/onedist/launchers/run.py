@@ -53,7 +53,7 @@ from .spec import RunSpec, check_run_nproc_against, check_run_values, run_comman
 from .supervisor import PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
-__all__ = ["RunLauncher", "build_parser", "main"]
+__all__ = ["RunLauncher", "build_parser", "main", "split_at_target"]
 
 
 def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
@@ -158,6 +158,35 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="restart the workers (of every node) up to N times after a failure",
     )
+
+
+def split_at_target(
+    parser: argparse.ArgumentParser, argv: list[str]
+) -> tuple[list[str], Optional[list[str]]]:
+    """``argv`` of ``onedist run`` as (the launcher's options and the target, the script's
+    arguments): everything after the script's name is the script's, as ``python script.py`` has
+    it, even where it looks like a launcher option (``train.py --nproc 2``: argparse alone read
+    ``--nproc`` as an ambiguous abbreviation of ``--nproc-per-node``). None for the script's
+    arguments when argparse is to split them itself (after ``--``, or an option it must judge)."""
+    takes_value = {o: a.nargs != 0 for a in parser._actions for o in a.option_strings}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv, None
+        if not token.startswith("-") or token == "-":  # the target
+            return argv[: i + 1], argv[i + 1 :]
+        name = token.split("=", 1)[0]
+        matches = {o for o in takes_value if o.startswith(name)} if name.startswith("--") else set()
+        if name in takes_value:
+            matches = {name}
+        if not name.startswith("--") and name[:2] in takes_value and len(name) > 2:  # -n2
+            i += 1
+            continue
+        if len({takes_value[o] for o in matches}) != 1:  # unknown or ambiguous: argparse says so
+            return argv, None
+        i += 2 if takes_value[matches.pop()] and "=" not in token else 1
+    return argv, None
 
 
 class _UsageError(Exception):
@@ -503,6 +532,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         args.from_environment = apply_pet_defaults(args, os.environ)
         nproc = check_run_values(args)
+        _check_target(args.target, bool(args.module))
         _report_environment(args)
         show = _output_ranks(args.output_ranks)
         pod = kubernetes_job(os.environ)
@@ -514,6 +544,21 @@ def main(args: argparse.Namespace) -> int:
     except (_UsageError, OnedistValueError) as e:
         sys.stderr.write(f"onedist run: {e}\n")
         return 2
+
+
+def _check_target(target: str, module: bool) -> None:
+    """Refuse a script that is not there (or a module whose top-level package is not found) before
+    any worker starts, in Python's words: each worker would fail alike, after its start-up."""
+    if module:
+        import importlib.machinery
+
+        top = target.split(".", 1)[0]  # the rest would need the package imported: left to the workers
+        if top not in sys.builtin_module_names and (
+            importlib.machinery.PathFinder.find_spec(top, [os.getcwd(), *sys.path[1:]]) is None
+        ):
+            raise _UsageError(f"No module named {top!r} (target of -m, looked for from {os.getcwd()})")
+    elif not os.path.exists(target):
+        raise _UsageError(f"can't open file {os.path.abspath(target)!r}: [Errno 2] No such file or directory")
 
 
 def _report_environment(args: argparse.Namespace) -> None:

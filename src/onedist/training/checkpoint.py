@@ -79,6 +79,15 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
         raise bad_type("save_checkpoint", "rank", rank, "an int (the global rank that writes)")
     if not 0 <= rank < b.world_size:
         raise bad_value("save_checkpoint", "rank", rank, f"a global rank in 0..{b.world_size - 1}")
+    if isinstance(obj, (str, os.PathLike)) and not isinstance(path, (str, os.PathLike)):
+        raise bad_type(
+            "save_checkpoint",
+            "path",
+            path,
+            "a file path (str or os.PathLike)",
+            hint=f"the arguments are (obj, path), as torch.save's; Fabric's save(path, state) has them "
+            f"the other way round: od.save_checkpoint(state, {os.fspath(obj)!r})",
+        )
     target = _check_path("save_checkpoint", path)
     if holds_sharded(obj):  # every rank writes its shards into a directory at path
         save_sharded(obj, target, rank, _state_of)

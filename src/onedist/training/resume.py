@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import bad_type, bad_value
+from ..log import log_shown
 from .checkpoint import PathLike, load_checkpoint, save_checkpoint
 
 __all__ = ["checkpoint_path", "remove_stale_temp_files", "resume", "save_training_state"]
@@ -163,7 +164,7 @@ def resume(
         step = broadcast_object(step, src=0)  # every rank loads the file rank 0 picked
     if step is None:
         if get_rank() == 0:
-            logger.info("onedist.resume: no checkpoint in %s; starting at step 0", folder)
+            log_shown(logger, logging.INFO, "onedist.resume: no checkpoint in %s; starting at step 0", folder)
         return 0
     live = {
         k: v
@@ -174,7 +175,7 @@ def resume(
     state = load_checkpoint(path, live, map_location="cpu")
     _restore_rng(state, path, sampler)
     if get_rank() == 0:
-        logger.info("onedist.resume: resumed from step %d (%s)", step, path)
+        log_shown(logger, logging.INFO, "onedist.resume: resumed from step %d (%s)", step, path)
     return int(step)
 
 
@@ -249,7 +250,12 @@ def remove_stale_temp_files(directory: PathLike) -> list[str]:
             continue
         removed.append(name)
     if removed:
-        logger.info("onedist: removed %d temporary file(s) of interrupted checkpoint writes", len(removed))
+        log_shown(
+            logger,
+            logging.INFO,
+            "onedist: removed %d temporary file(s) of interrupted checkpoint writes",
+            len(removed),
+        )
     return removed
 
 

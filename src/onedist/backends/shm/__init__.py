@@ -46,9 +46,9 @@ A group whose ranks are not all on one host, or whose ranks cannot open each oth
 worst it is gloo.
 
 The package, one job per module: :mod:`.segment` (the memfd and its layout), :mod:`.protocol`
-(barriers, the call check, failure marks), :mod:`.reductions` (what each reduce op computes),
-:mod:`.phases` (chunks through the banks, copies over helper threads), :mod:`.exchange` (gather,
-scatter, all_to_all), :mod:`.cma` (reads from a peer's memory), :mod:`.hosts` (two levels over
+(barriers, the call check, failure marks), :mod:`.reduce_ops` (what each reduce op computes),
+:mod:`.phases` (chunks through the banks, copies over helper threads), :mod:`.scatter_gather`
+(gather, scatter, all_to_all), :mod:`.cma` (reads from a peer's memory), :mod:`.hosts` (two levels over
 several hosts) and :mod:`.group` (the process group and its dense collectives; :mod:`onedist._torch_plugin`
 registers it with torch).
 """
