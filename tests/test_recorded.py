@@ -108,3 +108,31 @@ def test_a_failed_call_takes_its_group_out_of_the_history_comparison():
         work.wait()
     assert check.sample() is None and log.failed
     assert not store.check([HISTORY_KEY.format(log.key, 0)])
+
+
+def test_receives_from_any_source_are_never_waited_on_again():
+    """A completed receive is let go of without asking its work again: gloo's wait() of a receive
+    waits for one more message each time (an any-source receive, whose peer is -1 like a
+    collective's, hung the next call; torch's send_recv_any_source tests on shm)."""
+    from datetime import timedelta
+    from threading import Thread
+
+    store, groups, got = dist.HashStore(), [None, None], []
+
+    def run(rank: int) -> None:
+        group = groups[rank] = RecordedGloo(store, rank, 2, timedelta(seconds=20), (0, 1))
+        for i in range(3):
+            t = torch.full((2,), float(i))
+            if rank == 1:
+                group.send([t], 0, 0).wait()
+            else:
+                work = group.recv_anysource([t], 0)
+                work.wait()
+                got.append((work._source_rank(), t.tolist()))
+        group.barrier().wait()
+
+    threads = [Thread(target=run, args=(r,), daemon=True) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert not any(t.is_alive() for t in threads), "hung"
+    assert got == [(1, [0.0, 0.0]), (1, [1.0, 1.0]), (1, [2.0, 2.0])], got

@@ -248,7 +248,7 @@ class CallLog:
         pending = self.pending
         while pending and _completed(pending[0][1]):
             entry, work = pending.popleft()
-            if entry.peer < 0 and not _succeeded(work):
+            if entry.sig[0] < SEND and not _succeeded(work):  # a collective (see _succeeded)
                 self.failed = True
 
     def waiting(self) -> list[Entry]:
@@ -257,7 +257,7 @@ class CallLog:
             self._prune()
             waiting = [entry for entry, work in self.pending if not _completed(work)]
             if not self.failed and any(
-                e.peer < 0 and _completed(w) and not _succeeded(w) for e, w in self.pending
+                e.sig[0] < SEND and _completed(w) and not _succeeded(w) for e, w in self.pending
             ):
                 self.failed = True
         blocked = self.blocked

@@ -6,8 +6,9 @@ does the communication. torch calls it for every collective on the group, whoeve
 ``DistributedDataParallel``'s gradient buckets (from C++), FSDP2, ``torch.distributed``'s functions,
 onedist's own, asynchronous calls and point-to-point. Each call is passed on unchanged and written
 to the group's :class:`~onedist.backends.recorded.calls.CallLog`, which the failure watcher compares
-across ranks. Measured cost: ~3 us a call (1.02x a 1-float all_reduce between 2 ranks, see
-docs/performance.md); ``ONEDIST_RECORD=0`` gives the plain gloo group instead.
+across ranks. Measured cost: ~4 us of Python a call; 1.10x a back-to-back 1-float all_reduce
+between 2 ranks on 2 cores, 1.00x a DDP step (docs/performance.md); ``ONEDIST_RECORD=0`` gives the
+plain gloo group instead.
 
 torch knows the group as ``"gloo"`` (``dist.get_backend()``); its own name for DDP's logs is
 ``"onedist-gloo"`` (``group.name()``), since torch's C++ would otherwise look for a gloo backend
