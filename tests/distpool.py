@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Optional
 
+from launch_env import strip_launcher_vars
 from onedist._net import free_port
 
 _CTX = mp.get_context("fork")  # workers start in ~0.1 s instead of re-importing torch
@@ -29,8 +30,7 @@ def _serve(rank: int, world_size: int, port: int, conn: Any, backend: str, env: 
 
     torch.set_num_threads(1)  # forked after the parent may have used OpenMP (libgomp would hang)
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"):
-        os.environ.pop(name, None)
+    strip_launcher_vars()
     os.environ.update(env)
     od.initialize(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=120

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from launch_env import clean_env
 from prereqs import mpi4py_missing, mpirun_missing
 
 SCRIPTS = Path(__file__).parent / "scripts" / "any_torch"
@@ -37,13 +38,8 @@ def _needs(module: str) -> None:
 def _launch(*args: str, launcher: tuple[str, ...] = TORCHRUN, **env_set: str) -> dict[int, str]:
     """Run a script on 2 ranks (``launcher``: the command before the script's path); each rank's
     ``rank R ...`` lines, joined."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ROLE_"))
-    }
     done = subprocess.run(
-        [*launcher, *args], cwd=SCRIPTS, env=env | env_set, capture_output=True, text=True, timeout=240
+        [*launcher, *args], cwd=SCRIPTS, env=clean_env(**env_set), capture_output=True, text=True, timeout=240
     )
     lines: dict[int, str] = {0: "", 1: ""}
     # "rank R what|": the ranks share one pipe, so a line may land inside another rank's

@@ -21,10 +21,11 @@ import torch.distributed as dist
 
 import onedist as od
 import workers
+from launch_env import SLURM_MPI_PREFIXES, clean_env, strip_launcher_vars
 from onedist.backends import mpi as od_mpi
 from onedist.backends.shm import supported as shm_supported
 from onedist.context import resolve_backend_name
-from test_run import _env, _onedist
+from run_helpers import onedist_command
 
 needs_shm = pytest.mark.skipif(not shm_supported(), reason="the shm backend needs Linux on x86-64")
 
@@ -37,9 +38,7 @@ def _serial_after():
 
 def _launcher_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """No launcher variables and no ONEDIST_BACKEND: `auto` decides from the machine alone."""
-    for name in list(os.environ):
-        if name.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "SLURM_", "OMPI_", "PMI")):
-            monkeypatch.delenv(name)
+    strip_launcher_vars(*SLURM_MPI_PREFIXES, monkeypatch=monkeypatch)
     monkeypatch.delenv("ONEDIST_BACKEND", raising=False)
 
 
@@ -115,11 +114,11 @@ def test_onedist_run_backend_sets_onedist_backend_in_the_workers(tmp_path):
     ports = []
     for n, name in (("2", "gloo"), ("1", "shm")):
         proc = subprocess.run(
-            _onedist("-n", n, "--backend", name, str(script)),
+            onedist_command("-n", n, "--backend", name, str(script)),
             capture_output=True,
             text=True,
             timeout=180,
-            env=_env(),
+            env=clean_env(),
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         lines = [
@@ -235,7 +234,7 @@ def test_initialize_mpi_runs_onedists_mpi4py_group(users_ft):
         " os.environ['OMPI_MCA_mpi_ft_enable'])\n"
         "od.finalize()\n"
     )
-    env = _env()
+    env = clean_env()
     env.pop("OMPI_MCA_mpi_ft_enable", None)
     if users_ft is not None:
         env["OMPI_MCA_mpi_ft_enable"] = users_ft
@@ -305,7 +304,7 @@ def test_mpi4py_sums_of_8_and_16_bit_integers_wrap_as_torchs_instead_of_saturati
         "-c",
         WRAPPING_SUMS,
     ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env())
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     expected = {
         torch.uint8: 200 + 200 - 256,

@@ -23,6 +23,7 @@ import torch.multiprocessing as tmp
 
 import onedist as od
 import workers
+from launch_env import SLURM_MPI_PREFIXES, clean_env, strip_launcher_vars
 from onedist._net import free_port
 from onedist.backends import _rendezvous
 
@@ -34,8 +35,7 @@ def _serial_after():
 
 
 def test_initialize_alone_makes_a_group_of_one_and_finalize_restores_env():
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(name, None)
+    strip_launcher_vars()
     od.initialize("gloo", timeout=30)
     assert (od.get_world_size(), od.get_rank(), od.backend(), od.model_name()) == (
         1,
@@ -113,8 +113,7 @@ def test_env_rendezvous_on_one_host_takes_ignites_defaults(monkeypatch):
     process computes ignite's 127.0.0.1:15000 alike; onedist sets and logs them, and restores."""
     from onedist.backends import _environ, _rendezvous
 
-    for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
+    strip_launcher_vars(monkeypatch=monkeypatch)
     monkeypatch.setenv("RANK", "1")  # a rank other than 0 listens on nothing
     monkeypatch.setenv("WORLD_SIZE", "2")
     env_set: dict = {}
@@ -202,14 +201,7 @@ def test_cli_version_and_info():
         [sys.executable, "-m", "onedist", "--version"], capture_output=True, text=True, timeout=120
     )
     assert out.stdout.strip() == f"onedist {od.__version__}"
-    env = {
-        **os.environ,
-        "OMPI_COMM_WORLD_RANK": "1",
-        "OMPI_COMM_WORLD_SIZE": "2",
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-    }
-    for name in ("RANK", "WORLD_SIZE"):
-        env.pop(name, None)
+    env = clean_env(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_SIZE="2")
     out = subprocess.run(
         [sys.executable, "-m", "onedist", "info", "--json"],
         capture_output=True,
@@ -240,9 +232,7 @@ def test_uneven_layout_three_plus_one_from_published_nodes(tmp_path):
 
 def _rank_env(monkeypatch: pytest.MonkeyPatch, rank: int, port: int) -> None:
     """This process as rank ``rank`` of 2 started by another launcher (srun, mpirun): env:// only."""
-    for name in list(os.environ):
-        if name.startswith(("LOCAL_", "GROUP_", "TORCHELASTIC_", "SLURM_", "OMPI_", "PMI")):
-            monkeypatch.delenv(name)
+    strip_launcher_vars(*SLURM_MPI_PREFIXES, monkeypatch=monkeypatch)
     monkeypatch.delenv("ONEDIST_STORE_FD", raising=False)
     for name, value in (
         ("RANK", rank),

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from test_run import _env, _onedist
+from launch_env import clean_env
+from run_helpers import onedist_command
 from test_slurm import slurm  # noqa: F401  (the module-scoped fixture: a real one-node SLURM)
 
 CRASH = str(Path(__file__).parent / "scripts" / "crash.py")
@@ -74,7 +75,7 @@ def _command(launcher: str, out: Path) -> list[str]:
     if launcher == "python":  # no launcher: Parallel spawns the workers
         return [py, CRASH, str(out), str(NPROC)]
     if launcher == "onedist run":
-        return _onedist("-n", str(NPROC), CRASH, str(out))
+        return onedist_command("-n", str(NPROC), CRASH, str(out))
     if launcher == "torchrun":
         torchrun = str(Path(py).with_name("torchrun"))
         return [torchrun, "--standalone", "--nproc-per-node", str(NPROC), CRASH, str(out)]
@@ -248,7 +249,7 @@ XFAIL_FIRST: dict[tuple[str, str, int], str] = {}
 def launcher_env(request) -> dict[str, str]:
     if request.node.callspec.params["launcher"] == "srun":
         return dict(request.getfixturevalue("slurm"))
-    return _env()
+    return clean_env()
 
 
 # ============================================================================ the tests
@@ -390,7 +391,7 @@ def test_store_noise_is_held_back_while_a_failure_is_explained():
     while onedist explains a failure it holds stderr back and drops that, keeping the rest in order
     (the cause of a once-in-a-while "another rank's error is shown first" in the test above)."""
     out = subprocess.run(
-        [sys.executable, "-c", _HELD_BACK], capture_output=True, text=True, timeout=50, env=_env()
+        [sys.executable, "-c", _HELD_BACK], capture_output=True, text=True, timeout=50, env=clean_env()
     )
     assert out.stdout.splitlines() == ["raised DistNetworkError", "outside"], out
     err = out.stderr

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from launch_env import SLURM_MPI_PREFIXES, strip_launcher_vars
 from onedist.environments import (
     ClusterEnv,
     PartialLayout,
@@ -274,10 +275,7 @@ def test_pmi_variables_without_the_layout_do_not_claim_several_nodes(monkeypatch
     from onedist.backends._rendezvous import prepare_env_rendezvous
     from onedist.errors import OnedistValueError
 
-    for name in [k for k in os.environ if k.startswith(("SLURM_", "PMI", "OMPI_", "MASTER_"))]:
-        monkeypatch.delenv(name)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
+    strip_launcher_vars(*SLURM_MPI_PREFIXES, monkeypatch=monkeypatch)
     monkeypatch.setenv("PMI_RANK", "1")
     monkeypatch.setenv("PMI_SIZE", "2")
     monkeypatch.setitem(sys.modules, "mpi4py", None)  # not installed: nobody to ask

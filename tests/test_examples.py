@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from launch_env import clean_env
 from onedist.backends.shm import supported
-from test_run import _env
 
 DIGITS = str(Path(__file__).parent.parent / "examples" / "digits.py")
 
@@ -40,7 +40,7 @@ pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in
 )
 def test_digits_trains_to_95_percent(args, world):
     proc = subprocess.run(
-        [sys.executable, DIGITS, *args], capture_output=True, text=True, timeout=300, env=_env()
+        [sys.executable, DIGITS, *args], capture_output=True, text=True, timeout=300, env=clean_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     final = re.search(r"final test accuracy (\d\.\d+) over (\d+) process", proc.stdout)

@@ -21,6 +21,7 @@ import checks_horovod as ch
 import checks_loop
 import checks_sharding
 import onedist as od
+from launch_env import clean_env
 from launchpool import LaunchPool
 from onedist.backends.horovod import installed
 from test_shm import CORE_CHECKS
@@ -37,12 +38,10 @@ def _horovodrun(n: int) -> list[str]:
     return ["horovodrun", "-np", str(n), "-H", f"localhost:{n}", "--gloo"]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    """This environment without launcher variables, with tests/ importable (spawned workers
-    unpickle the check functions by module name)."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))
-    }
+def _env(*also: str, **extra: str) -> dict[str, str]:
+    """This environment without launcher variables (nor those starting with ``also``), with tests/
+    importable (spawned workers unpickle the check functions by module name)."""
+    env = clean_env(*also)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
@@ -163,7 +162,7 @@ def test_auto_optim_arguments(hvd):
 # ============================================================================ one plain process
 def test_world_of_one_user_context_and_initialize_errors():
     # a plain process: no launcher's variables, and no Horovod settings from the environment
-    env = {k: v for k, v in _env().items() if not k.startswith("HOROVOD_")}
+    env = _env("HOROVOD_")
     proc = subprocess.run(
         [sys.executable, "-c", "import checks_horovod; checks_horovod.serial_checks()"],
         capture_output=True,

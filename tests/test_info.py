@@ -22,6 +22,7 @@ import pytest
 
 import onedist
 import onedist as od
+from launch_env import SLURM_MPI_PREFIXES, clean_env, strip_launcher_vars
 from onedist import _diagnose as diag
 from onedist._net import free_port
 
@@ -412,13 +413,12 @@ def test_unroutable_master_returns_within_a_second():
 
 
 # ============================================================================ the command
-_LAUNCHER_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "SLURM_", "OMPI_", "PMI_", "PMIX_")
-_LAUNCHER_PREFIXES += ("HOROVOD_", "MV2_", "JSM_", "LSB_", "TORCHELASTIC_", "MPI_LOCAL")
+_OTHER_LAUNCHERS = (*SLURM_MPI_PREFIXES, "HOROVOD_", "MV2_", "JSM_", "LSB_", "MPI_LOCAL")
 _SETTINGS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "ONEDIST_BACKEND", "CUDA_VISIBLE_DEVICES")
 
 
 def _info_env(extra: dict[str, str], path: Optional[Path] = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _SETTINGS}
+    env = {k: v for k, v in clean_env(*_OTHER_LAUNCHERS).items() if k not in _SETTINGS}
     # the child imports the onedist this test imported
     src = str(Path(onedist.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
@@ -520,8 +520,7 @@ def test_info_json_clean_environment():
 def test_parallel_warns_when_an_sbatch_script_skips_srun(monkeypatch, caplog):
     """`python train.py` in `sbatch --ntasks=2`: one process, not two. Parallel says so at once
     (not only `onedist info`), instead of training on one process in silence."""
-    for name in [k for k in os.environ if k.startswith("SLURM_")]:
-        monkeypatch.delenv(name)
+    strip_launcher_vars("SLURM_", monkeypatch=monkeypatch)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_NTASKS", "2")
     with caplog.at_level("WARNING", logger="onedist"):

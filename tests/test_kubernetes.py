@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from launch_env import clean_env
 from onedist._diagnose import warnings as launch_warnings
 from onedist.environments import (
     ClusterEnv,
@@ -34,8 +35,8 @@ from onedist.errors import OnedistValueError
 from onedist.launchers.pet import apply_pet_defaults
 from onedist.launchers.run import build_parser
 from onedist.launchers.spec import check_run_values
+from run_helpers import AGREE_SCRIPT, check_agree, onedist_command
 from test_netns import CLUSTER, _both, needs_netns
-from test_run import SCRIPT, _check_agree, _env, _onedist
 
 pytestmark = pytest.mark.launcher
 
@@ -293,12 +294,12 @@ def test_rdzv_endpoint_and_master_flags_against_variables():
 
 
 def _run(cmd: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(**env))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(**env))
     return proc
 
 
 def test_bad_pet_value_from_the_command_line():
-    proc = _run(_onedist(SCRIPT, "/nonexistent"), {"PET_NNODES": "1:4"})
+    proc = _run(onedist_command(AGREE_SCRIPT, "/nonexistent"), {"PET_NNODES": "1:4"})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("onedist run: PET_NNODES='1:4' is not allowed; allowed: N or N:N")
 
@@ -306,16 +307,16 @@ def test_bad_pet_value_from_the_command_line():
 # ============================================================================ real processes, one host
 def test_pet_nproc_per_node_starts_two_workers(tmp_path):
     """The acceptance line: `PET_NPROC_PER_NODE=2 onedist run ws.py` starts 2 workers, as torchrun."""
-    proc = _run(_onedist(SCRIPT, str(tmp_path)), {"PET_NPROC_PER_NODE": "2"})
+    proc = _run(onedist_command(AGREE_SCRIPT, str(tmp_path)), {"PET_NPROC_PER_NODE": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, 2)
+    check_agree(tmp_path, 2)
     assert "--nproc-per-node=2 (PET_NPROC_PER_NODE)" in proc.stderr
 
 
 def test_pytorchjob_pod_with_plain_python_fails_at_once_with_the_fix(tmp_path):
     """nprocPerNode 2, the script started with plain python: a clear error, not a hang."""
     pod = {**pytorchjob_pod(0, pods=2, nproc="2"), "MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1"}
-    proc = _run([sys.executable, SCRIPT, str(tmp_path)], pod, timeout=60)
+    proc = _run([sys.executable, AGREE_SCRIPT, str(tmp_path)], pod, timeout=60)
     assert proc.returncode != 0
     assert "onedist.initialize: this Kubeflow PyTorchJob pod's process was started without" in proc.stderr
     info = _run([sys.executable, "-m", "onedist", "info", "--json"], pod, timeout=60)
@@ -327,10 +328,10 @@ def test_pytorchjob_pod_with_plain_python_fails_at_once_with_the_fix(tmp_path):
 def test_torchx_single_node_command_line(tmp_path):
     """dist.ddp with j=1x2: c10d on localhost:0 (a free port), --tee 3 --role ''."""
     env, flags = torchx_ddp(0, nnodes=1, nproc=2)
-    cmd = f"{' '.join(_onedist())} {flags} {SCRIPT} {tmp_path}"
+    cmd = f"{' '.join(onedist_command())} {flags} {AGREE_SCRIPT} {tmp_path}"
     proc = _run(["bash", "-c", cmd], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, 2)
+    check_agree(tmp_path, 2)
 
 
 # ============================================================================ two network-namespace "pods"
@@ -354,7 +355,7 @@ def pods():
             where = [prefix + node[-1], node, str(work / "hosts")]
             return subprocess.Popen(
                 ["bash", str(CLUSTER / "netns_exec.sh"), *where, *pod, *cmd],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
             )  # fmt: skip
 
         yield on
@@ -367,24 +368,24 @@ def pods():
 def test_pytorchjob_two_pods_nproc_2_under_onedist_run(pods, tmp_path):
     """RANK is the pod's index and WORLD_SIZE counts processes: onedist run starts 2 workers per pod
     (as torchrun would) and the 4 ranks are right."""
-    _both([pods(node, pytorchjob_pod(k, 2, "2"), [*_onedist(), SCRIPT, str(tmp_path)])
+    _both([pods(node, pytorchjob_pod(k, 2, "2"), [*onedist_command(), AGREE_SCRIPT, str(tmp_path)])
            for k, node in enumerate(("nodeA", "nodeB"))])  # fmt: skip
-    _check_agree(tmp_path, 4, nnodes=2)
+    check_agree(tmp_path, 4, nnodes=2)
 
 
 @needs_netns
 def test_pytorchjob_two_pods_one_process_each_with_plain_python(pods, tmp_path):
     """nprocPerNode left at "auto" (one process per pod): plain python, the pod's RANK is the rank."""
-    _both([pods(node, pytorchjob_pod(k, 2), [sys.executable, SCRIPT, str(tmp_path)])
+    _both([pods(node, pytorchjob_pod(k, 2), [sys.executable, AGREE_SCRIPT, str(tmp_path)])
            for k, node in enumerate(("nodeA", "nodeB"))])  # fmt: skip
-    _check_agree(tmp_path, 2, nnodes=2)
+    check_agree(tmp_path, 2, nnodes=2)
 
 
 @needs_netns
 def test_trainjob_two_nodes_under_onedist_run(pods, tmp_path):
-    _both([pods(node, trainjob_pod(k, 2, "1"), [*_onedist(), SCRIPT, str(tmp_path)])
+    _both([pods(node, trainjob_pod(k, 2, "1"), [*onedist_command(), AGREE_SCRIPT, str(tmp_path)])
            for k, node in enumerate(("nodeA", "nodeB"))])  # fmt: skip
-    _check_agree(tmp_path, 2, nnodes=2)
+    check_agree(tmp_path, 2, nnodes=2)
 
 
 @needs_netns
@@ -395,6 +396,10 @@ def test_torchx_static_two_nodes_command_line(pods, tmp_path):
     for k, node in enumerate(("nodeA", "nodeB")):
         env, flags = torchx_ddp(k, nnodes=2, nproc=1, rdzv_backend="static")
         env.update({} if k == 0 else {"VC_AGREE_0_HOSTS": "nodeA"})
-        procs.append(pods(node, env, ["bash", "-c", f"{' '.join(_onedist())} {flags} {SCRIPT} {tmp_path}"]))
+        procs.append(
+            pods(
+                node, env, ["bash", "-c", f"{' '.join(onedist_command())} {flags} {AGREE_SCRIPT} {tmp_path}"]
+            )
+        )
     _both(procs)
-    _check_agree(tmp_path, 2, nnodes=2)
+    check_agree(tmp_path, 2, nnodes=2)

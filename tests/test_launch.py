@@ -15,8 +15,10 @@ import pytest
 import onedist as od
 import workers
 from conftest import TORCHRUN_WORKER_ENV
+from launch_env import clean_env
 from onedist.launchers.launcher import Launcher
 from onedist.launchers.report import Failure
+from run_helpers import AGREE_SCRIPT, check_agree, start_looping
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -247,8 +249,7 @@ def test_same_script_under_python_and_torchrun(launcher, tmp_path):
         ]
     else:
         cmd = [sys.executable, str(script), str(tmp_path), "spawn"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import json
 
@@ -316,8 +317,6 @@ def test_ctrl_c_shows_where_each_worker_was_and_stops_them(to, tmp_path):
     parent prints each worker's traceback with its rank (mp.spawn prints each child's; before,
     onedist printed only the parent's, 8 frames of launch.py and selectors)."""
     import signal
-
-    from test_run import start_looping
 
     script = tmp_path / "loop.py"
     script.write_text(_LOOP)
@@ -390,15 +389,17 @@ def test_torchrun_c10d_rendezvous_two_agents(tmp_path):
     """torchrun's dynamic rendezvous: two agents on one host, the same c10d endpoint and run id and
     no node rank; torchrun numbers the nodes as the agents join, and the onedist script (agree.py)
     gets the right ranks and layout from its variables."""
-    from test_run import SCRIPT as AGREE, _check_agree, _env
-
     endpoint = f"127.0.0.1:{od._net.free_port()}"
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "job1"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *rdzv]
-    env = _env(TMPDIR=str(tmp_path))  # torchrun's log folders
+    env = clean_env(TMPDIR=str(tmp_path))  # torchrun's log folders
     agents = [
         subprocess.Popen(
-            [*cmd, AGREE, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            [*cmd, AGREE_SCRIPT, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for _ in range(2)
     ]
@@ -409,7 +410,7 @@ def test_torchrun_c10d_rendezvous_two_agents(tmp_path):
             if a.poll() is None:
                 a.kill()
     assert all(a.returncode == 0 for a in agents), outs
-    _check_agree(tmp_path, 2, nnodes=2)
+    check_agree(tmp_path, 2, nnodes=2)
 
 
 # ---------------------------------------------------------------------------- a failing rank under torchrun
@@ -424,15 +425,13 @@ def _torchrun_failing(how: str, tmp_path_factory) -> tuple[subprocess.CompletedP
     sets it. TMPDIR is the run's folder (torchrun leaves its error files there)."""
     if how not in _torchrun_runs:
         out = tmp_path_factory.mktemp(f"torchrun-{how}")
-        launcher = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "OMP_NUM_THREADS")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         proc = subprocess.run(
             [*cmd, str(TORCHRUN_FAILING), str(out), how],
             capture_output=True,
             text=True,
             timeout=240,
-            env={**env, "TMPDIR": str(out)},
+            env=clean_env("OMP_NUM_THREADS", TMPDIR=str(out)),
             cwd=out,
         )
         _torchrun_runs[how] = (proc, out)

@@ -23,11 +23,12 @@ import torch
 import onedist as od
 import onedist.cli
 import onedist.launchers.spec as spec
+from launch_env import clean_env
 from onedist._net import free_port
 from onedist.launchers.pet import apply_pet_defaults
 from onedist.launchers.run import build_parser
+from run_helpers import onedist_command, outputs
 from test_crash import _proc_stat
-from test_run import _env, _onedist, _outputs
 
 
 # ============================================================================ onedist run
@@ -74,9 +75,9 @@ def test_nproc_auto_backend_and_ignored_pet_variables_in_one_run(tmp_path):
     script = tmp_path / "auto.py"
     script.write_text(AUTO)
     logs = tmp_path / "logs"
-    env = _env(CUDA_VISIBLE_DEVICES="0,1", PET_RDZV_CONF="join_timeout=5", PET_LOG_DIR=str(logs))
+    env = clean_env(CUDA_VISIBLE_DEVICES="0,1", PET_RDZV_CONF="join_timeout=5", PET_LOG_DIR=str(logs))
     proc = subprocess.run(
-        _onedist("-n", "auto", "--backend", "gloo", str(script), str(tmp_path)),
+        onedist_command("-n", "auto", "--backend", "gloo", str(script), str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=240,
@@ -131,7 +132,7 @@ def test_the_launcher_imports_torch_only_after_every_worker_started(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env(),
+        env=clean_env(),
     )
     assert proc.returncode == 0 and proc.stdout.count("hello") == 2, proc.stdout + proc.stderr
     assert "torch imported after 2 workers started" in proc.stderr, proc.stderr
@@ -160,11 +161,11 @@ def test_sys_exit_3_leaving_parallel_is_reported_as_such_without_the_finalize_ch
     script = tmp_path / "exits.py"
     script.write_text(EXITS_3_AFTER_AN_EARLY_RETURN)
     proc = subprocess.run(
-        _onedist("-n", "2", str(script)),
+        onedist_command("-n", "2", str(script)),
         capture_output=True,
         text=True,
         timeout=240,
-        env=_env(ONEDIST_STALL_S="3"),
+        env=clean_env(ONEDIST_STALL_S="3"),
     )
     assert proc.returncode == 3, proc.stderr
     report = proc.stderr[proc.stderr.index("onedist run: worker rank") :]
@@ -197,7 +198,7 @@ def _running(pid: int) -> bool:
 
 
 def _start_sleepers(cmd: list[str], out: Path) -> tuple[subprocess.Popen, list[int]]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
     deadline = time.time() + 120
     while not all((out / f"{r}.pid").exists() for r in (0, 1)):
         assert time.time() < deadline and proc.poll() is None, proc.communicate()
@@ -229,7 +230,11 @@ def test_a_sigkilled_launcher_leaves_no_worker(parent, tmp_path):
     (PR_SET_PDEATHSIG); they would sleep a minute otherwise."""
     script = tmp_path / "sleeps.py"
     script.write_text(SLEEPS)
-    cmd = _onedist("-n", "2", str(script), str(tmp_path)) if parent == "onedist run" else [sys.executable]
+    cmd = (
+        onedist_command("-n", "2", str(script), str(tmp_path))
+        if parent == "onedist run"
+        else [sys.executable]
+    )
     if parent == "spawn":
         cmd += [str(script), str(tmp_path)]
     proc, pids = _start_sleepers(cmd, tmp_path)
@@ -246,7 +251,7 @@ def test_sigint_to_the_launcher_is_not_restarted(tmp_path):
     script = tmp_path / "sleeps.py"
     script.write_text(SLEEPS)
     proc, pids = _start_sleepers(
-        _onedist("-n", "2", "--max-restarts", "3", str(script), str(tmp_path)), tmp_path
+        onedist_command("-n", "2", "--max-restarts", "3", str(script), str(tmp_path)), tmp_path
     )
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -263,10 +268,13 @@ def test_nodes_given_different_nnodes_refuse_to_start(tmp_path):
     script.write_text("print('up', flush=True)\n")
     port = str(free_port())
     flags = ["-n", "1", "--master-port", port, "--max-restarts", "1", str(script)]
-    cmds = [_onedist("--nnodes", nnodes, "--node-rank", k, *flags) for k, nnodes in (("0", "2"), ("1", "3"))]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": _env()}
+    cmds = [
+        onedist_command("--nnodes", nnodes, "--node-rank", k, *flags)
+        for k, nnodes in (("0", "2"), ("1", "3"))
+    ]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "env": clean_env()}
     procs = [subprocess.Popen(cmd, **pipes) for cmd in cmds]
-    outs = _outputs(procs)
+    outs = outputs(procs)
     assert [p.returncode for p in procs] == [1, 1], outs
     message = (
         "--nnodes=3 on node 1 differs from node 0's --nnodes=2; allowed: the same --nnodes on every node"
@@ -312,7 +320,7 @@ print(od.spawn('gloo', f, nproc_per_node=2))
 
 @pytest.mark.launcher
 def test_a_function_defined_in_python_dash_c_runs_with_fork_and_says_so():
-    env = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"}
+    env = {k: v for k, v in clean_env().items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.run(
         [sys.executable, "-c", INTERACTIVE], capture_output=True, text=True, timeout=240, env=env
     )
@@ -340,7 +348,12 @@ def test_a_function_defined_under_main_fails_in_spawn_workers_with_the_hint(tmp_
     script = tmp_path / "under_main.py"
     script.write_text(DEFINED_UNDER_MAIN)
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=_env(), cwd=tmp_path
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=clean_env(),
+        cwd=tmp_path,
     )
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr

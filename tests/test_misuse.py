@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import onedist as od
+from launch_env import clean_env
 from prereqs import mpirun_missing
-from test_run import _env
 
 MISUSE = str(Path(__file__).parent / "scripts" / "misuse.py")
 
@@ -46,7 +46,7 @@ def _run(
     nproc: int = 2,
     ulfm: bool = False,
 ) -> list[dict]:
-    env = _env(ONEDIST_DEBUG="1" if debug else "0", ONEDIST_STALL_S=stall_s)
+    env = clean_env(ONEDIST_DEBUG="1" if debug else "0", ONEDIST_STALL_S=stall_s)
     env.update(MISUSE_BACKEND=backend, MISUSE_NPROC=str(nproc))
     python = sys.executable
     if ulfm:  # its python and mpirun (spawn("mpi") finds mpirun on PATH)
@@ -356,7 +356,7 @@ def test_a_busy_rank_stops_soon_after_another_rank_fails(how):
     when blocked in C) within 5 s, with rank 1's error."""
     from onedist._net import free_port
 
-    env = _env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [
         subprocess.Popen(
             [sys.executable, BUSY, how], env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True

@@ -27,6 +27,7 @@ import checks_pg
 import checks_sharded_checkpoint
 import checks_sharding
 import onedist as od
+from launch_env import clean_env
 from launchpool import LaunchPool
 from prereqs import mpirun_missing
 from test_launch import _facts
@@ -308,8 +309,7 @@ def mpirun_failing_rank(tmp_path_factory) -> tuple[subprocess.CompletedProcess[s
     while rank 0 waits in a barrier), run once for the tests below; no OMP_NUM_THREADS, and none
     of the variables onedist derives (MASTER_PORT, ...)."""
     out = tmp_path_factory.mktemp("mpirun-failing-rank")
-    derived = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "GLOO_SOCKET_IFNAME", "OMP_NUM")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(derived)}
+    env = clean_env("GLOO_SOCKET_IFNAME", "OMP_NUM")
     script = os.path.join(SCRIPTS, "launchpage_failing_rank.py")
     proc = subprocess.run(
         [*MPIRUN, "-np", "2", sys.executable, script, str(out)],
@@ -371,7 +371,7 @@ def test_under_mpirun_the_waiting_ranks_raise_remote_rank_error_naming_the_faili
 
 def test_open_mpi_refuses_root_and_more_ranks_than_slots_without_its_flags():
     """Open MPI's own behaviour, behind the flags on docs/launchers/mpirun.md (no Python started)."""
-    plain = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PRTE_"))}  # no MCA settings
+    plain = clean_env("OMPI_", "PRTE_")  # no MCA settings
     more = str((os.cpu_count() or 1) + 1)
 
     def mpirun(*args: str, env: dict[str, str] = plain) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from test_run import SCRIPT, _check_agree, _env, _infos, _onedist, _outputs
+from launch_env import clean_env
+from run_helpers import AGREE_SCRIPT, check_agree, infos, onedist_command, outputs
 
 CLUSTER = Path(__file__).parent / "cluster"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -53,7 +54,7 @@ def hosts():
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=_env(),
+                env=clean_env(),
                 **kw,
             )
 
@@ -64,12 +65,12 @@ def hosts():
 
 
 def _both(procs: list[subprocess.Popen]) -> None:
-    outs = _outputs(procs, timeout=240)
+    outs = outputs(procs, timeout=240)
     assert all(p.returncode == 0 for p in procs), outs
 
 
 def _check_hosts(out: Path, hostnames: list[str]) -> None:
-    assert [i["hostname"] for i in _infos(out, len(hostnames))] == hostnames
+    assert [i["hostname"] for i in infos(out, len(hostnames))] == hostnames
 
 
 def test_torchrun_pair_on_two_hosts(hosts, tmp_path):
@@ -77,11 +78,11 @@ def test_torchrun_pair_on_two_hosts(hosts, tmp_path):
     cmd = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "nodeA", "--master-port", "29531"]
     _both(
         [
-            hosts(node, [TORCHRUN, *cmd, "--node-rank", str(k), SCRIPT, str(tmp_path)])
+            hosts(node, [TORCHRUN, *cmd, "--node-rank", str(k), AGREE_SCRIPT, str(tmp_path)])
             for k, node in enumerate(("nodeA", "nodeB"))
         ]
     )
-    _check_agree(tmp_path, 4, nnodes=2)
+    check_agree(tmp_path, 4, nnodes=2)
     _check_hosts(tmp_path, ["nodeA", "nodeA", "nodeB", "nodeB"])
 
 
@@ -89,11 +90,11 @@ def test_onedist_run_pair_on_two_hosts(hosts, tmp_path):
     cmd = ["--nnodes", "2", "-n", "2", "--master-addr", "nodeA", "--master-port", "29532"]
     _both(
         [
-            hosts(node, [*_onedist(*cmd, "--node-rank", str(k)), SCRIPT, str(tmp_path)])
+            hosts(node, [*onedist_command(*cmd, "--node-rank", str(k)), AGREE_SCRIPT, str(tmp_path)])
             for k, node in enumerate(("nodeA", "nodeB"))
         ]
     )
-    _check_agree(tmp_path, 4, nnodes=2)
+    check_agree(tmp_path, 4, nnodes=2)
     _check_hosts(tmp_path, ["nodeA", "nodeA", "nodeB", "nodeB"])
 
 
@@ -104,14 +105,20 @@ def test_shm_two_hosts_is_hierarchical(hosts, tmp_path):
         [
             hosts(
                 node,
-                ["env", "AGREE_BACKEND=shm", *_onedist(*cmd, "--node-rank", str(k)), SCRIPT, str(tmp_path)],
+                [
+                    "env",
+                    "AGREE_BACKEND=shm",
+                    *onedist_command(*cmd, "--node-rank", str(k)),
+                    AGREE_SCRIPT,
+                    str(tmp_path),
+                ],
             )
             for k, node in enumerate(("nodeA", "nodeB"))
         ]
     )
-    infos = _check_agree(tmp_path, 4, nnodes=2)
-    assert all(i["backend"] == "shm" and i["shm_hosts"] == [[0, 1], [2, 3]] for i in infos), infos
-    assert all(i["shm_sum_ok"] and i["shm_broadcast_ok"] for i in infos), infos
+    got = check_agree(tmp_path, 4, nnodes=2)
+    assert all(i["backend"] == "shm" and i["shm_hosts"] == [[0, 1], [2, 3]] for i in got), got
+    assert all(i["shm_sum_ok"] and i["shm_broadcast_ok"] for i in got), got
 
 
 # ---------------------------------------------------------------- a real 2-node SLURM
@@ -139,7 +146,7 @@ def slurm2():
                 capture_output=True,
                 text=True,
                 timeout=240,
-                env=_env(),
+                env=clean_env(),
             )
 
         yield client
@@ -150,20 +157,20 @@ def slurm2():
 
 @pytest.mark.parametrize("via", ["python", "onedist run"])
 def test_slurm_srun_two_nodes_four_tasks(slurm2, via, tmp_path):
-    runner = [sys.executable] if via == "python" else _onedist()
-    proc = slurm2(["srun", "-N2", "-n4", "--overcommit", *runner, SCRIPT, str(tmp_path)])
+    runner = [sys.executable] if via == "python" else onedist_command()
+    proc = slurm2(["srun", "-N2", "-n4", "--overcommit", *runner, AGREE_SCRIPT, str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, 4, nnodes=2)
+    check_agree(tmp_path, 4, nnodes=2)
     _check_hosts(tmp_path, ["node1", "node1", "node2", "node2"])
 
 
 def test_slurm_srun_uneven_two_nodes_three_tasks(slurm2, tmp_path):
     """srun -N2 -n3 puts 2 tasks on node1 and 1 on node2: the layout is exact, from SLURM's variables."""
-    proc = slurm2(["srun", "-N2", "-n3", "--overcommit", sys.executable, SCRIPT, str(tmp_path)])
+    proc = slurm2(["srun", "-N2", "-n3", "--overcommit", sys.executable, AGREE_SCRIPT, str(tmp_path)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    infos = _infos(tmp_path, 3)
-    assert [i["hostname"] for i in infos] == ["node1", "node1", "node2"]
-    assert [i["local_rank"] for i in infos] == [0, 1, 0]
-    assert [i["node_rank"] for i in infos] == [0, 0, 1]
-    assert [i["nproc_per_node"] for i in infos] == [2, 2, 1]
-    assert all(i["nnodes"] == 2 and i["world_size"] == 3 and i["sum"] == 3 for i in infos)
+    got = infos(tmp_path, 3)
+    assert [i["hostname"] for i in got] == ["node1", "node1", "node2"]
+    assert [i["local_rank"] for i in got] == [0, 1, 0]
+    assert [i["node_rank"] for i in got] == [0, 0, 1]
+    assert [i["nproc_per_node"] for i in got] == [2, 2, 1]
+    assert all(i["nnodes"] == 2 and i["world_size"] == 3 and i["sum"] == 3 for i in got)

@@ -12,9 +12,10 @@ import pytest
 
 import onedist as od
 import workers
+from launch_env import clean_env
 from netutil import is_loopback_listener
 from onedist.errors import OnedistRuntimeError
-from test_run import _env, _onedist
+from run_helpers import onedist_command
 
 LISTENERS = str(Path(__file__).parent / "scripts" / "listeners.py")
 
@@ -29,7 +30,11 @@ def test_spawn_one_node_listens_on_loopback_only(start_method):
 @pytest.mark.launcher
 def test_onedist_run_one_node_listens_on_loopback_only(tmp_path):
     proc = subprocess.run(
-        _onedist("-n", "2", LISTENERS, str(tmp_path)), capture_output=True, text=True, timeout=240, env=_env()
+        onedist_command("-n", "2", LISTENERS, str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=clean_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     found = [json.loads((tmp_path / f"{r}.json").read_text())["listening"] for r in range(2)]
@@ -37,7 +42,7 @@ def test_onedist_run_one_node_listens_on_loopback_only(tmp_path):
 
 
 def test_group_of_one_listens_on_loopback_and_frees_the_port():
-    env = _env()
+    env = clean_env()
     code = (
         "import os, onedist as od\n"
         "from netutil import listening\n"
@@ -81,11 +86,11 @@ def test_onedist_run_port_in_use_is_a_usage_error(nnodes, tmp_path):
     with _taken_port() as s:
         port = str(s.getsockname()[1])
         proc = subprocess.run(
-            _onedist("--nnodes", nnodes, "--master-port", port, "-n", "1", LISTENERS, str(tmp_path)),
+            onedist_command("--nnodes", nnodes, "--master-port", port, "-n", "1", LISTENERS, str(tmp_path)),
             capture_output=True,
             text=True,
             timeout=60,
-            env=_env(),
+            env=clean_env(),
         )
     assert proc.returncode == 2
     assert f"--master-port={port} is already in use" in proc.stderr and "HINT" in proc.stderr

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 
+from launch_env import clean_env
 from onedist.environments import detect_cluster
 
 # the module's cluster starts inside the first test's timeout; a loaded 2-core machine is slow
@@ -197,7 +198,7 @@ def test_unchanged_script_under_torchtrainer(uninterrupted: Path, tmp_path: Path
         capture_output=True,
         text=True,
         timeout=240,
-        env={k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "RANK", "WORLD_SIZE"))},
+        env=clean_env("RAY_"),
     )
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert json.loads((tmp_path / "rank1.json").read_text())["environment"] == "torchelastic"

@@ -3,21 +3,19 @@ gloo group, the switch that turns it off, and the call log's numbering, hashes a
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import onedist as od
+from launch_env import strip_launcher_vars
 from onedist.backends.recorded.calls import RECV, SEND, CallLog, signature
 from onedist.backends.recorded.gloo import RecordedGloo
 
 
 @pytest.fixture(autouse=True)
 def _serial_after():
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(name, None)
+    strip_launcher_vars()
     yield
     od.finalize()
 

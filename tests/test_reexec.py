@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import onedist as od
+from launch_env import clean_env
 from onedist.launchers.reexec import command_line
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -21,16 +22,9 @@ SCRIPT = str(SCRIPTS / "reexec_script.py")
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "ONEDIST_", "REEXEC_"))
-    }
     tmp = tmp_path / "tmp"  # where the parent makes its error-file folder: must be empty at the end
     tmp.mkdir(exist_ok=True)
-    env["TMPDIR"] = str(tmp)
-    env.update(extra)
-    return env
+    return clean_env("ONEDIST_", "REEXEC_", **{"TMPDIR": str(tmp), **extra})
 
 
 def _run(tmp_path: Path, cmd: list[str], timeout: float = 120, **extra: str) -> subprocess.CompletedProcess:

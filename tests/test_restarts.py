@@ -17,7 +17,8 @@ from subprocess import PIPE
 import pytest
 import torch
 
-from test_run import _env, _onedist
+from launch_env import clean_env
+from run_helpers import onedist_command
 
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
@@ -30,7 +31,7 @@ pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in
 
 def _digits(ckpt: Path, final: Path, *launcher: str, sharding: bool = False) -> list[str]:
     launcher = launcher or ("-n", "2")
-    return _onedist(
+    return onedist_command(
         *launcher, "--max-restarts", "3", DIGITS, "--backend", "gloo", "--epochs", EPOCHS,
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--save-final", str(final),
         *(("--sharding", "fsdp") if sharding else ()),
@@ -187,7 +188,7 @@ def check_restart_reported(err: str, victim: int, out: str, kill_after: int) -> 
 def _uninterrupted(tmp: Path, sharding: bool) -> dict[str, torch.Tensor]:
     proc = subprocess.run(
         _digits(tmp / "ckpt", tmp / "final.pt", sharding=sharding),
-        capture_output=True, text=True, timeout=180, env=_env(),
+        capture_output=True, text=True, timeout=180, env=clean_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "restarting" not in proc.stderr
@@ -204,7 +205,9 @@ def test_a_killed_worker_resumes_to_bit_identical_weights(seed, uninterrupted, t
     kill_after = random.Random(seed).randrange(EVERY, 70, EVERY)  # the checkpoint to wait for
     victim = seed % 2  # rank 1 once (rank 0 hosts no store here: the launcher does), rank 0 once
     ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
-    run = Run([subprocess.Popen(_digits(ckpt, final), stdout=PIPE, stderr=PIPE, text=True, env=_env())], ckpt)
+    run = Run(
+        [subprocess.Popen(_digits(ckpt, final), stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt
+    )
     run.kill(kill_after, victim)
     [(out, err)] = run.finish()
     assert run.procs[0].returncode == 0, out[-3000:] + err[-3000:]
@@ -225,7 +228,7 @@ def test_a_killed_worker_of_a_sharded_run_resumes_to_bit_identical_weights(tmp_p
     expected = _uninterrupted(tmp_path / "uninterrupted", sharding=True)
     ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
     argv = _digits(ckpt, final, sharding=True)
-    run = Run([subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=_env())], ckpt)
+    run = Run([subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt)
     run.kill(35, 1)  # the shards of step 35 written: mid-epoch 2, by a rank that hosts no store
     [(out, err)] = run.finish()
     assert run.procs[0].returncode == 0, out[-3000:] + err[-3000:]
@@ -250,11 +253,11 @@ def test_restarts_until_success_or_the_limit(fails, max_restarts, code, tmp_path
     script = tmp_path / "fails.py"
     script.write_text(FAILS_ON_THE_FIRST_ATTEMPT)
     proc = subprocess.run(
-        _onedist("-n", "2", "--max-restarts", str(max_restarts), str(script), str(fails)),
+        onedist_command("-n", "2", "--max-restarts", str(max_restarts), str(script), str(fails)),
         capture_output=True,
         text=True,
         timeout=180,
-        env=_env(),
+        env=clean_env(),
     )
     assert proc.returncode == code, proc.stdout + proc.stderr
     attempts = min(fails, max_restarts) + 1
@@ -282,11 +285,11 @@ def test_sigterm_to_the_launcher_does_not_restart(tmp_path):
     script = tmp_path / "sleeps.py"
     script.write_text(SLEEPS)
     proc = subprocess.Popen(
-        _onedist("-n", "2", "--max-restarts", "3", str(script), str(tmp_path)),
+        onedist_command("-n", "2", "--max-restarts", "3", str(script), str(tmp_path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=clean_env(),
     )
     deadline = time.time() + 120
     while not all((tmp_path / f"{r}.pid").exists() for r in (0, 1)):
@@ -331,7 +334,7 @@ def test_parallel_restarts_a_killed_worker(max_restarts, tmp_path):
         capture_output=True,
         text=True,
         timeout=180,
-        env=_env(),
+        env=clean_env(),
     )
     line = "onedist.spawn: rank 1 failed (exit code -9, killed by signal SIGKILL); restarting the workers"
     if max_restarts:

@@ -16,6 +16,8 @@ from subprocess import PIPE
 
 import pytest
 
+from launch_env import clean_env
+from run_helpers import onedist_command, outputs
 from test_netns import hosts, needs_netns  # noqa: F401  (hosts: the namespace hosts fixture)
 from test_restarts import (
     EVERY,
@@ -27,7 +29,6 @@ from test_restarts import (
     check_same_weights,
     uninterrupted,  # noqa: F401  (the fixture: the reference weights)
 )
-from test_run import _env, _onedist, _outputs
 
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
@@ -51,8 +52,8 @@ def _nodes(script: Path, *args: str, max_restarts: tuple[int, int] = (2, 2)) -> 
     procs = []
     for k in (0, 1):
         flags = ["--nnodes", "2", "-n", "1", "--node-rank", str(k), "--master-port", port]
-        cmd = _onedist(*flags, "--max-restarts", str(max_restarts[k]), str(script), *args)
-        procs.append(subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=_env()))
+        cmd = onedist_command(*flags, "--max-restarts", str(max_restarts[k]), str(script), *args)
+        procs.append(subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=clean_env()))
     return procs
 
 
@@ -61,7 +62,7 @@ def test_two_nodes_restart_together(fails, max_restarts, code, tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(FAILS_ON_THE_FIRST_ATTEMPT)
     procs = _nodes(script, str(fails), max_restarts=(max_restarts, max_restarts))
-    outs = _outputs(procs)
+    outs = outputs(procs)
     assert [p.returncode for p in procs] == [code, code], outs
     attempts = min(fails, max_restarts) + 1
     for k, (out, err) in enumerate(outs):  # every node ran every attempt, and said why it restarted
@@ -94,7 +95,7 @@ def test_a_vanished_launcher_ends_the_job_on_the_other_node(tmp_path):
     procs = _sleeping_nodes(tmp_path)
     procs[1].kill()  # node 1's launcher: its worker dies with it
     killed_at = time.monotonic()
-    [(_, err), _] = _outputs(procs, timeout=60)
+    [(_, err), _] = outputs(procs, timeout=60)
     took = time.monotonic() - killed_at
     assert procs[0].returncode == 1, err
     assert "node 1's launcher has not answered for 5 s while this node ran attempt 0" in err, err
@@ -106,7 +107,7 @@ def test_nodes_given_different_max_restarts_refuse_to_start(tmp_path):
     script = tmp_path / "sleeps.py"
     script.write_text(SLEEPS)
     procs = _nodes(script, max_restarts=(2, 3))
-    outs = _outputs(procs)
+    outs = outputs(procs)
     assert [p.returncode for p in procs] == [1, 1], outs
     message = "--max-restarts=3 on node 1 differs from node 0's --max-restarts=2; allowed: the same"
     assert all(message in err for _, err in outs), outs
@@ -153,7 +154,7 @@ def test_a_killed_worker_on_two_namespace_hosts_resumes_to_bit_identical_weights
 def test_sigterm_to_one_node_ends_the_job_without_restart(tmp_path):
     procs = _sleeping_nodes(tmp_path)
     procs[1].send_signal(signal.SIGTERM)
-    outs = _outputs(procs, timeout=60)
+    outs = outputs(procs, timeout=60)
     assert [p.returncode for p in procs] == [1, 128 + signal.SIGTERM], outs
     assert "node 1's launcher was stopped by SIGTERM; the job ends, no restart" in outs[0][1]
     assert not any("restarting" in err for _, err in outs)

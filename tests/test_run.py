@@ -14,54 +14,14 @@ from pathlib import Path
 import pytest
 
 from conftest import TORCHRUN_WORKER_ENV
+from launch_env import clean_env
 from onedist._net import free_port
+from run_helpers import AGREE_SCRIPT, check_agree, infos, onedist_command, start_looping
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "agree.py")
 TESTS = str(Path(__file__).parent)
 
 needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
 pytestmark = pytest.mark.launcher
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_"))
-    }
-    env.update(extra)
-    return env
-
-
-def _outputs(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[str, str]]:
-    """Each process's (stdout, stderr) once it ended; any still running after ``timeout`` (or on
-    an error) is killed, so a hung launcher cannot outlive its test."""
-    try:
-        return [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-
-
-def _infos(out: Path, n: int) -> list[dict]:
-    return [json.loads((out / f"{r}.json").read_text()) for r in range(n)]
-
-
-def _check_agree(out: Path, n: int, nnodes: int = 1) -> list[dict]:
-    infos = _infos(out, n)
-    assert [i["rank"] for i in infos] == list(range(n))
-    assert all(i["world_size"] == n and i["sum"] == n and i["ranks"] == list(range(n)) for i in infos)
-    per_node = n // nnodes
-    assert [i["local_rank"] for i in infos] == [r % per_node for r in range(n)]
-    assert [i["local_rank_arg"] for i in infos] == [r % per_node for r in range(n)]
-    assert [i["node_rank"] for i in infos] == [r // per_node for r in range(n)]
-    assert all(i["nproc_per_node"] == per_node and i["nnodes"] == nnodes for i in infos)
-    return infos
-
-
-def _onedist(*args: str) -> list[str]:
-    return [sys.executable, "-m", "onedist", "run", *args]
 
 
 RANK_0_ENDS_FIRST = """
@@ -81,7 +41,7 @@ def test_rank_0_ending_first_leaves_no_store_errors(tmp_path):
     script = tmp_path / "rank0_first.py"
     script.write_text(RANK_0_ENDS_FIRST)
     proc = subprocess.run(
-        _onedist("-n", "2", str(script)), capture_output=True, text=True, timeout=120, env=_env()
+        onedist_command("-n", "2", str(script)), capture_output=True, text=True, timeout=120, env=clean_env()
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("done") == 2
@@ -91,17 +51,21 @@ def test_rank_0_ending_first_leaves_no_store_errors(tmp_path):
 @pytest.mark.parametrize("n", [2, 3])
 def test_onedist_run_starts_n_workers_with_prefixed_output(n, tmp_path):
     proc = subprocess.run(
-        _onedist("-n", str(n), SCRIPT, str(tmp_path)), capture_output=True, text=True, timeout=240, env=_env()
+        onedist_command("-n", str(n), AGREE_SCRIPT, str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=clean_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, n)
+    check_agree(tmp_path, n)
     for r in range(n):
         assert f"[rank{r}]: rank {r} of {n} done" in proc.stdout
 
 
 def test_onedist_run_module_mode_and_output_filter(tmp_path):
     proc = subprocess.run(
-        _onedist(
+        onedist_command(
             "--nproc_per_node",
             "2",
             "--output-ranks",
@@ -114,11 +78,11 @@ def test_onedist_run_module_mode_and_output_filter(tmp_path):
         capture_output=True,
         text=True,
         timeout=240,
-        env=_env(),
+        env=clean_env(),
         cwd=TESTS,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, 2)
+    check_agree(tmp_path, 2)
     assert proc.stdout.strip() == "rank 1 of 2 done"
 
 
@@ -126,11 +90,11 @@ def test_onedist_run_module_mode_and_output_filter(tmp_path):
 def test_onedist_run_failing_worker_stops_every_worker_within_5s(how, tmp_path):
     t0 = time.time()
     proc = subprocess.run(
-        _onedist("-n", "3", SCRIPT, str(tmp_path)),
+        onedist_command("-n", "3", AGREE_SCRIPT, str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=240,
-        env=_env(AGREE_FAIL_RANK="1", AGREE_FAIL_HOW=how, AGREE_SLEEP="60"),
+        env=clean_env(AGREE_FAIL_RANK="1", AGREE_FAIL_HOW=how, AGREE_SLEEP="60"),
     )
     ended = time.time()
     assert proc.returncode != 0
@@ -145,7 +109,7 @@ def test_onedist_run_failing_worker_stops_every_worker_within_5s(how, tmp_path):
         assert "exited with code 3" in summary and proc.returncode == 3
     else:
         assert "killed by signal SIGKILL" in summary and proc.returncode == 1
-    for info in _infos(tmp_path, 3):  # no worker left behind
+    for info in infos(tmp_path, 3):  # no worker left behind
         with pytest.raises(ProcessLookupError):
             os.kill(info["pid"], 0)
     assert ended - t0 < 60
@@ -153,11 +117,11 @@ def test_onedist_run_failing_worker_stops_every_worker_within_5s(how, tmp_path):
 
 def test_onedist_run_forwards_sigterm(tmp_path):
     proc = subprocess.Popen(
-        _onedist("-n", "2", SCRIPT, str(tmp_path)),
+        onedist_command("-n", "2", AGREE_SCRIPT, str(tmp_path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(AGREE_SLEEP="60"),
+        env=clean_env(AGREE_SLEEP="60"),
     )
     deadline = time.time() + 120
     while not (tmp_path / "1.json").exists() or not (tmp_path / "0.json").exists():
@@ -167,7 +131,7 @@ def test_onedist_run_forwards_sigterm(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "stopped by signal SIGTERM" in err
-    for info in _infos(tmp_path, 2):
+    for info in infos(tmp_path, 2):
         with pytest.raises(ProcessLookupError):
             os.kill(info["pid"], 0)
 
@@ -189,11 +153,11 @@ def test_worker_traceback_starts_at_the_script_with_one_rank_prefix(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(RAISES_IN_A_COLLECTIVE_LOOP)
     proc = subprocess.run(
-        _onedist("-n", "2", str(script), str(tmp_path)),
+        onedist_command("-n", "2", str(script), str(tmp_path)),
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env(FAIL="1"),
+        env=clean_env(FAIL="1"),
     )
     assert proc.returncode == 1, proc.stderr
     own = [line for line in proc.stderr.splitlines() if line.startswith("[rank1]:")]
@@ -208,27 +172,14 @@ def test_worker_traceback_starts_at_the_script_with_one_rank_prefix(tmp_path):
     assert "Traceback of rank 1:\nTraceback (most recent call last):\n  File" in summary
 
 
-def start_looping(cmd: list[str], out: Path, n: int, settle: float) -> tuple[subprocess.Popen, list[int]]:
-    """Start ``cmd`` in a process group of its own, as a shell's foreground job is, wait until its
-    ``n`` ranks have written ``out/<rank>.pid`` (they then loop in collectives), then ``settle``
-    seconds more; its process and the ranks' pids."""
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True
-    )
-    deadline = time.time() + 120
-    while not all((out / f"{r}.pid").exists() for r in range(n)):
-        assert time.time() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    time.sleep(settle)
-    return proc, [int((out / f"{r}.pid").read_text()) for r in range(n)]
-
-
 def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
     """Ctrl-C sends SIGINT to the terminal's foreground process group: the launcher, which
     forwards it to the workers (they run in their own session)."""
     script = tmp_path / "loop.py"
     script.write_text(RAISES_IN_A_COLLECTIVE_LOOP)
-    proc, pids = start_looping(_onedist("-n", "2", str(script), str(tmp_path)), tmp_path, 2, settle=1.0)
+    proc, pids = start_looping(
+        onedist_command("-n", "2", str(script), str(tmp_path)), tmp_path, 2, settle=1.0
+    )
     t0 = time.time()
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=30)
@@ -265,9 +216,14 @@ def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
 def test_onedist_run_usage_errors(args, message, tmp_path):
     """Refused before any worker starts: exit status 2 and the launcher's one line (a missing
     script was each worker's runpy error, after its start-up)."""
-    target = [] if args[-1] in ("missing.py", "no_such_module") else [SCRIPT, str(tmp_path)]
+    target = [] if args[-1] in ("missing.py", "no_such_module") else [AGREE_SCRIPT, str(tmp_path)]
     proc = subprocess.run(
-        _onedist(*args, *target), capture_output=True, text=True, timeout=120, env=_env(), cwd=tmp_path
+        onedist_command(*args, *target),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(),
+        cwd=tmp_path,
     )
     assert proc.returncode == 2 and message.format(cwd=tmp_path) in proc.stderr, proc.stderr
     assert "[rank" not in proc.stdout + proc.stderr, proc.stderr  # no worker ran
@@ -291,16 +247,16 @@ def test_a_script_sees_what_python_gives_it_and_every_argument_after_its_name(tm
     (tmp_path / "sub" / "data.txt").write_text("x")
     command = ["sub/probe.py", "--nproc", "2", "--max-restarts", "-m"]
     python = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, timeout=60, env=_env(), cwd=tmp_path
+        [sys.executable, *command], capture_output=True, text=True, timeout=60, env=clean_env(), cwd=tmp_path
     )
     expected = [str(tmp_path / "sub" / "probe.py"), command, True]
     assert json.loads(python.stdout) == expected, python.stderr
     ran = subprocess.run(
-        _onedist("-n", "2", "--no-prefix", *command),
+        onedist_command("-n", "2", "--no-prefix", *command),
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env(),
+        env=clean_env(),
         cwd=tmp_path,
     )
     assert ran.returncode == 0, ran.stderr
@@ -311,9 +267,9 @@ def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in
     # a process torchrun started (its worker's variables): its workers exist already
     script = tmp_path / "hello.py"
     script.write_text("print('ran in place')\nraise SystemExit(4)\n")
-    env = _env(**TORCHRUN_WORKER_ENV)
+    env = clean_env(**TORCHRUN_WORKER_ENV)
     refused = subprocess.run(
-        _onedist("-n", "3", str(script)), capture_output=True, text=True, timeout=60, env=env
+        onedist_command("-n", "3", str(script)), capture_output=True, text=True, timeout=60, env=env
     )
     assert refused.returncode == 2, refused.stderr
     assert (
@@ -323,7 +279,7 @@ def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in
     # in place: rank 0's output, though --output-ranks names rank 1 only, with no prefix, and the
     # script's own exit status
     ran = subprocess.run(
-        _onedist("-n", "2", "--output-ranks", "1", str(script)),
+        onedist_command("-n", "2", "--output-ranks", "1", str(script)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -335,23 +291,27 @@ def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in
 def test_python_spawns_the_same_script(tmp_path):
     """`python agree.py OUT 2`: no launcher, so Parallel spawns the workers itself."""
     proc = subprocess.run(
-        [sys.executable, SCRIPT, str(tmp_path), "2"], capture_output=True, text=True, timeout=240, env=_env()
+        [sys.executable, AGREE_SCRIPT, str(tmp_path), "2"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=clean_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, 2)
+    check_agree(tmp_path, 2)
 
 
 def test_torchrun_one_node(tmp_path):
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", SCRIPT, str(tmp_path)],
+        [torchrun, "--standalone", "--nproc-per-node", "2", AGREE_SCRIPT, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,
-        env=_env(),
+        env=clean_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, 2)
+    check_agree(tmp_path, 2)
 
 
 def test_torchrun_two_agents_as_two_nodes(tmp_path):
@@ -371,18 +331,18 @@ def test_torchrun_two_agents_as_two_nodes(tmp_path):
             "127.0.0.1",
             "--master-port",
             port,
-            SCRIPT,
+            AGREE_SCRIPT,
             str(tmp_path),
         ]
         for node in (0, 1)
     ]
     procs = [
-        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
         for c in cmds
     ]
     outs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    _check_agree(tmp_path, 4, nnodes=2)
+    check_agree(tmp_path, 4, nnodes=2)
 
 
 @pytest.mark.parametrize("flags", ["onedist", "torchrun's"])
@@ -395,27 +355,28 @@ def test_onedist_run_two_nodes_on_one_host(flags, tmp_path):
         where += ["--nnodes", "2"]
     procs = [
         subprocess.Popen(
-            _onedist("--node-rank", str(node), "-n", "2", *where, SCRIPT, str(tmp_path)),
+            onedist_command("--node-rank", str(node), "-n", "2", *where, AGREE_SCRIPT, str(tmp_path)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=clean_env(),
         )
         for node in (0, 1)
     ]
     outs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    _check_agree(tmp_path, 4, nnodes=2)
+    check_agree(tmp_path, 4, nnodes=2)
 
 
 @needs_mpirun
 @pytest.mark.parametrize("via, n", [("python", 2), ("python", 3), ("onedist run", 3)])
 def test_open_mpi_mpirun(via, n, tmp_path):
-    runner = [sys.executable] if via == "python" else _onedist()
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), *runner, SCRIPT, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    runner = [sys.executable] if via == "python" else onedist_command()
+    flags = ["--allow-run-as-root", "--oversubscribe", "-np", str(n)]
+    cmd = ["mpirun", *flags, *runner, AGREE_SCRIPT, str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, n)
+    check_agree(tmp_path, n)
 
 
 @pytest.mark.skipif(
@@ -428,11 +389,13 @@ def test_mpich_hydra_mpiexec(via, n, tmp_path):
     MPI_LOCALNRANKS only): on one node the ranks derive the port from their common parent, the
     hydra proxy. Before, initialize asked for MASTER_PORT. mpi4py here is Open MPI's, which warns
     under MPICH ("suspicious MPI execution environment"): onedist does not ask it."""
-    runner = [sys.executable] if via == "python" else _onedist()
-    cmd = ["mpiexec.hydra", "-n", str(n), *runner, SCRIPT, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(AGREE_BACKEND="auto"))
+    runner = [sys.executable] if via == "python" else onedist_command()
+    cmd = ["mpiexec.hydra", "-n", str(n), *runner, AGREE_SCRIPT, str(tmp_path)]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env=clean_env(AGREE_BACKEND="auto")
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "suspicious MPI" not in proc.stderr, proc.stderr
-    infos = _check_agree(tmp_path, n)
+    got = check_agree(tmp_path, n)
     # hydra's variables say every rank is on this host: auto is shm there
-    assert [i["backend"] for i in infos] == ["shm"] * n, infos
+    assert [i["backend"] for i in got] == ["shm"] * n, got

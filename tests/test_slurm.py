@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from launch_env import clean_env
 from onedist._net import free_port
+from run_helpers import AGREE_SCRIPT, check_agree, onedist_command
 from test_launch import _facts
-from test_run import SCRIPT, _check_agree, _env, _onedist
 
 CLUSTER = Path(__file__).parent / "cluster"
 FAILING_RANK = str(Path(__file__).parent / "scripts" / "launchpage_failing_rank.py")
@@ -46,7 +47,7 @@ def slurm():
             logs = "".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(state.glob("*.log")))
             why = started.stderr[-3000:]
             pytest.fail(f"the 1-node SLURM did not start (exit {started.returncode}):\n{why}\n{logs}")
-        yield {**_env(), "SLURM_CONF": str(state / "slurm.conf")}
+        yield clean_env(SLURM_CONF=str(state / "slurm.conf"))
     finally:
         subprocess.run(["bash", str(CLUSTER / "slurm_stop.sh"), str(state)], timeout=60)
         shutil.rmtree(state, ignore_errors=True)
@@ -54,23 +55,23 @@ def slurm():
 
 @pytest.mark.parametrize("via, n", [("python", 2), ("onedist run", 3)])
 def test_srun(slurm, via, n, tmp_path):
-    runner = [sys.executable] if via == "python" else _onedist()
+    runner = [sys.executable] if via == "python" else onedist_command()
     proc = subprocess.run(
-        ["srun", "-N1", f"-n{n}", "--overcommit", *runner, SCRIPT, str(tmp_path)],
+        ["srun", "-N1", f"-n{n}", "--overcommit", *runner, AGREE_SCRIPT, str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,
         env=slurm,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _check_agree(tmp_path, n)
+    check_agree(tmp_path, n)
 
 
 def test_sbatch(slurm, tmp_path):
     job = tmp_path / "job.sh"
     job.write_text(
         "#!/bin/bash\n#SBATCH -N1\n#SBATCH -n2\n#SBATCH --overcommit\n"
-        f"srun --overcommit {sys.executable} {SCRIPT} {tmp_path}\n"
+        f"srun --overcommit {sys.executable} {AGREE_SCRIPT} {tmp_path}\n"
     )
     proc = subprocess.run(
         ["sbatch", "--wait", "-o", str(tmp_path / "out.txt"), str(job)],
@@ -81,7 +82,7 @@ def test_sbatch(slurm, tmp_path):
     )
     log = (tmp_path / "out.txt").read_text() if (tmp_path / "out.txt").exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + log
-    _check_agree(tmp_path, 2)
+    check_agree(tmp_path, 2)
 
 
 def test_srun_pmi2_tasks_are_read_as_slurm_tasks(slurm):

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.launcher
 
 
 def _env() -> dict[str, str]:
-    from test_run import _env
+    from launch_env import clean_env
 
-    return _env()
+    return clean_env()
 
 
 # ============================================================================ Ctrl-C
@@ -57,7 +57,7 @@ def test_ctrl_c_lists_a_worker_busy_outside_python_as_such_and_stops_it(tmp_path
     """Ctrl-C (SIGINT to the process group): rank 0, in Python, reports its traceback; rank 1,
     inside one long torch call, cannot, and is listed as "(no traceback: busy outside Python,
     stopped)" once its 2 s are over; both are gone, and the parent raises KeyboardInterrupt."""
-    from test_run import start_looping
+    from run_helpers import start_looping
 
     script = tmp_path / "busy.py"
     script.write_text(BUSY_IN_C)

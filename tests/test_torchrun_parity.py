@@ -3,12 +3,13 @@ exit status (tests/scripts/torchrun_plain; each script prints lines that start w
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from launch_env import clean_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 PLAIN = SCRIPTS / "torchrun_plain"
@@ -21,15 +22,10 @@ LAUNCHERS = {
 
 
 def _launch(launcher: str, nproc: int, *target: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "MASTER_", "TORCHELASTIC_", "ROLE_"))
-    }
     return subprocess.run(
         [*LAUNCHERS[launcher], "--nproc-per-node", str(nproc), *target],
         cwd=SCRIPTS,  # `-m torchrun_plain.<script>` imports from here
-        env=env,
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=180,

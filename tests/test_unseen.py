@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from test_run import _env
+from launch_env import clean_env
 
 UNSEEN = Path(__file__).parent / "scripts" / "unseen.py"
 LIMIT_S = 10.0  # every rank ends with the error within this (issue 49)
@@ -57,7 +57,7 @@ def _start(root: Path, scenario: str, backend: str, launcher: str, **env: str) -
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(**extra),
+        env=clean_env(**extra),
         start_new_session=True,  # a signal to the launcher is ours alone
     )
     return {"proc": proc, "out": out, "start": time.monotonic()}

@@ -40,6 +40,7 @@ import torch
 import checks_loop
 import checks_sharding
 import onedist as od
+from launch_env import clean_env
 
 HERE = Path(__file__).resolve().parent
 DIGITS = HERE.parent / "examples" / "digits.py"
@@ -47,9 +48,7 @@ WS2_TIMEOUT_S = 900
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))
-    }
+    env = clean_env()
     env.pop("CPU_NUM_DEVICES", None)
     env.update({"PJRT_DEVICE": "CPU", **extra})
     return env

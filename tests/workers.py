@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import onedist as od
+from launch_env import strip_launcher_vars
 
 
 def report(local_rank: int, tag: str = "") -> dict:
@@ -80,8 +81,7 @@ def user_group(rank: int, world_size: int, port: int, out_dir: str) -> None:
 def uneven_nodes(rank: int, world_size: int, port: int, out_dir: str) -> None:
     """Ranks 0-2 say they are on node 0, rank 3 on node 1 (only GROUP_RANK set, as some launchers do):
     the rest of the layout comes from what the ranks published, and is exact for 3 + 1."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "NODE_RANK"):
-        os.environ.pop(name, None)
+    strip_launcher_vars("NODE_RANK")
     os.environ["GROUP_RANK"] = "0" if rank < 3 else "1"
     od.initialize("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     layout = (od.get_local_rank(), od.get_nproc_per_node(), od.get_node_rank(), od.get_nnodes())
