@@ -164,3 +164,32 @@ def test_every_pass_is_run_on_ignite_and_onedist_the_same_way(pass_name, monkeyp
     assert cmd_a == cmd_b and env_a.pop("ONEDIST_AS_IGNITE") == "0" and env_b.pop("ONEDIST_AS_IGNITE") == "1"
     assert env_a == env_b
     assert ("WORLD_SIZE" in env_a) == (pass_name == "ws2")
+
+
+def test_a_recorded_control_is_used_only_under_the_facts_it_was_recorded_under(monkeypatch, tmp_path) -> None:
+    """reference.py: the outcomes come back for the same facts and the passes recorded; other
+    facts (another torch, a changed runner file) or a pass not recorded find none, so the control
+    runs. The texts are cut to what a verdict reads."""
+    import reference
+
+    monkeypatch.setattr(reference, "FOLDER", tmp_path)
+    runner = tmp_path / "runner_input.py"
+    runner.write_text("TESTS = 1\n")
+    facts = reference.environment("ignite", [runner], ("serial", "spawn"))
+    outcomes = {
+        "serial::t.py::test_a": ("passed", "long text nobody reads"),
+        "spawn::t.py::test_b": ("skipped", "('t.py', 3, 'Skipped: Skip if no GPU')"),
+        "spawn::t.py::test_c": ("failed", "Traceback\n  ...\nAssertionError: 1 != 2"),
+    }
+    path = reference.save(facts, ["serial", "spawn"], outcomes)
+    assert path.parent == tmp_path and path.name.startswith("ignite-")
+    assert reference.load(facts, ["serial", "spawn"]) == {
+        "serial::t.py::test_a": ("passed", ""),
+        "spawn::t.py::test_b": ("skipped", "('t.py', 3, 'Skipped: Skip if no GPU')"),
+        "spawn::t.py::test_c": ("failed", "AssertionError: 1 != 2"),
+    }
+    assert list(reference.load(facts, ["serial"]) or {}) == ["serial::t.py::test_a"]
+    assert reference.load(facts, ["serial", "ws2"]) is None  # a pass never recorded
+    assert reference.load({**facts, "torch": "2.99.0"}, ["serial"]) is None
+    runner.write_text("TESTS = 2\n")  # the runner's files decide which tests run: another key
+    assert reference.load(reference.environment("ignite", [runner], ("serial", "spawn")), ["serial"]) is None

@@ -25,13 +25,18 @@ their own: its files are copied into ignite's test tree and compared like ignite
 
 Usage::
 
-    python3 tests/foreign/ignite_suite.py [--passes serial,ws2,spawn] [--verbose] [--reuse-control]
+    python3 tests/foreign/ignite_suite.py [--passes serial,ws2,spawn] [--verbose] [--record]
+        [--tests utils/test_serial.py] [--sabotage]
+
+ignite's side is recorded once per environment (:mod:`reference`): where ``reference/`` has the
+file for this machine's facts, only onedist's side runs; ``--record`` runs ignite's side again
+and rewrites it. ``--tests`` narrows both sides to one file or test; ``--sabotage`` breaks
+onedist on purpose (:mod:`sabotage`), to show that a run against the recorded side fails then.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -43,11 +48,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parent))
 
+import reference  # noqa: E402
 from ignite_expected import EXEMPT, KNOWN_FAILURES  # noqa: E402
 from suite_compare import Outcomes, compare, fold, read_jsonl  # noqa: E402
 
@@ -60,6 +67,7 @@ PASSES = {
     "ws2": (["-m", "distributed", "-n", "2", "--dist=each"], {"WORLD_SIZE": "2"}),
     "spawn": (["-m", "distributed"], {}),
 }
+TESTS = "tests/ignite/distributed"
 PIP_DOWNLOAD = (sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps")
 # a .pth line that starts with "import" is executed at every interpreter start; it imports
 # onedist only where the variable asks for it
@@ -68,6 +76,14 @@ PTH_LINE = (
     'import os; os.environ.get("ONEDIST_AS_IGNITE") == "1" and '
     '__import__("onedist.ignite_alias").ignite_alias.install()\n'
 )
+# --sabotage: onedist broken on purpose in every process of onedist's side (see sabotage.py)
+SABOTAGE_LINE = (
+    'import os, sys; os.environ.get("ONEDIST_AS_IGNITE") == "1" and '
+    f'(sys.path.insert(0, {str(HERE)!r}), __import__("sabotage").break_onedist_api())\n'
+)
+#: what the self-check runs with onedist broken (see self_check): ignite's serial tests of the
+#: queries (world size, rank, ...), whose answers the break changes
+SELF_CHECK = "tests/ignite/distributed/utils/test_serial.py"
 
 
 def sdist_root() -> Path:
@@ -104,17 +120,18 @@ PartitionName=debug Nodes=localhost Default=YES State=UP
 
 
 @contextmanager
-def alias_pth() -> Iterator[None]:
+def alias_pth(sabotage: bool = False) -> Iterator[None]:
     """The ``.pth`` file in site-packages for the duration of the run (removed after)."""
-    PTH.write_text(PTH_LINE, encoding="utf-8")
+    PTH.write_text(PTH_LINE + (SABOTAGE_LINE if sabotage else ""), encoding="utf-8")
     try:
         yield
     finally:
         PTH.unlink(missing_ok=True)
 
 
-def run_pass(root: Path, impl: str, name: str) -> Outcomes:
-    """nodeid -> (outcome, failure text) of one pass on one implementation."""
+def run_pass(root: Path, impl: str, name: str, tests: str = TESTS) -> Outcomes:
+    """nodeid -> (outcome, failure text) of one pass on one implementation (of ``tests``: ignite's
+    distributed tests, or a file or test among them)."""
     args, extra_env = PASSES[name]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(extra_env)
@@ -125,7 +142,7 @@ def run_pass(root: Path, impl: str, name: str) -> Outcomes:
         (CACHE / "slurm.conf").write_text(SLURM_CONF, encoding="utf-8")
     with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
         env["ONEDIST_OUTCOMES"] = out.name
-        cmd = [sys.executable, "-m", "pytest", "tests/ignite/distributed", "-p", "outcomes_plugin"]
+        cmd = [sys.executable, "-m", "pytest", tests, "-p", "outcomes_plugin"]
         cmd += ["-p", "no:cacheprovider", "-q", "--color=no", "--timeout=300", *args]
         start = time.monotonic()
         done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2400)
@@ -187,33 +204,77 @@ def _names(nodeid: str, function: str) -> bool:
     return nodeid == function or nodeid.startswith(function + "[") or function.startswith(nodeid + "::")
 
 
+def control_facts() -> dict[str, str]:
+    """What ignite's outcomes on ignite depend on (see reference.py)."""
+    inputs = [HERE / "outcomes_plugin.py", *sorted((HERE / "ignite_split").glob("*.py"))]
+    return reference.environment("ignite", inputs, (VERSION, PASSES, SLURM_CONF))
+
+
+def recorded_control(passes: list[str], tests: str) -> Optional[Outcomes]:
+    """ignite's outcomes of ``passes`` recorded for this environment (those of ``tests``)."""
+    control = reference.load(control_facts(), passes)
+    if control is None:
+        return None
+    return {k: v for k, v in control.items() if _under(k.split("::", 1)[1], tests)}
+
+
+def _under(nodeid: str, tests: str) -> bool:
+    """Whether pytest's ``nodeid`` is one of the tests that ``tests`` (a folder, file or test) names."""
+    return nodeid == tests or nodeid.startswith(tuple(tests.rstrip("/") + end for end in ("/", "::", "[")))
+
+
+def self_check(root: Path, recorded: Outcomes) -> bool:
+    """Whether the recorded side catches a regression: ignite's serial tests of :data:`SELF_CHECK`
+    on onedist broken on purpose (sabotage.py) must fail against it (~15 s)."""
+    with alias_pth(sabotage=True):
+        broken = {f"serial::{k}": v for k, v in run_pass(root, "onedist", "serial", SELF_CHECK).items()}
+    control = {
+        k: v
+        for k, v in recorded.items()
+        if k.startswith("serial::") and _under(k.split("::", 1)[1], SELF_CHECK)
+    }
+    caught = compare(control, broken, exempt_reason, KNOWN_FAILURES, "onedist")
+    passing = sum(1 for outcome, _ in control.values() if outcome == "passed")
+    print(
+        f"  self-check: onedist broken on purpose fails {len(caught)} of the {passing} tests of "
+        f"{SELF_CHECK.rsplit('/', 1)[-1]} that pass on ignite (serial)"
+        + ("" if caught else ": NOT CAUGHT, the run is void"),
+        flush=True,
+    )
+    return bool(caught)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--passes", default="serial,ws2,spawn", help="comma-separated: serial, ws2, spawn")
     parser.add_argument("--verbose", action="store_true", help="print every onedist failure's text")
-    parser.add_argument(
-        "--reuse-control", action="store_true", help="take ignite's outcomes from the last run (development)"
-    )
+    parser.add_argument("--record", action="store_true", help="run ignite's side again, record it")
+    parser.add_argument("--tests", default=TESTS, help=f"a file or test under {TESTS} (default: all of it)")
+    parser.add_argument("--sabotage", action="store_true", help="break onedist on purpose (sabotage.py)")
     opts = parser.parse_args()
+    passes = opts.passes.split(",")
+    if not opts.tests.startswith(TESTS):  # a path under ignite's distributed tests
+        opts.tests = f"{TESTS}/{opts.tests}"
     root = sdist_root()
     add_split_tests(root)
     # the workers of both sides import ignite's test modules, and onedist's side onedist
     write_bytecode(HERE.parent.parent / "src", root / "tests", HERE)
-    control: Outcomes = {}
+    recorded = None if opts.record else recorded_control(passes, opts.tests)
+    control: Outcomes = {} if recorded is None else recorded
     mine: Outcomes = {}
-    saved = CACHE / "control.json"
-    impls = (("onedist", mine),) if opts.reuse_control else (("ignite", control), ("onedist", mine))
-    with alias_pth():
-        for name in opts.passes.split(","):
+    impls = (("onedist", mine),) if recorded is not None else (("ignite", control), ("onedist", mine))
+    if recorded is not None:
+        print(f"  ignite's side: recorded in {reference.describe(reference.path_for(control_facts()))}")
+        if not opts.sabotage and not self_check(root, recorded):
+            return 1
+    with alias_pth(opts.sabotage):
+        for name in passes:
             for impl, into in impls:
-                found = run_pass(root, impl, name)
+                found = run_pass(root, impl, name, opts.tests)
                 into.update({f"{name}::{k}": v for k, v in found.items()})
-    if opts.reuse_control:
-        control = {
-            k: tuple(v) for k, v in json.loads(saved.read_text()).items() if k.split("::")[0] in opts.passes
-        }
-    else:
-        saved.write_text(json.dumps(control))
+    if recorded is None and opts.tests == TESTS and set(passes) == set(PASSES):
+        written = reference.save(control_facts(), passes, control)
+        print(f"  ignite's side recorded in {reference.describe(written)} (commit it: runs here skip it)")
     passing = [k for k, (o, _) in control.items() if o == "passed"]
     applicable = [k for k in passing if not exempt_reason(k)]
     ok = [k for k in applicable if mine.get(k, ("",))[0] == "passed"]

@@ -24,6 +24,8 @@ import unittest
 from datetime import timedelta
 from typing import Any
 
+import sabotage
+
 SUBJECT = os.environ.get("ONEDIST_TORCH_SUITE_BACKEND", "gloo")
 os.environ["BACKEND"] = "gloo"  # read once, when torch's module is imported: its skips see gloo
 
@@ -44,6 +46,8 @@ def register_subject() -> None:
         from onedist import register_torch_backends
 
         register_torch_backends()
+        if SUBJECT == "shm" and os.environ.get(sabotage.ENV_VAR) == "1":  # torch_suite.py's self-check
+            sabotage.break_shm_group()
     elif SUBJECT != "gloo":
         raise ValueError(f"ONEDIST_TORCH_SUITE_BACKEND={SUBJECT!r}: allowed gloo, shm, mpi4py")
 

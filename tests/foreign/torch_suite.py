@@ -46,6 +46,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+import reference  # noqa: E402
+import sabotage  # noqa: E402
 from suite_compare import Outcomes, compare, fold, read_jsonl  # noqa: E402
 from torch_expected import EXEMPT, KNOWN_FAILURES  # noqa: E402
 
@@ -63,6 +65,8 @@ PASSES = {
 INPROC_DEADLINE_S = 150.0
 #: runs at once (see run_passes)
 LANES = 2
+#: the files that decide which of torch's tests the control (gloo) runs, and how (reference.py)
+CONTROL_INPUTS = [HERE / name for name in ("torch_dist_cases.py", "torch_inproc.py", "outcomes_plugin.py")]
 
 
 def base_env(backend: str, world_size: int, temp_dir: str) -> dict[str, str]:
@@ -193,13 +197,37 @@ def exempt_reason(key: str, backend: str) -> str | None:
     return entry[1] if entry and backend in entry[0] else None
 
 
-def run_passes(names: list[str], select: str) -> dict[tuple[str, str], Outcomes]:
-    """(pass, backend) -> outcomes of every run of ``names``, ``LANES`` at a time (why: the module
-    doc); each run has its own folders, store file or port."""
-    runs = [(name, backend) for name in names for backend in ("gloo", *PASSES[name][2])]
+def run_passes(names: list[str], select: str, control: bool = True) -> dict[tuple[str, str], Outcomes]:
+    """(pass, backend) -> outcomes of every run of ``names`` (gloo's too with ``control``),
+    ``LANES`` at a time (why: the module doc); each run has its own folders, store file or port."""
+    controls = ("gloo",) if control else ()
+    runs = [(name, backend) for name in names for backend in (*controls, *PASSES[name][2])]
     with ThreadPoolExecutor(max_workers=LANES) as pool:
         futures = {run: pool.submit(run_pass, run[0], run[1], select) for run in runs}
         return {run: future.result() for run, future in futures.items()}
+
+
+#: what the self-check runs on a broken shm group (see self_check)
+SELF_CHECK = "test_all_gather and not cuda and not complex and not object and not coalesced"
+
+
+def self_check(recorded: Outcomes) -> bool:
+    """Whether the recorded side catches a regression: torch's all_gather tests on shm broken on
+    purpose (sabotage.py: each rank's part arrives off by one) must fail against it (~10 s)."""
+    os.environ[sabotage.ENV_VAR] = "1"
+    try:
+        broken = {f"fork-ws2::{k}": v for k, v in run_fork("shm", 2, SELF_CHECK).items()}
+    finally:
+        del os.environ[sabotage.ENV_VAR]
+    control = {k: v for k, v in recorded.items() if k in broken}
+    caught = compare(control, broken, lambda k: exempt_reason(k, "shm"), [], "shm")
+    passing = sum(1 for outcome, _ in control.values() if outcome == "passed")
+    print(
+        f"  self-check: shm broken on purpose fails {len(caught)} of the {passing} all_gather tests "
+        "that pass on gloo (fork-ws2)" + ("" if caught else ": NOT CAUGHT, the run is void"),
+        flush=True,
+    )
+    return bool(caught)
 
 
 def main() -> int:
@@ -207,6 +235,7 @@ def main() -> int:
     parser.add_argument("--passes", default=",".join(PASSES), help="comma-separated: " + ", ".join(PASSES))
     parser.add_argument("-k", dest="select", default="", help="pytest -k expression (development)")
     parser.add_argument("--verbose", action="store_true", help="print every unexpected failure's text")
+    parser.add_argument("--record", action="store_true", help="run gloo's side and record it (reference.py)")
     opts = parser.parse_args()
     write_bytecode(ROOT / "src", HERE)  # every rank of every run imports both (see bytecode.py)
     problems: list[str] = []
@@ -220,8 +249,20 @@ def main() -> int:
             print(f"  {name}: skipped, {missing}", flush=True)
         else:
             names.append(name)
-    outcomes = run_passes(names, opts.select)
+    facts = reference.environment("torch", CONTROL_INPUTS, (PASSES, INPROC_DEADLINE_S))
+    recorded = None if opts.record or opts.select else reference.load(facts, names)
+    if recorded is not None:
+        print(f"  gloo's side: recorded in {reference.describe(reference.path_for(facts))}", flush=True)
+        if "fork-ws2" in names and not self_check(recorded):
+            return 1
+    outcomes = run_passes(names, opts.select, control=recorded is None)
+    if recorded is None and not opts.select and names == list(PASSES):
+        gloo = {k: v for name in names for k, v in outcomes[name, "gloo"].items()}
+        written = reference.describe(reference.save(facts, names, gloo))
+        print(f"  gloo's side recorded in {written} (commit it: later runs here skip it)", flush=True)
     for name in names:
+        if recorded is not None:
+            outcomes[name, "gloo"] = {k: v for k, v in recorded.items() if k.startswith(f"{name}::")}
         control = outcomes[name, "gloo"]
         if opts.verbose:
             failing = sorted(k for k, (o, _) in control.items() if o == "failed")
