@@ -17,14 +17,9 @@ import time
 import pytest
 
 import onedist as od
+from launch_env import clean_env
 
 pytestmark = pytest.mark.launcher
-
-
-def _env() -> dict[str, str]:
-    from launch_env import clean_env
-
-    return clean_env()
 
 
 # ============================================================================ Ctrl-C
@@ -111,7 +106,12 @@ def test_the_fork_server_exits_with_the_program(tmp_path):
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
     with out.open("w") as stdout, err.open("w") as stderr:  # files: the server holds no pipe to wait for
         code = subprocess.run(
-            [sys.executable, str(script)], stdout=stdout, stderr=stderr, timeout=240, env=_env(), cwd=tmp_path
+            [sys.executable, str(script)],
+            stdout=stdout,
+            stderr=stderr,
+            timeout=240,
+            env=clean_env(),
+            cwd=tmp_path,
         ).returncode
     assert code == 0, err.read_text()
     program, server, its_parent, server_again, its_parent_again = map(int, out.read_text().split())

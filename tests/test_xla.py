@@ -48,10 +48,7 @@ WS2_TIMEOUT_S = 900
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = clean_env()
-    env.pop("CPU_NUM_DEVICES", None)
-    env.update({"PJRT_DEVICE": "CPU", **extra})
-    return env
+    return clean_env("CPU_NUM_DEVICES", **{"PJRT_DEVICE": "CPU", **extra})
 
 
 @pytest.fixture

@@ -210,9 +210,9 @@ def control_facts() -> dict[str, str]:
     return reference.environment("ignite", inputs, (VERSION, PASSES, SLURM_CONF))
 
 
-def recorded_control(passes: list[str], tests: str) -> Optional[Outcomes]:
-    """ignite's outcomes of ``passes`` recorded for this environment (those of ``tests``)."""
-    control = reference.load(control_facts(), passes)
+def recorded_control(facts: dict[str, str], passes: list[str], tests: str) -> Optional[Outcomes]:
+    """ignite's outcomes of ``passes`` recorded under ``facts`` (those of ``tests``)."""
+    control = reference.load(facts, passes)
     if control is None:
         return None
     return {k: v for k, v in control.items() if _under(k.split("::", 1)[1], tests)}
@@ -233,15 +233,7 @@ def self_check(root: Path, recorded: Outcomes) -> bool:
         for k, v in recorded.items()
         if k.startswith("serial::") and _under(k.split("::", 1)[1], SELF_CHECK)
     }
-    caught = compare(control, broken, exempt_reason, KNOWN_FAILURES, "onedist")
-    passing = sum(1 for outcome, _ in control.values() if outcome == "passed")
-    print(
-        f"  self-check: onedist broken on purpose fails {len(caught)} of the {passing} tests of "
-        f"{SELF_CHECK.rsplit('/', 1)[-1]} that pass on ignite (serial)"
-        + ("" if caught else ": NOT CAUGHT, the run is void"),
-        flush=True,
-    )
-    return bool(caught)
+    return reference.caught(control, broken, exempt_reason, f"onedist ({SELF_CHECK.rsplit('/', 1)[-1]})")
 
 
 def main() -> int:
@@ -259,12 +251,13 @@ def main() -> int:
     add_split_tests(root)
     # the workers of both sides import ignite's test modules, and onedist's side onedist
     write_bytecode(HERE.parent.parent / "src", root / "tests", HERE)
-    recorded = None if opts.record else recorded_control(passes, opts.tests)
+    facts = control_facts()
+    recorded = None if opts.record else recorded_control(facts, passes, opts.tests)
     control: Outcomes = {} if recorded is None else recorded
     mine: Outcomes = {}
     impls = (("onedist", mine),) if recorded is not None else (("ignite", control), ("onedist", mine))
     if recorded is not None:
-        print(f"  ignite's side: recorded in {reference.describe(reference.path_for(control_facts()))}")
+        print(f"  ignite's side: recorded in {reference.describe(reference.path_for(facts))}")
         if not opts.sabotage and not self_check(root, recorded):
             return 1
     with alias_pth(opts.sabotage):
@@ -273,7 +266,7 @@ def main() -> int:
                 found = run_pass(root, impl, name, opts.tests)
                 into.update({f"{name}::{k}": v for k, v in found.items()})
     if recorded is None and opts.tests == TESTS and set(passes) == set(PASSES):
-        written = reference.save(control_facts(), passes, control)
+        written = reference.save(facts, passes, control)
         print(f"  ignite's side recorded in {reference.describe(written)} (commit it: runs here skip it)")
     passing = [k for k, (o, _) in control.items() if o == "passed"]
     applicable = [k for k in passing if not exempt_reason(k)]

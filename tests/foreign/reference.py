@@ -20,11 +20,11 @@ import importlib.metadata
 import json
 import platform
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Optional
 
-from suite_compare import Outcomes
+from suite_compare import Outcomes, compare
 
 FOLDER = Path(__file__).resolve().parent / "reference"
 
@@ -91,6 +91,22 @@ def _short(outcome: str, text: str) -> str:
     if outcome == "passed" or not text:
         return ""
     return text.strip().splitlines()[-1][-300:]
+
+
+def caught(
+    control: Outcomes, broken: Outcomes, exempt_reason: Callable[[str], Optional[str]], what: str
+) -> bool:
+    """The self-check's verdict, printed: whether the tests of ``control`` (the recorded side) that
+    a run on a subject broken on purpose (``broken``: see sabotage.py) made fail are found. No
+    known failures apply: a broken subject must fail where the real one passes."""
+    found = compare(control, broken, exempt_reason, [], "the broken subject")
+    passing = sum(1 for outcome, _ in control.values() if outcome == "passed")
+    print(
+        f"  self-check: {what} broken on purpose fails {len(found)} of the {passing} tests it runs that "
+        "pass on the control" + ("" if found else ": NOT CAUGHT, the run is void"),
+        flush=True,
+    )
+    return bool(found)
 
 
 def describe(path: Path) -> str:

@@ -220,14 +220,7 @@ def self_check(recorded: Outcomes) -> bool:
     finally:
         del os.environ[sabotage.ENV_VAR]
     control = {k: v for k, v in recorded.items() if k in broken}
-    caught = compare(control, broken, lambda k: exempt_reason(k, "shm"), [], "shm")
-    passing = sum(1 for outcome, _ in control.values() if outcome == "passed")
-    print(
-        f"  self-check: shm broken on purpose fails {len(caught)} of the {passing} all_gather tests "
-        "that pass on gloo (fork-ws2)" + ("" if caught else ": NOT CAUGHT, the run is void"),
-        flush=True,
-    )
-    return bool(caught)
+    return reference.caught(control, broken, lambda k: exempt_reason(k, "shm"), "shm (all_gather, fork-ws2)")
 
 
 def main() -> int:

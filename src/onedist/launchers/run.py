@@ -177,12 +177,15 @@ def split_at_target(
         if not token.startswith("-") or token == "-":  # the target
             return argv[: i + 1], argv[i + 1 :]
         name = token.split("=", 1)[0]
-        matches = {o for o in takes_value if o.startswith(name)} if name.startswith("--") else set()
         if name in takes_value:
             matches = {name}
-        if not name.startswith("--") and name[:2] in takes_value and len(name) > 2:  # -n2
+        elif name.startswith("--"):  # an abbreviation
+            matches = {o for o in takes_value if o.startswith(name)}
+        elif len(name) > 2 and name[:2] in takes_value:  # -n2: the value attached
             i += 1
             continue
+        else:
+            matches = set()
         if len({takes_value[o] for o in matches}) != 1:  # unknown or ambiguous: argparse says so
             return argv, None
         i += 2 if takes_value[matches.pop()] and "=" not in token else 1
