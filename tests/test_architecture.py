@@ -192,6 +192,40 @@ def test_no_underscore_name_imported_across_modules() -> None:
     assert found == []
 
 
+def _private_names_read_through_modules() -> list[str]:
+    """Every ``module._name`` where ``module`` is a onedist module bound by ``from X import module``
+    (``xla_backend._tls``): the same reach into another module's privates as importing the name."""
+    modules = _module_names()
+    found = []
+    for path in _sources():
+        dotted = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        package = dotted.removesuffix(".__init__") if path.name == "__init__.py" else dotted.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        aliases = {
+            alias.asname or alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+            if f"{_from_module(node, package)}.{alias.name}" in modules
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_underscore_name_read_through_another_module() -> None:
+    """launchers/xmp.py reaches backends/xla.py through its public functions (``launched_worker``,
+    ``import_torch_xla``, ``device_count_env``), not its ``_tls``."""
+    assert _private_names_read_through_modules() == []
+
+
 def _ways_of_starting() -> list[str]:
     """The launcher modules, as pyproject's independence contract lists them (the one list)."""
     text = (ROOT / "pyproject.toml").read_text()
@@ -264,12 +298,13 @@ RUNTIME_CHECKS = {
 
 
 def _launch_argument_checks() -> list[str]:
-    """Every ``if <condition on a launch argument>: ... raise`` outside launchers/spec.py, as
+    """Every ``if <condition on a launch argument>: ... raise`` outside launchers/spec.py (the
+    front ends' checks) and launchers/arguments.py (the declaration and its rules), as
     ``file:function:line``; the :data:`RUNTIME_CHECKS` left out."""
     found = []
     for path in _sources():
         where = str(path.relative_to(PACKAGE))
-        if where == "launchers/spec.py" or where in RUNTIME_CHECKS:
+        if where in ("launchers/spec.py", "launchers/arguments.py") or where in RUNTIME_CHECKS:
             continue
         for fn in ast.walk(ast.parse(path.read_text())):
             if (
@@ -292,6 +327,198 @@ def test_launch_arguments_are_checked_only_in_launch_spec() -> None:
     functions (LaunchSpec.build and the front ends' checks beside it): a condition on one that
     raises anywhere else is a second validator."""
     assert _launch_argument_checks() == []
+
+
+# ---------------------------------------------------------------- one declaration of the launch arguments
+DECLARATION = "launchers/arguments.py"
+#: the modules that take launch arguments from users: each reads them from the declaration
+FRONT_ENDS = ("launchers/", "parallel.py", "cli.py")
+#: declared names that are everyday words elsewhere too (a dict of a call's "args" and "kwargs", a
+#: "backend" key): a listing of them says nothing; their flags still count
+EVERYDAY_WORDS = frozenset(
+    {"backend", "fn", "args", "kwargs", "timeout", "init_method", "module", "role", "tee", "standalone"}
+)
+
+
+def _declared_words() -> set[str]:
+    """The declared arguments' names (but :data:`EVERYDAY_WORDS`) and their long flags."""
+    from onedist.launchers.arguments import ARGUMENTS
+
+    names = set(ARGUMENTS) - EVERYDAY_WORDS
+    return names | {f for a in ARGUMENTS.values() for f in a.flags if f.startswith("--")}
+
+
+def _strings_of(node: ast.AST) -> list[str]:
+    """The string constants of a literal collection (nested literal collections included; a
+    dict's keys only)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [s for e in node.elts for s in _strings_of(e)]
+    if isinstance(node, ast.Dict):
+        return [s for k in node.keys if k is not None for s in _strings_of(k)]
+    return []
+
+
+def _listings(tree: ast.Module, words: set[str]) -> list[tuple[int, list[str]]]:
+    """``(line, names)`` of each literal collection naming two or more of ``words``, and of each
+    ``add_argument`` call with one of them (a flag declared a second time)."""
+    found = []
+    inner: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) and id(node) not in inner:
+            inner |= {id(n) for n in ast.walk(node) if n is not node}
+            named = [s for s in _strings_of(node) if s in words]
+            if len(named) >= 2:
+                found.append((node.lineno, named))
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            named = [s for a in node.args for s in _strings_of(a) if s in words]
+            if named:
+                found.append((node.lineno, named))
+    return found
+
+
+def _declarations_outside() -> list[str]:
+    words = _declared_words()
+    found = []
+    for path in _sources():
+        where = str(path.relative_to(PACKAGE))
+        if where == DECLARATION or not where.startswith(FRONT_ENDS):
+            continue
+        found += [f"{where}:{line}: {named}" for line, named in _listings(ast.parse(path.read_text()), words)]
+    return found
+
+
+def test_launch_arguments_are_declared_only_in_the_declaration() -> None:
+    """The launch arguments are listed once, in launchers/arguments.py: a front end that lists two
+    of them (a tuple of names, a dict keyed by them, a loop over them) or adds a flag of its own
+    for one declares them a second time; it derives them from the declaration instead."""
+    assert len(_declared_words()) >= 15  # the declaration is really read
+    assert _declarations_outside() == []
+
+
+def test_the_front_ends_take_the_declared_arguments() -> None:
+    """spawn's keywords and defaults, LaunchSpec's fields, RunSpec's, Parallel's keywords and
+    ``onedist run``'s flags are the declaration's, in its order."""
+    import dataclasses
+    import inspect
+
+    import onedist as od
+    from onedist.launchers.arguments import ARGUMENTS, LAUNCH_ARGUMENTS
+    from onedist.launchers.run import build_parser
+    from onedist.launchers.spec import LaunchSpec, RunSpec
+
+    spawn = inspect.signature(od.spawn).parameters
+    assert [(p.name, p.default) for p in spawn.values()] == [
+        (a.spawn_keyword, inspect.Parameter.empty if a.name in ("backend", "fn") else a.default)
+        for a in LAUNCH_ARGUMENTS
+    ]
+    fields = dataclasses.fields(LaunchSpec)
+    assert [(f.name, f.type) for f in fields] == [(a.name, a.type) for a in LAUNCH_ARGUMENTS]
+    run_fields = {f.name for f in dataclasses.fields(RunSpec)} - {"command", "run_id"}
+    assert all(ARGUMENTS[name].flags for name in run_fields), run_fields
+    parallel = list(inspect.signature(od.Parallel).parameters)
+    named = [a.name for a in LAUNCH_ARGUMENTS if a.parallel in ("init", "spawn")]
+    assert parallel == [*named, "spawn_kwargs"]
+    options = {o for action in build_parser()._actions for o in action.option_strings}
+    assert {f for a in ARGUMENTS.values() for f in a.flags} <= options
+
+
+#: ordering comparisons: the bounds a rule puts on a value
+_ORDERINGS = (ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+
+
+def _names_in(node: ast.AST) -> set[str]:
+    """The names an expression reads: variables, attributes and string subscripts (``v["nnodes"]``)."""
+    named = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            named.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            named.add(n.attr)
+        elif isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant):
+            named.add(str(n.slice.value))
+    return named
+
+
+def _bounds_checked(tree: ast.Module, names: set[str]) -> list[ast.Compare]:
+    """The ordering comparisons on one of ``names`` in the condition of an ``if`` that raises."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and any(isinstance(n, ast.Raise) for n in ast.walk(node)):
+            found += [
+                c
+                for c in ast.walk(node.test)
+                if isinstance(c, ast.Compare)
+                and any(isinstance(op, _ORDERINGS) for op in c.ops)
+                and _names_in(c) & names
+            ]
+    return found
+
+
+def _rule_text(compare: ast.Compare) -> str:
+    """A comparison with its variables blanked: ``value >= 1`` and ``count >= 1`` are one rule."""
+
+    class Blank(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.AST:
+            return ast.Name(id="_", ctx=node.ctx)
+
+    return ast.unparse(Blank().visit(ast.parse(ast.unparse(compare), mode="eval")))
+
+
+def _rules_written_twice() -> list[str]:
+    """A bound on a launch argument compared outside the declaration's rules (a rule written a
+    second time), and a rule of the declaration written twice."""
+    names = {word for word in _declared_words() if not word.startswith("--")}
+    found = []
+    for path in _sources():
+        where = str(path.relative_to(PACKAGE))
+        if where != DECLARATION and where not in RUNTIME_CHECKS:
+            tree = ast.parse(path.read_text())
+            found += [f"{where}:{c.lineno}: {ast.unparse(c)}" for c in _bounds_checked(tree, names)]
+    seen: dict[str, int] = {}
+    for node in ast.walk(ast.parse((PACKAGE / DECLARATION).read_text())):
+        if isinstance(node, ast.Compare) and any(isinstance(op, _ORDERINGS) for op in node.ops):
+            text = _rule_text(node)
+            if text in seen:
+                found.append(f"{DECLARATION}:{node.lineno}: {text} (also line {seen[text]})")
+            seen[text] = node.lineno
+    return found
+
+
+def test_each_rule_is_written_once() -> None:
+    """Each bound on a launch argument (nproc_per_node >= 1, 0 <= node_rank < nnodes, a port in
+    1..65535, a port needed with nnodes > 1, ...) is one function of launchers/arguments.py that
+    every front end calls; comparing one anywhere else, or twice there, fails."""
+    from onedist.launchers import arguments
+
+    declared = [f for a in arguments.ARGUMENTS.values() for f in (a.rule, *a.ties) if f is not None]
+    assert {f.__name__ for f in declared} >= {"at_least_one", "node_rank_below", "in_port_range"}
+    assert _rules_written_twice() == []
+
+
+def _restart_decisions() -> list[str]:
+    """Comparisons that read ``max_restarts`` (or ``attempt < ...``-style counts against it)
+    anywhere but launcher.py's :func:`restarts_left`."""
+    found = []
+    for path in _sources():
+        where = str(path.relative_to(PACKAGE))
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if where == "launchers/launcher.py" and fn.name == "restarts_left":
+                continue
+            for c in ast.walk(fn):
+                if isinstance(c, ast.Compare) and "max_restarts" in _names_in(c):
+                    found.append(f"{where}:{fn.name}:{c.lineno}: {ast.unparse(c)}")
+    return found
+
+
+def test_one_place_decides_whether_to_restart() -> None:
+    """Every launcher (one node's, several nodes' agreed, spawn's) restarts on
+    launcher.py's :func:`restart_verdict`; a count of attempts compared with ``max_restarts``
+    anywhere else is a second decision."""
+    assert _restart_decisions() == []
 
 
 # ---------------------------------------------------------------- who writes state.world

@@ -252,7 +252,7 @@ def test_torchrun_pet_flags_are_all_known():
 
     actions = get_args_parser()._actions
     torchrun = {f"PET_{a.dest.upper()}" for a in actions if isinstance(a, (env, check_env))}
-    ours = {name for name, _, _ in PET_FLAGS.values()} | set(IGNORED) | {"PET_NO_PYTHON"}
+    ours = {flag.variable for flag in PET_FLAGS.values()} | set(IGNORED) | {"PET_NO_PYTHON"}
     assert torchrun <= ours, torchrun - ours
 
 

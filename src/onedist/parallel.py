@@ -15,9 +15,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Optional
 
-from ._net import LOOPBACK
 from .environments import detect_cluster, launched_externally
 from .launchers.spec import (
+    SPAWN_ARGS,
     LaunchSpec,
     check_against_launcher,
     check_max_restarts,
@@ -126,8 +126,6 @@ class Parallel:
                     print(p.run(train))                             # 30 (only rank 0 returns here)
     """
 
-    _SPAWN_KWARGS = ("timeout", "start_method", "hosts", "max_restarts")
-
     def __init__(
         self,
         backend: Optional[str] = None,
@@ -139,35 +137,31 @@ class Parallel:
         init_method: Optional[str] = None,
         **spawn_kwargs: Any,
     ) -> None:
-        check_parallel_kwargs(spawn_kwargs, self._SPAWN_KWARGS)
+        check_parallel_kwargs(spawn_kwargs)
         check_max_restarts(
             "Parallel",
             spawn_kwargs.get("max_restarts", 0),
             nnodes=1 if nnodes is None else nnodes,
             start_method=spawn_kwargs.get("start_method", "spawn"),
         )
-        master_port = port_number("Parallel", master_port)
-        spawn_args = {
-            "nproc_per_node": nproc_per_node,
-            "nnodes": nnodes,
-            "node_rank": node_rank,
-            "master_addr": master_addr,
-            "master_port": master_port,
-        }
-        launcher = detect_cluster(os.environ)
-        hosts_rank0 = (node_rank or 0) == 0 and (launcher is None or launcher.rank == 0)
-        check_parallel_args(backend, init_method, spawn_args, hosts_rank0)
         self.backend = backend
         self.nproc_per_node = nproc_per_node
         self.nnodes = nnodes
         self.node_rank = node_rank
         self.master_addr = master_addr
-        self.master_port = master_port
+        self.master_port = port_number("Parallel", master_port)
         self.init_method = init_method
         self.spawn_kwargs = spawn_kwargs
+        launcher = detect_cluster(os.environ)
+        hosts_rank0 = (node_rank or 0) == 0 and (launcher is None or launcher.rank == 0)
+        check_parallel_args(backend, init_method, self._named(SPAWN_ARGS), hosts_rank0)
         self._initialized_here = False
         self._log = setup_logger("onedist.Parallel")
-        self.mode = self._choose_mode({k: v for k, v in spawn_args.items() if v is not None})
+        self.mode = self._choose_mode({k: v for k, v in self._named(SPAWN_ARGS).items() if v is not None})
+
+    def _named(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """The launch arguments ``names`` as this object holds them (None: not given)."""
+        return {name: getattr(self, name) for name in names}
 
     def _choose_mode(self, given: dict[str, Any]) -> str:
         """The mode: "serial", "external" (only initialise), "subprocess" or "spawn"; ``given``:
@@ -218,15 +212,8 @@ class Parallel:
             self._log.info(f"Initialized processing group with backend: '{self.backend}'")
             return
         self._log.info(f"Initialized distributed launcher with backend: '{self.backend}'")
-        params = {
-            "nproc_per_node": self.nproc_per_node,
-            "nnodes": self.nnodes or 1,
-            "node_rank": self.node_rank or 0,
-            "master_addr": self.master_addr,
-            "master_port": self.master_port,
-            "init_method": self.init_method,
-            **self.spawn_kwargs,
-        }
+        params = {**self._named((*SPAWN_ARGS, "init_method")), **self.spawn_kwargs}
+        params.update(nnodes=self.nnodes or 1, node_rank=self.node_rank or 0)  # as ignite shows them
         shown = "\n\t".join(f"{k}: {v}" for k, v in params.items() if v is not None)
         self._log.info(f"- Parameters to spawn processes: \n\t{shown}")
 
@@ -270,19 +257,12 @@ class Parallel:
             except BaseException as e:
                 record_error(e)  # a child of start_method="subprocess": tell the parent
                 raise
+        named = self._named(("backend", *SPAWN_ARGS, "init_method"))
+        # not given (None, or ignite's empty master_addr): the declared default
+        given = {name: value for name, value in named.items() if value is not None and value != ""}
         spec = LaunchSpec.build(
-            self.backend,
-            func,
-            args,
-            kwargs,
-            nproc_per_node=self.nproc_per_node,
-            nnodes=self.nnodes or 1,
-            node_rank=self.node_rank or 0,
-            master_addr=self.master_addr or LOOPBACK,
-            master_port=self.master_port,
-            init_method=self.init_method,
+            {**given, "fn": func, "args": args, "kwargs": kwargs, **self.spawn_kwargs},
             caller="Parallel" if self.mode == "subprocess" else "spawn",
-            **self.spawn_kwargs,
         )
         from .launchers.spawn import launch
 

@@ -48,6 +48,7 @@ Example (on a TPU v3-8, which CI has not; tests/test_xla.py runs the PJRT CPU de
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -55,7 +56,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
@@ -69,7 +70,7 @@ from ..errors import (
 )
 from .interface import Backend, Layout, Work
 
-__all__ = ["XlaBackend"]
+__all__ = ["XlaBackend", "device_count_env", "import_torch_xla", "launched_worker"]
 
 logger = logging.getLogger("onedist")
 
@@ -101,6 +102,17 @@ _INSTALL_HINT = (
 
 # this thread runs a worker that onedist's launch started (an XLA context even at world size 1)
 _tls = threading.local()
+
+
+@contextlib.contextmanager
+def launched_worker() -> Iterator[None]:
+    """While it lasts, this thread is a worker onedist's launch (``launchers/xmp.py``) started:
+    ``initialize`` finds an XLA context here even at world size 1."""
+    _tls.launched = True
+    try:
+        yield
+    finally:
+        _tls.launched = False
 
 
 @functools.cache
@@ -230,7 +242,7 @@ class XlaBackend(Backend):
         if kwargs:
             name = sorted(kwargs)[0]
             raise bad_value("initialize", name, kwargs[name], "no keyword arguments with backend 'xla-tpu'")
-        _import_torch_xla("initialize")
+        import_torch_xla("initialize")
         import torch_xla
         import torch_xla.runtime as xr
 
@@ -547,7 +559,8 @@ def _shared_context() -> XlaBackend:
         return _shared
 
 
-def _import_torch_xla(func: str) -> None:
+def import_torch_xla(func: str) -> None:
+    """Import torch_xla, or raise :class:`BackendUnavailableError` naming ``func`` and the fix."""
     reason = _unavailable_reason()
     try:
         import torch_xla  # noqa: F401
@@ -615,7 +628,7 @@ _CPU_THREADS_WARNING = (
 )
 
 
-def _device_count_env(nproc: int, device_type: str) -> dict[str, Optional[str]]:
+def device_count_env(nproc: int, device_type: str) -> dict[str, Optional[str]]:
     """Make xmp.spawn start ``nproc`` devices; returns the variables set, with their old values."""
     if device_type != "CPU":
         return {}  # a TPU host's devices are what they are: each worker checks the count (_worker)

@@ -9,6 +9,8 @@
   :mod:`.run` (``onedist run``, torchrun's flags; :mod:`.bootstrap` is its workers' entry), and
   those of the backends whose processes must come from their own launcher: :mod:`.mpirun`
   (``mpirun``), :mod:`.horovodrun` (``horovod.run``), :mod:`.xmp` (``xmp.spawn``).
+* :mod:`.arguments`: the launch arguments declared once (name, type, default, torchrun flag,
+  ``PET_*`` variable, ignite's name, rule), from which the front ends are derived.
 * :mod:`.spec`: :class:`~.spec.LaunchSpec`, the arguments of one launch, checked once.
 * :mod:`.supervisor`: one supervisor for the launchers that start their workers themselves
   (processes, re-exec, ``onedist run``): watch, stop them all when one fails, collect the failures.
@@ -17,7 +19,7 @@
   end (its result or its failure written where the parent reads it).
 * :mod:`.report`: one failure report format for every launcher (the failing rank first).
 
-Backends never import this package, the building blocks (spec, checks, worker, report,
+Backends never import this package, the building blocks (arguments, pet, spec, checks, worker, report,
 supervisor, launcher) never import the launchers that use them, and the launchers never import
 one another (CI checks these: ``lint-imports``).
 """

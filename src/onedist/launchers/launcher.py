@@ -17,7 +17,30 @@ from typing import Any, ClassVar, Optional
 from .report import Failure, failure_error, restart_line
 from .spec import LaunchSpec
 
-__all__ = ["Launcher", "SingleAttemptLauncher"]
+__all__ = ["Launcher", "SingleAttemptLauncher", "restart_verdict", "restarts_left"]
+
+
+def restarts_left(attempt: int, max_restarts: int) -> bool:
+    """Whether a restart is left after attempt ``attempt`` (0 first) of ``max_restarts``."""
+    return attempt < max_restarts
+
+
+def restart_verdict(attempt: int, max_restarts: int, *, failed: bool, signalled: bool = False) -> str:
+    """The one decision after an attempt, for every launcher (one node's or several nodes' agreed):
+    "done" when no worker failed, "restart" when one did and :func:`restarts_left`, else "end". A
+    signal to a launcher (Ctrl-C, SIGTERM) ends the job: it is never restarted.
+
+    Example:
+        >>> restart_verdict(0, 2, failed=True), restart_verdict(2, 2, failed=True)
+        ('restart', 'end')
+        >>> restart_verdict(0, 2, failed=True, signalled=True), restart_verdict(0, 2, failed=False)
+        ('end', 'done')
+    """
+    if signalled:
+        return "end"
+    if not failed:
+        return "done"
+    return "restart" if restarts_left(attempt, max_restarts) else "end"
 
 
 class Launcher(abc.ABC):
@@ -44,8 +67,9 @@ class Launcher(abc.ABC):
         """After attempt ``number``: the failures the restart line reports if the workers
         are started again, or None to stop (called after every attempt: a launcher that agrees
         with other nodes may restart after a success here). Default: while ``max_restarts``
-        allows."""
-        return failures if failures and number < self.max_restarts else None
+        allows (:func:`restart_verdict`)."""
+        verdict = restart_verdict(number, self.max_restarts, failed=bool(failures))
+        return failures if verdict == "restart" else None
 
     def finish(self, failures: list[Failure]) -> list[Any]:
         """The run's outcome after its last attempt: the results, or the failure raised."""

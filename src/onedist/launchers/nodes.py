@@ -30,6 +30,8 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from .._net import rendezvous_port
+from .arguments import AGREED, ARGUMENTS
+from .launcher import restart_verdict
 from .report import Failure
 
 __all__ = ["BEAT_S", "LOST_S", "Agents", "AgentsError", "Verdict"]
@@ -131,12 +133,13 @@ class Agents:
 
     def _config(self, run_id: str) -> dict[str, Any]:
         self.run_id = run_id
-        return {"nnodes": self.nnodes, "max_restarts": self.max_restarts, "run_id": run_id}
+        return {**{flag: getattr(self, flag) for flag in AGREED}, "run_id": run_id}
 
     def _check_config(self, config: dict[str, Any]) -> None:
-        for flag, mine in (("nnodes", self.nnodes), ("max_restarts", self.max_restarts)):
+        for flag in AGREED:
+            mine = getattr(self, flag)
             if config[flag] != mine:
-                name = "--" + flag.replace("_", "-")
+                name = ARGUMENTS[flag].flag
                 raise AgentsError(
                     f"{name}={mine} on node {self.node_rank} differs from node 0's {name}={config[flag]}; "
                     f"allowed: the same {name} on every node"
@@ -262,15 +265,15 @@ class Agents:
         nodes = [(n, _failure_of(r)) for n in order for r in results[n]["failures"]]
         failures = [f for _, f in nodes]
         signalled = [(n, r["signal"]) for n, r in enumerate(results) if r["signal"] is not None]
+        failed = not all(f.stopped for f in failures)  # a worker's own failure, on some node
+        action = restart_verdict(attempt, self.max_restarts, failed=failed, signalled=bool(signalled))
         if signalled:  # Ctrl-C or SIGTERM to one launcher ends the job, as on one node
             node, signum = signalled[0]
             name = signal.Signals(signum).name
             why = f"onedist run: node {node}'s launcher was stopped by {name}; the job ends, no restart\n"
-            return Verdict("end", failures, None if node == self.node_rank else why)
-        if all(f.stopped for f in failures):
-            return Verdict("done", failures)
-        if attempt < self.max_restarts:
-            return Verdict("restart", failures)
+            return Verdict(action, failures, None if node == self.node_rank else why)
+        if action != "end":
+            return Verdict(action, failures)
         causes = [nf for nf in nodes if not nf[1].secondary] or [nf for nf in nodes if not nf[1].stopped]
         node, cause = causes[0]
         why = (

@@ -5,9 +5,10 @@ torchrun declares most flags with ``action=env`` (``torch/distributed/argparse_u
 it. Kubernetes operators start torchrun with only these variables set (Kubeflow Trainer v2 sets
 ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``,
 ``PET_MASTER_PORT`` and no flag), so ``onedist run`` reads the same variables for the same flags.
-Every value is converted here and checked with its flag's rules (``launchers/spec.py``); a bad
-one is named with its variable, so a typo in a pod spec
-does not surface as a message about a flag nobody typed.
+Each variable and its conversion are declared with its flag (``launchers/arguments.py``); every
+value is converted here and checked with its flag's rules (``launchers/spec.py``); a bad one is
+named with its variable, so a typo in a pod spec does not surface as a message about a flag nobody
+typed.
 
 Example:
     >>> import argparse
@@ -20,12 +21,9 @@ Example:
 from __future__ import annotations
 
 import argparse
-import re
-from collections.abc import Callable, Mapping
-from typing import Any, Optional
+from collections.abc import Mapping
 
-from .._net import LOOPBACK
-from ..errors import OnedistValueError
+from .arguments import ARGUMENTS, ENDPOINT, Argument, not_allowed
 
 __all__ = [
     "IGNORED",
@@ -33,65 +31,12 @@ __all__ = [
     "apply_pet_defaults",
     "flag_or_variable",
     "ignored_variables",
-    "not_allowed",
 ]
 
-
-def _int(allowed: str) -> Callable[[str, str], int]:
-    """The variable's text as an int (its range is checked with the flag's, in spec.py)."""
-
-    def convert(name: str, text: str) -> int:
-        try:
-            return int(text)
-        except ValueError:
-            raise not_allowed(name, text, allowed) from None
-
-    return convert
-
-
-def _text(name: str, text: str) -> Optional[str]:
-    return text.strip() or None  # torchrun's default for --rdzv-endpoint is "": the same as unset
-
-
-def _switch(name: str, text: str) -> bool:
-    # torchrun's check_env reads bool(int(value)); Kubeflow's elasticPolicy.standalone sets
-    # PET_STANDALONE to "" to switch it on (training-operator pkg/controller.v1/pytorch/elastic.go)
-    if not text.strip():
-        return True
-    try:
-        return bool(int(text))
-    except ValueError:
-        raise not_allowed(name, text, "an int (0 = off, anything else = on) or empty (on)") from None
-
-
-def _tee(name: str, text: str) -> str:
-    if re.fullmatch(r"[0-3]|\d+:[0-3](,\d+:[0-3])*", text) is None:
-        raise not_allowed(name, text, "0, 1, 2, 3 or LOCAL_RANK:N,... with N in 0..3 (torchrun's --tee)")
-    return text
-
-
-def _any(name: str, text: str) -> str:
-    return text
-
-
 #: onedist run's flags that torchrun reads from a ``PET_*`` variable when the flag is not given
-#: (torch/distributed/run.py, ``action=env`` / ``check_env``): dest -> (variable, conversion of
-#: its text to the flag's type, default). The values' rules are the flags' (launchers/spec.py).
-PET_FLAGS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
-    "nproc_per_node": ("PET_NPROC_PER_NODE", _any, "1"),
-    "nnodes": ("PET_NNODES", _any, "1"),
-    "node_rank": ("PET_NODE_RANK", _int("an int >= 0"), None),
-    "master_addr": ("PET_MASTER_ADDR", _text, LOOPBACK),
-    "master_port": ("PET_MASTER_PORT", _int("an int in 1..65535"), None),
-    "rdzv_endpoint": ("PET_RDZV_ENDPOINT", _text, None),
-    "rdzv_backend": ("PET_RDZV_BACKEND", _any, "static"),
-    "rdzv_id": ("PET_RDZV_ID", _any, None),
-    "max_restarts": ("PET_MAX_RESTARTS", _int("an int >= 0"), 0),
-    "standalone": ("PET_STANDALONE", _switch, False),
-    "module": ("PET_MODULE", _switch, False),
-    "role": ("PET_ROLE", _any, "default"),
-    "tee": ("PET_TEE", _tee, "0"),
-}
+#: (torch/distributed/run.py, ``action=env`` / ``check_env``), by dest: the declared arguments
+#: with a :attr:`~.arguments.Argument.variable` (launchers/arguments.py)
+PET_FLAGS: dict[str, Argument] = {a.name: a for a in ARGUMENTS.values() if a.variable}
 
 #: torchrun's other ``PET_*`` variables: their flags change how torchrun's agent logs, waits or
 #: binds, which onedist run does its own way; a set one is reported, not silently dropped
@@ -111,23 +56,6 @@ IGNORED = (
     "PET_SHUTDOWN_TIMEOUT",
     "PET_VIRTUAL_LOCAL_RANK",
 )
-
-
-def not_allowed(name: str, value: Any, allowed: str) -> OnedistValueError:
-    """``<name>=<value> is not allowed; allowed: ...``, with the HINT of a ``PET_*`` variable when
-    ``name`` is one: the error of a flag or variable of ``onedist run`` (here and in spec.py)."""
-    return OnedistValueError(f"{name}={value!r} is not allowed; allowed: {allowed}" + _variable_hint(name))
-
-
-def _variable_hint(name: str) -> str:
-    """The HINT line of an error about ``name`` when it is a ``PET_*`` variable (else nothing): in a
-    pod, nobody typed it."""
-    if not name.startswith("PET_"):
-        return ""
-    return (
-        f"\nHINT: torchrun reads {name} as the default of its flag, and so does onedist run; fix or unset "
-        "the variable (in a Kubernetes pod: the job's spec), or pass the flag, which wins"
-    )
 
 
 def apply_pet_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
@@ -152,24 +80,24 @@ def apply_pet_defaults(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         raise not_allowed("PET_NO_PYTHON", value, "0 or unset (onedist run starts Python scripts)")
     given = {dest for dest in PET_FLAGS if getattr(args, dest, None) is not None}
     taken: dict[str, str] = {}
-    for dest, (name, check, default) in PET_FLAGS.items():
+    for dest, flag in PET_FLAGS.items():
         if not hasattr(args, dest) or dest in given:
             continue
-        value = default
-        if name in environ:
-            parsed = check(name, environ[name])
+        value = flag.run_default
+        if flag.variable in environ:
+            parsed = flag.from_variable(environ[flag.variable])
             if parsed is not None:
                 value = parsed
-                taken[dest] = name
+                taken[dest] = flag.variable
         setattr(args, dest, value)
-    master_given = given & {"master_addr", "master_port"}
+    master_given = given & set(ENDPOINT)
     if "rdzv_endpoint" in taken and master_given:
         args.rdzv_endpoint = None  # the flag the user typed wins over the pod's variable
         del taken["rdzv_endpoint"]
     elif getattr(args, "rdzv_endpoint", None) is not None and not master_given:
-        for dest in ("master_addr", "master_port"):  # torchrun uses the endpoint when it has one
+        for dest in ENDPOINT:  # torchrun uses the endpoint when it has one
             if dest in taken:
-                setattr(args, dest, PET_FLAGS[dest][2])
+                setattr(args, dest, PET_FLAGS[dest].run_default)
                 del taken[dest]
     return taken
 
@@ -185,7 +113,7 @@ def flag_or_variable(args: argparse.Namespace, dest: str) -> str:
         ('PET_NNODES', '--node-rank')
     """
     taken: dict[str, str] = getattr(args, "from_environment", {})
-    return taken.get(dest) or "--" + dest.replace("_", "-")
+    return taken.get(dest) or ARGUMENTS[dest].flag
 
 
 def ignored_variables(environ: Mapping[str, str]) -> list[str]:

@@ -42,10 +42,11 @@ import time
 from collections.abc import Callable
 from typing import IO, Any, Optional
 
-from .._net import LOOPBACK, rendezvous_port
+from .._net import rendezvous_port
 from ..environments import detect_cluster, kubernetes_job
 from ..errors import OnedistValueError
-from .launcher import Launcher
+from .arguments import add_flags
+from .launcher import Launcher, restart_verdict, restarts_left
 from .nodes import Agents, AgentsError
 from .pet import apply_pet_defaults, ignored_variables
 from .report import Failure, failure_report
@@ -63,101 +64,16 @@ def build_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.A
         "Start N workers of a script on this node (torchrun-compatible). As in torchrun, a flag that "
         "is not given defaults to its PET_* variable (--nproc-per-node: PET_NPROC_PER_NODE, ...)."
     )
-    # every flag torchrun reads from PET_* defaults to None here: apply_pet_defaults tells a flag
-    # that was given from one that was not, and fills the rest from the environment
-    p.add_argument(
-        "-n",
-        "--nproc-per-node",
-        "--nproc_per_node",
-        dest="nproc_per_node",
-        default=None,
-        help="workers on this node: a number, 'auto' (one per visible GPU, else 1), 'cpu' (one per CPU) or "
-        "'gpu' (one per visible GPU); default $PET_NPROC_PER_NODE, else 1",
-    )
-    _add_node_flags(p)
-    p.add_argument("--role", default=None, help="the workers' ROLE_NAME (torchrun's --role)")
-    p.add_argument(
-        "-t",
-        "--tee",
-        default=None,
-        help="accepted for torchrun's command lines (TorchX passes it): the output is always shown here",
-    )
-    p.add_argument(
-        "--backend",
-        default=None,
-        help="backend that initialize('auto') resolves to in the workers (sets ONEDIST_BACKEND)",
-    )
+    add_flags(p)  # torchrun's flags and --backend, as launchers/arguments.py declares them
     p.add_argument(
         "--output-ranks",
         default=None,
         help="comma-separated ranks whose output is shown (default: all)",
     )
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank<N>]:")
-    p.add_argument(
-        "-m", "--module", action="store_true", default=None, help="run the target as a module (python -m)"
-    )
     p.add_argument("target", help="the script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
     return p
-
-
-def _add_node_flags(p: argparse.ArgumentParser) -> None:
-    """torchrun's flags for several nodes and restarts (each defaults to None: see build_parser)."""
-    p.add_argument("--nnodes", default=None, help="number of nodes, N or N:N; default $PET_NNODES, else 1")
-    p.add_argument(
-        "--node-rank",
-        "--node_rank",
-        dest="node_rank",
-        type=int,
-        default=None,
-        help="default $PET_NODE_RANK, else 0",
-    )
-    p.add_argument(
-        "--master-addr",
-        "--master_addr",
-        dest="master_addr",
-        default=None,
-        help=f"node 0's address; default $PET_MASTER_ADDR, else {LOOPBACK}",
-    )
-    p.add_argument(
-        "--master-port",
-        "--master_port",
-        dest="master_port",
-        type=int,
-        default=None,
-        help="rendezvous port; default $PET_MASTER_PORT, else a free port on 127.0.0.1 (one node)",
-    )
-    p.add_argument(
-        "--standalone",
-        action="store_true",
-        default=None,
-        help="one node, free port on 127.0.0.1 (the default)",
-    )
-    p.add_argument(
-        "--rdzv-endpoint",
-        "--rdzv_endpoint",
-        dest="rdzv_endpoint",
-        default=None,
-        help="torchrun's HOST[:PORT] of node 0's store (port 29400 by default): --master-addr/--master-port",
-    )
-    p.add_argument(
-        "--rdzv-backend",
-        "--rdzv_backend",
-        dest="rdzv_backend",
-        default=None,
-        help="'static' or 'c10d' (torchrun's names); node ranks are static: --node-rank on each node",
-    )
-    p.add_argument(
-        "--rdzv-id", "--rdzv_id", dest="rdzv_id", default=None, help="run id (TORCHELASTIC_RUN_ID)"
-    )
-    p.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        dest="max_restarts",
-        type=int,
-        default=None,
-        help="restart the workers (of every node) up to N times after a failure",
-    )
 
 
 def split_at_target(
@@ -333,9 +249,9 @@ class RunLauncher(Launcher):
                 return None
             return verdict.failures
         # a signal to the launcher ends the job: only a worker's own failure is restarted
-        if self.code == 0 or self.received or number >= self.max_restarts:
-            return None
-        return failures
+        signalled = bool(self.received)
+        action = restart_verdict(number, self.max_restarts, failed=self.code != 0, signalled=signalled)
+        return failures if action == "restart" else None
 
     def finish(self, failures: list[Failure]) -> list[Any]:
         return [self.code]  # the failure's report is printed already (see _wait)
@@ -354,7 +270,8 @@ class RunLauncher(Launcher):
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            if spec.nnodes > 1 and spec.max_restarts > 0:  # the nodes' launchers agree on each restart
+            # several nodes that may restart: their launchers agree on each restart
+            if spec.nnodes > 1 and restarts_left(0, spec.max_restarts):
                 assert spec.master_port is not None  # RunSpec.build: required with several nodes
                 self.agents = Agents(spec.master_addr, spec.master_port, spec.node_rank, spec.nnodes,
                                      spec.max_restarts, spec.run_id)  # fmt: skip
@@ -404,7 +321,7 @@ def _attempt(
         if store_sock is not None:  # after the last fork: the store runs threads of its own
             stores.append(_agent_store(store_sock, spec.master_addr, spec.world_size))
             store_sock = None
-        last = attempt >= spec.max_restarts
+        last = not restarts_left(attempt, spec.max_restarts)
         return _wait(supervisor, pumps, received, failures, report=last, peers=peers), failures
     finally:
         if store_sock is not None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from .._net import LOOPBACK
+from .arguments import from_keywords
 from .horovodrun import HorovodrunLauncher
 from .launcher import Launcher
 from .mpirun import MpirunLauncher
@@ -92,9 +93,8 @@ def spawn(
         ...     print(od.spawn("gloo", train, args=(0.1,), nproc_per_node=2))
         [0.1, 0.1]
     """
-    spec = LaunchSpec.build(backend, fn, args, kwargs_dict, nproc_per_node, nnodes, node_rank, master_addr,
-                            master_port, init_method, timeout, start_method, hosts, max_restarts)  # fmt: skip
-    return launch(spec)
+    # this function's parameters are the declared launch arguments (tests/test_architecture.py)
+    return launch(LaunchSpec.build(from_keywords(locals())))
 
 
 def launcher_for(spec: LaunchSpec) -> Launcher:

@@ -1,5 +1,10 @@
 """The arguments of one launch, checked in one place: :class:`LaunchSpec` and its front ends.
 
+The arguments themselves, their defaults, flags, variables and rules are declared in
+:mod:`.arguments`; :class:`LaunchSpec`'s fields are its launch arguments and :class:`RunSpec`'s
+those of ``onedist run`` (``tests/test_architecture.py`` compares them). Here each front end
+checks them with the declared rules and words the error as its users know it.
+
 :meth:`LaunchSpec.build` checks the launch arguments of :func:`onedist.spawn` and of ``Parallel``'s
 launches, those a backend's own launcher cannot honour included (mpirun, horovod.run and xmp.spawn
 start the workers of one host); every launcher then takes the spec, never the arguments one by
@@ -9,12 +14,13 @@ of it then takes the spec. Beside them, the same rules in the words each front e
 ``Parallel``'s checks at construction, in ignite's order and words, and ``onedist run``'s,
 naming the flag or the ``PET_*`` variable a value came from. Each error names the argument, the
 value given and what is allowed. ``tests/test_architecture.py`` fails on a check of a launch
-argument anywhere else.
+argument anywhere else, and on a bound of one compared outside :mod:`.arguments`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import glob
 import multiprocessing
@@ -25,9 +31,30 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
-from .._net import LOOPBACK, is_loopback, tcp_init_would_hang
-from ..errors import BackendUnavailableError, LaunchArgumentError, OnedistValueError, bad_type, bad_value
-from .pet import flag_or_variable, not_allowed
+from .._net import LOOPBACK, tcp_init_would_hang
+from ..errors import (
+    BackendUnavailableError,
+    LaunchArgumentError,
+    OnedistTypeError,
+    OnedistValueError,
+    bad_type,
+    bad_value,
+)
+from .arguments import (
+    ARGUMENTS,
+    ENDPOINT,
+    LAUNCH_ARGUMENTS,
+    SHAPE,
+    at_least_one,
+    in_port_range,
+    needed_with_nodes,
+    node_rank_below,
+    not_allowed,
+    not_negative,
+    own_launcher_violation,
+    parallel_arguments,
+)
+from .pet import flag_or_variable
 
 __all__ = [
     "LaunchSpec",
@@ -89,48 +116,37 @@ class LaunchSpec:
     max_restarts: int = 0
 
     @classmethod
-    def build(
-        cls,
-        backend: Any,
-        fn: Any,
-        args: Any = (),
-        kwargs: Any = None,
-        nproc_per_node: Any = 1,
-        nnodes: Any = 1,
-        node_rank: Any = 0,
-        master_addr: Any = LOOPBACK,
-        master_port: Any = None,
-        init_method: Any = None,
-        timeout: Any = None,
-        start_method: Any = "spawn",
-        hosts: Any = None,
-        max_restarts: Any = 0,
-        *,
-        caller: str = "spawn",
-    ) -> LaunchSpec:
-        """Check the launch arguments and return their spec: ``"auto"`` resolved for this launch,
-        the backend available here, ``timeout`` as a timedelta. ``caller``: the public function
-        the timeout error names; ``"Parallel"`` also takes ``start_method="subprocess"``.
+    def build(cls, given: Mapping[str, Any], *, caller: str = "spawn") -> LaunchSpec:
+        """Check the launch arguments ``given`` (by their declared names; one not given takes its
+        declared default) and return their spec: ``"auto"`` resolved for this launch, the backend
+        available here, ``timeout`` as a timedelta. ``caller``: the public function the timeout
+        error names; ``"Parallel"`` also takes ``start_method="subprocess"``.
 
         Raises:
             OnedistValueError / OnedistTypeError: an argument is not allowed (the message names
                 it, the value and what is allowed).
             BackendUnavailableError: the backend cannot run here.
         """
-        _check_fn_args(backend, fn, args, kwargs)
-        _check_shape(nproc_per_node, nnodes, node_rank)
-        _check_rendezvous(master_addr, master_port, init_method)
-        _check_start(backend, start_method, hosts, caller)
-        check_max_restarts("spawn", max_restarts, nnodes=nnodes, start_method=start_method)
+        values = {a.name: given.get(a.name, a.default) for a in LAUNCH_ARGUMENTS}
+        assert set(given) <= set(values), f"not launch arguments: {set(given) - set(values)}"
+        _check_fn_args(values)
+        _check_shape(values)
+        _check_rendezvous(values)
+        _check_start(values, caller)
+        restarts = values["max_restarts"]
+        check_max_restarts("spawn", restarts, nnodes=values["nnodes"], start_method=values["start_method"])
         from ..context import backend_class, check_timeout, resolve_backend_name
 
-        name = resolve_backend_name(backend, nnodes, nproc_per_node)
+        name = resolve_backend_name(values["backend"], values["nnodes"], values["nproc_per_node"])
         backend_class(name)  # initialize's error for a backend unknown or not installed here
-        td = check_timeout(caller, timeout)
-        args, kwargs = tuple(args), dict(kwargs or {})
-        spec = cls(name, fn, args, kwargs, nproc_per_node, nnodes, node_rank, master_addr, master_port,
-                   init_method, td, start_method, hosts, max_restarts)  # fmt: skip
-        if name in OWN_LAUNCHERS and start_method != "subprocess":
+        values.update(
+            backend=name,
+            timeout=check_timeout(caller, values["timeout"]),
+            args=tuple(values["args"]),
+            kwargs=dict(values["kwargs"] or {}),
+        )
+        spec = cls(**values)
+        if name in OWN_LAUNCHERS and spec.start_method != "subprocess":
             _check_own_launcher(spec)
         return spec
 
@@ -157,7 +173,7 @@ class LaunchSpec:
 
     def check_rendezvous_port(self) -> None:
         """onedist's own launcher (torch.distributed backends): several nodes meet at one fixed port."""
-        if self.nnodes > 1 and self.master_port is None and self.env_rendezvous:
+        if needed_with_nodes(self.nnodes, self.master_port) and self.env_rendezvous:
             raise bad_value(
                 "spawn",
                 "master_port",
@@ -168,42 +184,48 @@ class LaunchSpec:
             )
 
 
-def _check_fn_args(backend: Any, fn: Any, args: Any, kwargs: Any) -> None:
-    if not isinstance(backend, str):
-        raise bad_type("spawn", "backend", backend, "str, e.g. 'gloo', 'nccl' or 'auto'")
-    if not callable(fn):
-        raise bad_type("spawn", "fn", fn, "a callable fn(local_rank, *args, **kwargs)")
-    if not isinstance(args, (tuple, list)):
-        raise bad_type("spawn", "args", args, "tuple of positional arguments for fn")
-    if kwargs is not None and not isinstance(kwargs, Mapping):
-        raise bad_type("spawn", "kwargs_dict", kwargs, "dict of keyword arguments for fn, or None")
+def _check_fn_args(values: Mapping[str, Any]) -> None:
+    if not isinstance(values["backend"], str):
+        raise _bad_type("backend", values)
+    if not callable(values["fn"]):
+        raise _bad_type("fn", values)
+    if not isinstance(values["args"], (tuple, list)):
+        raise _bad_type("args", values)
+    if values["kwargs"] is not None and not isinstance(values["kwargs"], Mapping):
+        raise _bad_type("kwargs", values)
 
 
-def _check_shape(nproc_per_node: Any, nnodes: Any, node_rank: Any) -> None:
-    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes), ("node_rank", node_rank)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise bad_type("spawn", name, value, "int")
-    if nproc_per_node < 1:
-        raise bad_value("spawn", "nproc_per_node", nproc_per_node, "an int >= 1")
-    if nnodes < 1:
-        raise bad_value("spawn", "nnodes", nnodes, "an int >= 1")
-    if not 0 <= node_rank < nnodes:
+def _bad_type(name: str, values: Mapping[str, Any]) -> OnedistTypeError:
+    """spawn's error for the argument ``name`` of ``values`` (named by spawn's keyword)."""
+    arg = ARGUMENTS[name]
+    return bad_type("spawn", arg.spawn_keyword, values[name], arg.allowed)
+
+
+def _check_shape(values: Mapping[str, Any]) -> None:
+    for name in SHAPE:
+        if not isinstance(values[name], int) or isinstance(values[name], bool):
+            raise bad_type("spawn", name, values[name], "int")
+    for name in SHAPE:  # the counts, as declared: at least one
+        if ARGUMENTS[name].rule is at_least_one and not at_least_one(values[name]):
+            raise bad_value("spawn", name, values[name], ARGUMENTS[name].allowed)
+    nnodes, node_rank = values["nnodes"], values["node_rank"]
+    if not node_rank_below(node_rank, nnodes):
         raise bad_value("spawn", "node_rank", node_rank, f"0..{nnodes - 1} (nnodes={nnodes})")
 
 
-def _check_rendezvous(master_addr: Any, master_port: Any, init_method: Any) -> None:
+def _check_rendezvous(values: Mapping[str, Any]) -> None:
+    master_addr, master_port = (values[name] for name in ENDPOINT)
+    init_method = values["init_method"]
     if not isinstance(master_addr, str) or not master_addr:
-        raise bad_type("spawn", "master_addr", master_addr, "a host name or IP address (str)")
+        raise bad_type("spawn", "master_addr", master_addr, ARGUMENTS["master_addr"].allowed)
     if master_port is not None and (
-        not isinstance(master_port, int) or isinstance(master_port, bool) or not 1 <= master_port <= 65535
+        not isinstance(master_port, int) or isinstance(master_port, bool) or not in_port_range(master_port)
     ):
-        raise bad_value("spawn", "master_port", master_port, "None (pick a free port) or an int in 1..65535")
+        raise bad_value("spawn", "master_port", master_port, ARGUMENTS["master_port"].allowed)
     if init_method is not None and (
         not isinstance(init_method, str) or not init_method.startswith(("env://", "tcp://", "file://"))
     ):
-        raise bad_value(
-            "spawn", "init_method", init_method, "None, 'env://', 'tcp://host:port' or 'file:///path'"
-        )
+        raise bad_value("spawn", "init_method", init_method, ARGUMENTS["init_method"].allowed)
 
 
 def available_start_methods() -> list[str]:
@@ -211,7 +233,8 @@ def available_start_methods() -> list[str]:
     return [m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]
 
 
-def _check_start(backend: str, start_method: Any, hosts: Any, caller: str) -> None:
+def _check_start(values: Mapping[str, Any], caller: str) -> None:
+    backend, start_method, hosts = values["backend"], values["start_method"], values["hosts"]
     subprocess = caller == "Parallel" and start_method == "subprocess"  # Parallel's re-exec
     if not subprocess and start_method not in available_start_methods():
         raise bad_value("spawn", "start_method", start_method, available_start_methods())
@@ -230,10 +253,10 @@ def check_max_restarts(func: str, value: Any, *, nnodes: Any = 1, start_method: 
     """``max_restarts`` of ``spawn`` / ``Parallel``: an int >= 0, and 0 where the workers cannot be
     restarted from here (several nodes: the nodes would have to agree; the re-exec start method:
     this process is rank 0 itself)."""
-    allowed = "an int >= 0 (how many times the workers are started again after one fails)"
+    allowed = ARGUMENTS["max_restarts"].allowed
     if not isinstance(value, int) or isinstance(value, bool):
         raise bad_type(func, "max_restarts", value, allowed)
-    if value < 0:
+    if not not_negative(value):
         raise bad_value(func, "max_restarts", value, allowed)
     if value and nnodes != 1:
         raise bad_value(
@@ -280,25 +303,17 @@ def _check_own_launcher(spec: LaunchSpec) -> None:
         _check_hosts(spec.hosts, spec.nproc_per_node)
     if not spec.own_launcher:  # a world of one "mpi" process: onedist's process launcher starts it
         return
-    xla = spec.backend == "xla-tpu"
-    for arg, value, allowed, ok in (
-        ("nnodes", spec.nnodes, "1", spec.nnodes == 1),
-        ("node_rank", spec.node_rank, "0", spec.node_rank == 0),
-        ("master_addr", spec.master_addr, "a loopback address ('127.0.0.1')", is_loopback(spec.master_addr)),
-        ("master_port", spec.master_port, "None", spec.master_port is None),
-        ("init_method", spec.init_method, "None" if xla else "None or 'env://'",
-         spec.init_method is None or (not xla and spec.init_method == "env://")),
-        ("timeout", spec.timeout, "None (XLA collectives take no timeout)", not xla or spec.timeout is None),
-        ("start_method", spec.start_method, "'spawn'", xla or spec.start_method == "spawn"),
-    ):  # fmt: skip
-        if not ok:
-            raise bad_value("spawn", arg, value, f"{allowed} with backend {spec.backend!r}", hint=hint)
+    refused = own_launcher_violation(spec.backend, vars(spec))
+    if refused is not None:
+        name, allowed = refused
+        allowed += f" with backend {spec.backend!r}"
+        raise bad_value("spawn", name, getattr(spec, name), allowed, hint=hint)
 
 
 def _check_hosts(hosts: Any, nproc: int) -> None:
     """``hosts`` as horovod.run takes it: "host:slots" items, comma-separated, with at least
     ``nproc`` slots in all."""
-    allowed = "a str 'host1:slots,host2:slots' (slots: an int >= 1)"
+    allowed = ARGUMENTS["hosts"].allowed
     if not isinstance(hosts, str):
         raise bad_type("spawn", "hosts", hosts, allowed)
     slots = 0
@@ -334,7 +349,10 @@ def check_xla_device_count(nproc_per_node: int, devices: int, device_type: str) 
 # ``try``/``pytest.raises(match=...)`` keeps working (each message holds the phrase ignite raises,
 # "Unknown backend", "should positive", ..., then onedist's "given / allowed / HINT").
 
-SPAWN_ARGS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+#: Parallel's keywords for spawn mode (a serial run takes none; a launcher's values must match them)
+SPAWN_ARGS = parallel_arguments("spawn")
+#: Parallel's ``**spawn_kwargs``
+SPAWN_KWARGS = parallel_arguments("spawn_kwargs")
 
 
 def _ignite_error(ignite_words: str, arg: str, value: Any, allowed: str, hint: str = "") -> OnedistValueError:
@@ -389,43 +407,52 @@ def check_parallel_args(
             "'env://', 'file:///path', or 'tcp://host:port' where host is an address of this machine",
         )
     if backend is not None and spawn_args["nproc_per_node"] is not None:
-        _check_spawn_shape(init_method, **spawn_args)
+        _check_spawn_shape(init_method, spawn_args)
 
 
-def _check_spawn_shape(
-    init_method: Any, nproc_per_node: Any, nnodes: Any, node_rank: Any, master_addr: Any, master_port: Any
-) -> None:
-    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes), ("node_rank", node_rank)):
+def _check_spawn_shape(init_method: Any, spawn_args: Mapping[str, Any]) -> None:
+    for name in SHAPE:
+        value = spawn_args[name]
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise bad_type("Parallel", name, value, "int")
-    if nproc_per_node < 1:
+    nproc_per_node = spawn_args["nproc_per_node"]
+    if not at_least_one(nproc_per_node):
         raise _ignite_error(
             f"Argument nproc_per_node should positive, but given {nproc_per_node}",
             "nproc_per_node",
             nproc_per_node,
-            "an int >= 1",
+            ARGUMENTS["nproc_per_node"].allowed,
         )
-    nnodes = 1 if nnodes is None else nnodes
-    if nnodes < 1:
+    nnodes = 1 if spawn_args["nnodes"] is None else spawn_args["nnodes"]
+    if not at_least_one(nnodes):
         raise _ignite_error(
-            f"Argument nnodes should positive, but given {nnodes}", "nnodes", nnodes, "an int >= 1"
+            f"Argument nnodes should positive, but given {nnodes}",
+            "nnodes",
+            nnodes,
+            ARGUMENTS["nnodes"].allowed,
         )
-    if node_rank is None and nnodes > 1:
+    if needed_with_nodes(nnodes, spawn_args["node_rank"]):
         raise _ignite_error(
             "If number of nodes larger than one, arguments node_rank should be given",
             "node_rank",
             None,
             f"0..{nnodes - 1} (this node's index)",
         )
-    node_rank = 0 if node_rank is None else node_rank
-    if not 0 <= node_rank < nnodes:
+    node_rank = 0 if spawn_args["node_rank"] is None else spawn_args["node_rank"]
+    if not node_rank_below(node_rank, nnodes):
         raise _ignite_error(
             f"Argument node_rank should be between 0 and {nnodes - 1}, but given {node_rank}",
             "node_rank",
             node_rank,
             f"0..{nnodes - 1}",
         )
-    if nnodes > 1 and (master_addr is None or master_port is None) and init_method is None:
+    _check_spawn_endpoint(init_method, nnodes, spawn_args)
+
+
+def _check_spawn_endpoint(init_method: Any, nnodes: int, spawn_args: Mapping[str, Any]) -> None:
+    """Several nodes meet at node 0's address and port, the same on every node, or an init_method."""
+    master_addr, master_port = (spawn_args[name] for name in ENDPOINT)
+    if init_method is None and any(needed_with_nodes(nnodes, spawn_args[name]) for name in ENDPOINT):
         raise _ignite_error(
             "If number of nodes larger than one, arguments master_addr and master_port or init_method "
             f"should be specified, but given master_addr={master_addr}, master_port={master_port} and "
@@ -436,13 +463,13 @@ def _check_spawn_shape(
         )
 
 
-def check_parallel_kwargs(spawn_kwargs: Mapping[str, Any], known: tuple[str, ...]) -> None:
-    """Parallel's ``**spawn_kwargs``: only ``known``, the start method one of spawn's or
-    "subprocess", no ``hosts`` with "subprocess", and ``max_restarts`` as :func:`check_max_restarts`."""
-    unknown = sorted(set(spawn_kwargs) - set(known))
+def check_parallel_kwargs(spawn_kwargs: Mapping[str, Any]) -> None:
+    """Parallel's ``**spawn_kwargs``: only :data:`SPAWN_KWARGS`, the start method one of spawn's
+    or "subprocess", no ``hosts`` with "subprocess"; ``max_restarts`` is :func:`check_max_restarts`'s."""
+    unknown = sorted(set(spawn_kwargs) - set(SPAWN_KWARGS))
     if unknown:
         raise bad_value(
-            "Parallel", unknown[0], spawn_kwargs[unknown[0]], "keyword arguments " + ", ".join(known)
+            "Parallel", unknown[0], spawn_kwargs[unknown[0]], "keyword arguments " + ", ".join(SPAWN_KWARGS)
         )
     method = spawn_kwargs.get("start_method", "spawn")
     if method not in (*START_METHODS, "subprocess"):
@@ -481,13 +508,10 @@ def check_against_launcher(given: Mapping[str, Any], env: Any) -> None:
     (``env``: the detected environment, or None for a group the user made): each must match it."""
     if env is None:  # a group created by the user: nothing to compare with
         return
-    expected = {
-        "nproc_per_node": env.nproc_per_node,
-        "nnodes": env.nnodes,
-        "node_rank": env.node_rank,
-        "master_addr": env.master_addr,
-        "master_port": None if env.master_port_derived else env.master_port,
-    }
+    # the environment's fields carry the arguments' names; a port the launcher did not set is not one
+    expected = {name: getattr(env, name) for name in SPAWN_ARGS}
+    if env.master_port_derived:
+        expected["master_port"] = None
     for key, value in given.items():
         known = expected.get(key)
         if known is not None and str(value) != str(known):
@@ -548,18 +572,10 @@ class RunSpec:
         """
         _check_run_nodes(args)
         _check_run_backend(args.backend, args.nnodes, nproc)
-        return cls(
-            command=run_command(args),
-            nproc_per_node=nproc,
-            run_id=args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}",
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-            max_restarts=args.max_restarts,
-            backend=args.backend,
-            role=args.role,
-        )
+        # each field that is a declared argument takes its flag's value
+        flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name in ARGUMENTS}
+        run_id = args.rdzv_id or f"onedist-{uuid.uuid4().hex[:12]}"
+        return cls(**{**flags, "nproc_per_node": nproc}, command=run_command(args), run_id=run_id)
 
     @property
     def world_size(self) -> int:
@@ -588,7 +604,7 @@ def check_run_values(args: argparse.Namespace) -> int:
     tie flags together are :meth:`RunSpec.build`'s, for the runs that start workers."""
     nproc = _run_nproc(args)
     low, _, high = str(args.nnodes).strip().partition(":")
-    if not low.isdigit() or int(low) < 1 or (high and high != low):
+    if not low.isdigit() or not at_least_one(int(low)) or (high and high != low):
         # Kubeflow's elasticPolicy with minReplicas/maxReplicas sets "min:max"
         raise _run_error(
             args,
@@ -598,15 +614,12 @@ def check_run_values(args: argparse.Namespace) -> int:
             "onedist run does not do; torchrun does), N >= 1",
         )
     args.nnodes = int(low)
-    for dest, ok, allowed in (
-        ("node_rank", args.node_rank is None or args.node_rank >= 0, "an int >= 0"),
-        ("master_port", args.master_port is None or 1 <= args.master_port <= 65535, "an int in 1..65535"),
-        ("rdzv_backend", args.rdzv_backend in ("static", "c10d"), "'static', 'c10d'"),
-        ("max_restarts", args.max_restarts >= 0,
-         "an int >= 0 (how many times the workers are started again after a failure)"),
-    ):  # fmt: skip
-        if not ok:
-            raise _run_error(args, dest, getattr(args, dest), allowed)
+    for flag in ARGUMENTS.values():  # the int flags, each by its own rule
+        value = getattr(args, flag.name, None)
+        if flag.cli_type is int and value is not None and flag.rule is not None and not flag.rule(value):
+            raise _run_error(args, flag.name, value, flag.flag_text)
+    if args.rdzv_backend not in ("static", "c10d"):
+        raise _run_error(args, "rdzv_backend", args.rdzv_backend, ARGUMENTS["rdzv_backend"].flag_text)
     return nproc
 
 
@@ -626,8 +639,8 @@ def _run_nproc(args: argparse.Namespace) -> int:
         if visible_gpus() < 1:
             raise _run_error(args, "nproc_per_node", value, "an int >= 1, 'auto', 'cpu' (no GPU is visible)")
         return visible_gpus()
-    if not value.strip().isdigit() or int(value) < 1:
-        raise _run_error(args, "nproc_per_node", value, "an int >= 1, 'auto', 'cpu' or 'gpu'")
+    if not value.strip().isdigit() or not at_least_one(int(value)):
+        raise _run_error(args, "nproc_per_node", value, ARGUMENTS["nproc_per_node"].flag_text)
     return int(value)
 
 
@@ -636,22 +649,22 @@ def _check_run_nodes(args: argparse.Namespace) -> None:
     and below ``--nnodes``, ``--rdzv-endpoint`` as master address and port, a fixed port for
     several nodes. After :func:`check_run_values`; for :meth:`RunSpec.build`."""
     name = functools.partial(flag_or_variable, args)
+    if needed_with_nodes(args.nnodes, args.node_rank) and args.rdzv_backend == "c10d":
+        raise OnedistValueError(
+            f"--node-rank is needed with {name('nnodes')}={args.nnodes} and {name('rdzv_backend')}=c10d: "
+            "torchrun's c10d rendezvous numbers the nodes as they arrive, onedist run numbers them "
+            "statically; pass --node-rank=<0..N-1> (or PET_NODE_RANK) on each node"
+        )
     if args.node_rank is None:
-        if args.nnodes > 1 and args.rdzv_backend == "c10d":
-            raise OnedistValueError(
-                f"--node-rank is needed with {name('nnodes')}={args.nnodes} and {name('rdzv_backend')}=c10d: "
-                "torchrun's c10d rendezvous numbers the nodes as they arrive, onedist run numbers them "
-                "statically; pass --node-rank=<0..N-1> (or PET_NODE_RANK) on each node"
-            )
         args.node_rank = 0
     if args.rdzv_endpoint is not None:
         _run_endpoint(args)
-    if not args.node_rank < args.nnodes:
+    if not node_rank_below(args.node_rank, args.nnodes):
         raise OnedistValueError(
             f"{name('node_rank')}={args.node_rank} is not allowed with "
             f"{name('nnodes')}={args.nnodes}; allowed: 0..{args.nnodes - 1}"
         )
-    if args.nnodes > 1 and args.master_port is None:
+    if needed_with_nodes(args.nnodes, args.master_port):
         raise OnedistValueError(
             "--master-port is needed with --nnodes > 1 (every node must use the same one); "
             "pass --master-addr=<node 0's address> --master-port=<free port on node 0> on every node"
@@ -667,10 +680,10 @@ def _run_endpoint(args: argparse.Namespace) -> None:
     host, colon, port = args.rdzv_endpoint.rpartition(":")
     if not colon:  # torchrun's default port
         host, port = args.rdzv_endpoint, "29400"
-    if not host or not port.isdigit() or not 0 <= int(port) < 65536 or (port == "0" and args.nnodes > 1):
-        raise _run_error(
-            args, "rdzv_endpoint", args.rdzv_endpoint, "HOST[:PORT] (PORT 0, a free port, on one node only)"
-        )
+    number = int(port) if port.isdigit() else -1  # 0: a free port, spelled None as master_port
+    port_ok = number == 0 or in_port_range(number)
+    if not host or not port_ok or needed_with_nodes(args.nnodes, number or None):
+        raise _run_error(args, "rdzv_endpoint", args.rdzv_endpoint, ARGUMENTS["rdzv_endpoint"].flag_text)
     # port 0: a free one, as torchrun picks (TorchX's dist.ddp passes localhost:0 on one node)
     args.master_addr, args.master_port = host, int(port) or None
 

@@ -50,7 +50,7 @@ def _run(spec: LaunchSpec) -> list[Any]:
     """The replicas' results in rank order, or their failure raised."""
     fn, args, kwargs = spec.fn, spec.args, spec.kwargs
     nproc_per_node, start_method = spec.nproc_per_node, spec.start_method
-    xla_backend._import_torch_xla("spawn")
+    xla_backend.import_torch_xla("spawn")
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -58,7 +58,7 @@ def _run(spec: LaunchSpec) -> list[Any]:
         return [_run_here(fn, args, kwargs)]
     if start_method != "fork":
         check_picklable(fn, f"xmp.spawn with start_method={start_method!r}")
-    env_set = xla_backend._device_count_env(nproc_per_node, str(xr.device_type()))
+    env_set = xla_backend.device_count_env(nproc_per_node, str(xr.device_type()))
     report_dir = None
     try:
         if torch_xla._XLAC._xla_runtime_is_initialized():
@@ -99,11 +99,8 @@ def _run_here(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     out: dict[str, Any] = {}
 
     def body(index: int) -> None:
-        xla_backend._tls.launched = True
-        try:
+        with xla_backend.launched_worker():
             out["result"] = call_worker_fn(fn, 0, args, kwargs)
-        finally:
-            xla_backend._tls.launched = False
 
     try:
         xmp.spawn(body, nprocs=1)
@@ -140,18 +137,16 @@ def _worker(
     """
     import torch_xla.runtime as xr
 
-    xla_backend._tls.launched = True
-    rank, local_rank = int(xr.global_ordinal()), int(xr.local_ordinal())
-    try:
-        check_xla_device_count(nproc, int(xr.local_device_count()), str(xr.device_type()))
-        result = call_worker_fn(fn, local_rank, args, kwargs)
-    except BaseException as e:
-        write_failure_report(
-            e, report_dir, rank, local_rank, name=f"failure-{local_rank}.json", announce=False
-        )
-        exit_failed()
-    finally:
-        xla_backend._tls.launched = False
+    with xla_backend.launched_worker():
+        rank, local_rank = int(xr.global_ordinal()), int(xr.local_ordinal())
+        try:
+            check_xla_device_count(nproc, int(xr.local_device_count()), str(xr.device_type()))
+            result = call_worker_fn(fn, local_rank, args, kwargs)
+        except BaseException as e:
+            write_failure_report(
+                e, report_dir, rank, local_rank, name=f"failure-{local_rank}.json", announce=False
+            )
+            exit_failed()
     write_result(os.path.join(report_dir, f"result-{local_rank}.pkl"), result, rank)
 
 
