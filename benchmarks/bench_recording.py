@@ -1,7 +1,9 @@
 """What putting every call on record costs (issue 49): the same calls on a recorded gloo group and on
-torch's plain gloo group, in the same worker processes, interleaved.
+torch's plain gloo group, in the same worker processes, interleaved (``--backend mpi``: onedist's
+mpi4py group with and without its record, ``ONEDIST_RECORD=0``, started through mpirun).
 
     python benchmarks/bench_recording.py                 # 2 gloo ranks, CPU
+    python benchmarks/bench_recording.py --backend mpi   # 2 mpi4py ranks under mpirun
     python benchmarks/bench_recording.py --json out.json
 
 Rows (each a ratio to the plain group: 1.00 = free):
@@ -55,35 +57,46 @@ def _ddp_step(group: Any) -> Callable[[], None]:
     return step
 
 
+def _groups(backend: str) -> tuple[Any, Any, Any]:
+    """A recorded group and two plain ones of ``backend``, on every rank."""
+    if backend == "gloo":
+        recorded_gloo.register()
+        return tuple(dist.new_group(backend=b) for b in (recorded_gloo.NAME, "gloo", "gloo"))
+    recorded = dist.new_group()  # the default group's backend (mpi4py): recorded unless switched off
+    os.environ["ONEDIST_RECORD"] = "0"  # read as the group is made
+    try:
+        return recorded, dist.new_group(), dist.new_group()
+    finally:
+        del os.environ["ONEDIST_RECORD"]
+
+
 def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
-    recorded_gloo.register()
-    recorded = dist.new_group(backend=recorded_gloo.NAME)
-    plain, plain_again = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    recorded, plain, plain_again = _groups(args.backend)
     t, big = torch.ones(1), torch.ones(16384)
     cases: dict[str, dict[str, Callable[[], Any]]] = {
         "dist.all_reduce, 1 float": {
-            "plain gloo": lambda: dist.all_reduce(t, group=plain),
+            "plain": lambda: dist.all_reduce(t, group=plain),
             "recorded": lambda: dist.all_reduce(t, group=recorded),
-            "plain gloo again (A/A)": lambda: dist.all_reduce(t, group=plain_again),
+            "plain again (A/A)": lambda: dist.all_reduce(t, group=plain_again),
         },
         "dist.all_reduce, 64 KiB": {
-            "plain gloo": lambda: dist.all_reduce(big, group=plain),
+            "plain": lambda: dist.all_reduce(big, group=plain),
             "recorded": lambda: dist.all_reduce(big, group=recorded),
         },
         "od.all_reduce, 1 float": {
-            "plain gloo": lambda: od.all_reduce(t, group=plain),
+            "plain": lambda: od.all_reduce(t, group=plain),
             "recorded": lambda: od.all_reduce(t, group=recorded),
         },
-        "DDP step": {"plain gloo": _ddp_step(plain), "recorded": _ddp_step(recorded)},
+        "DDP step": {"plain": _ddp_step(plain), "recorded": _ddp_step(recorded)},
     }
     iters = {"DDP step": args.iters // 10}
     results: dict[str, dict[str, float]] = {}
     for case, variants in cases.items():
         medians = compare(variants, iters.get(case, args.iters), args.reps)
-        base = medians["plain gloo"]
+        base = medians["plain"]
         results[case] = {name: medians[name] / base for name in variants}
-        results[case]["plain gloo, us"] = base * 1e6
+        results[case]["plain, us"] = base * 1e6
     return results
 
 
@@ -91,21 +104,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--backend", choices=("gloo", "mpi"), default="gloo")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iters", type=int, default=300, help="calls per timed repetition (DDP: a tenth)")
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    results = od.spawn("gloo", run, args=(args,), nproc_per_node=args.world_size)[0]
-    lines = [f"torch {torch.__version__}, gloo, {args.world_size} ranks, {os.cpu_count()} CPUs; x plain gloo"]
+    results = od.spawn(args.backend, run, args=(args,), nproc_per_node=args.world_size)[0]
+    where = f"torch {torch.__version__}, {args.backend}, {args.world_size} ranks, {os.cpu_count()} CPUs"
+    lines = [f"{where}; x the plain group"]
     for case, row in results.items():
-        lines.append(f"{case} (plain gloo: {row.pop('plain gloo, us'):.1f} us)")
+        lines.append(f"{case} (plain: {row.pop('plain, us'):.1f} us)")
         lines += [f"  {name:24s} x{ratio:.3f}" for name, ratio in row.items()]
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"torch": torch.__version__, "ranks": args.world_size, **results})
+            json.dumps(
+                {"torch": torch.__version__, "backend": args.backend, "ranks": args.world_size, **results}
+            )
         )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from launch_env import clean_env
+from prereqs import mpirun_missing
 
 UNSEEN = Path(__file__).parent / "scripts" / "unseen.py"
 LIMIT_S = 10.0  # every rank ends with the error within this (issue 49)
@@ -43,6 +44,9 @@ def line(marker: str) -> str:
 def _command(out: Path, scenario: str, backend: str, launcher: str) -> list[str]:
     if launcher == "run":
         return [sys.executable, "-m", "onedist", "run", "-n", "2", str(UNSEEN), str(out), scenario, backend]
+    if launcher == "mpirun":
+        mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+        return [*mpirun, sys.executable, str(UNSEEN), str(out), scenario, backend]
     return [sys.executable, str(UNSEEN), str(out), scenario, backend]
 
 
@@ -50,7 +54,7 @@ def _start(root: Path, scenario: str, backend: str, launcher: str, **env: str) -
     out = root / f"{backend}-{launcher}-{scenario}"
     out.mkdir()
     extra = {"ONEDIST_STALL_S": "1", "ONEDIST_DEBUG": "0", **env}
-    if launcher == "run":
+    if launcher in ("run", "mpirun"):
         extra["ONEDIST_UNDER_RUN"] = "1"
     proc = subprocess.Popen(
         _command(out, scenario, backend, launcher),
@@ -261,3 +265,43 @@ def test_a_signal_on_a_hung_job_prints_where_each_rank_was(tmp_path, backend, la
     assert f"rank 0 got {name}" in out and "waits in all_reduce" in out, out[-4000:]
     assert stack_line("waiting") in out, out[-4000:]
     assert stack_line("hanging") in out, out[-4000:]  # rank 1's: its dump, or Python's traceback
+
+
+# ============================================================================ mpi4py, under mpirun
+MPI_CASES = {  # the lines the verdict names (both ranks' calls), and words it must say
+    "ddp_skip": (("backward",), ("in the backward of step 2", "in the backward of step 3")),
+    "ddp_extra": (("extra backward", "extra barrier"), ()),
+    "ddp_uneven": (("backward", "after the loop"), ()),
+    "plain_alone": (("plain all_reduce", "plain barrier"), ()),
+    "async_alone": (("async all_reduce", "async barrier"), ()),
+    "ops": (("ops",), ("SUM", "MAX")),
+}
+
+
+@pytest.fixture(scope="module")
+def mpi_mpirun(tmp_path_factory):
+    if mpirun_missing() is not None:
+        pytest.skip(str(mpirun_missing()))
+    return _run_all(tmp_path_factory.mktemp("mm"), "mpi", "mpirun", tuple(MPI_CASES))
+
+
+@pytest.mark.parametrize("case", sorted(MPI_CASES))
+def test_mpi4py_calls_are_on_record_too(mpi_mpirun, case):
+    """onedist's mpi4py group keeps the same record as gloo's: each case ends the job within the
+    limit with the verdict naming both ranks' lines. A rank blocked inside a blocking MPI call
+    (Open MPI 4 cannot revoke it) is ended by its watcher with the verdict printed, and mpirun may
+    stop the other first: the verdict is read from the rank's file or the job's output. DDP's
+    buckets of steps 2 and 3 travel on communicators of their own: rank 0 ends blocked in step 2's,
+    never completing it."""
+    result = mpi_mpirun[case]
+    markers, words = MPI_CASES[case]
+    assert result["rc"] != 0, result["output"][-3000:]
+    assert result["wall"] < LIMIT_S + 15, result["wall"]  # mpirun's start included
+    told = [r["message"] for r in result["ranks"] if r.get("error") == "CollectiveMismatchError"]
+    told += [part for part in result["output"].split("onedist: ")[1:] if "different" in part]
+    assert told, result["output"][-3000:]
+    verdict = told[0]
+    for text in [*(line(m) for m in markers), *words]:
+        assert text in verdict, (text, verdict)
+    if case == "ddp_skip":
+        assert all(r.get("missing") or 2 not in r.get("done", []) for r in result["ranks"]), result["ranks"]

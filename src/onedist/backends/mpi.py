@@ -47,14 +47,27 @@ import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from functools import cache, partial
-from itertools import accumulate
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import BackendUnavailableError, CollectiveMismatchError
-from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, averages, flat as _flat, for_each, op_name
+from ._mpi_wire import (
+    SCRATCH,
+    WIDEN,
+    MpiError,
+    as_bytes,
+    buf,
+    datatypes,
+    displacements,
+    mpi,
+    mpi_op,
+    on_wire,
+)
+from ._pygroup import ArgCheck, OrderedGroup, PyWork, all_cpu, averages, for_each, op_name
+from .recorded import calls as recorded, steps
+from .recorded.calls import RECV, SEND, CallLog, RecordedWork, signature
 
 #: torch.distributed's name of this backend (``dist.get_backend()`` reports it)
 NAME = "mpi4py"
@@ -69,12 +82,6 @@ def installed() -> bool:
     import ctypes.util
 
     return any(ctypes.util.find_library(name) for name in ("mpi", "mpich", "mpi_ibm", "impi"))
-
-
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
 
 
 #: Open MPI 5's run-time switch for ULFM (MPI_Comm_revoke); read once, when MPI starts
@@ -93,7 +100,7 @@ def prepare_environment() -> None:
 def _revocable() -> bool:
     """True when MPI_Comm_revoke works here: Open MPI 5 or later with ULFM switched on. (Elsewhere
     it raises, or, with Open MPI 5's ULFM off, blocks forever.)"""
-    MPI = _mpi()
+    MPI = mpi()
     words = MPI.Get_library_version().split()
     if len(words) < 3 or words[:2] != ["Open", "MPI"] or os.environ.get(FT_ENV) != "1":
         return False
@@ -117,134 +124,12 @@ def revoke_all() -> bool:
     return revoked
 
 
-class MpiError(RuntimeError):
-    """An argument MPI cannot take (an unsupported reduce op or dtype), or a barrier that timed out."""
-
-
 class MpiRevokedError(MpiError, CollectiveMismatchError):
     """A call broken off by ``MPI_Comm_revoke`` (ULFM), which onedist calls on a mismatch only.
     onedist's collectives replace it with the stall check's verdict, which names every rank's call."""
 
     #: read by onedist's guard: the mismatch was found on another rank or by the watcher
     found_elsewhere = True
-
-
-# ---------------------------------------------------------------------------- types and ops
-@cache
-def _datatypes() -> dict[torch.dtype, Any]:
-    MPI = _mpi()
-    return {
-        torch.float32: MPI.FLOAT,
-        torch.float64: MPI.DOUBLE,
-        torch.int8: MPI.INT8_T,
-        torch.int16: MPI.INT16_T,
-        torch.int32: MPI.INT32_T,
-        torch.int64: MPI.INT64_T,
-        torch.uint8: MPI.UINT8_T,
-        torch.uint16: MPI.UINT16_T,
-        torch.uint32: MPI.UINT32_T,
-        torch.uint64: MPI.UINT64_T,
-        torch.complex64: MPI.C_FLOAT_COMPLEX,
-        torch.complex128: MPI.C_DOUBLE_COMPLEX,
-    }
-
-
-_WIDEN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
-# Open MPI 4.1's AVX reduction kernels saturate 8- and 16-bit integer sums (255 + 1 = 255), where
-# torch and gloo wrap: these reduce in a wider type (the low bits of a wrapped sum or product are
-# the same) and are cast back
-_WIDEN_ARITH = {
-    torch.int8: torch.int32,
-    torch.uint8: torch.int32,
-    torch.int16: torch.int64,
-    torch.uint16: torch.int64,
-}
-
-
-def _mpi_op(op: Any, dtype: torch.dtype) -> Any:
-    """The MPI reduce op of torch's ``op`` for ``dtype`` (bool travels as uint8)."""
-    MPI = _mpi()
-    R = dist.ReduceOp
-    kind = getattr(op, "op", op)  # a ReduceOp (options) or its RedOpType
-    if kind == R.AVG:  # MPI has no average: a SUM, divided by the group size after it (_pygroup.averages)
-        if not (dtype.is_floating_point or dtype.is_complex):
-            raise MpiError(
-                f"onedist mpi: reduce op AVG needs a floating-point or complex tensor; got dtype {dtype} "
-                "(an integer average is not an integer: use SUM and divide)"
-            )
-        kind = R.SUM
-    if dtype == torch.bool:
-        table = {R.SUM: MPI.MAX, R.MAX: MPI.MAX, R.BOR: MPI.BOR, R.PRODUCT: MPI.MIN, R.MIN: MPI.MIN}
-        table[R.BAND] = MPI.BAND
-        table[R.BXOR] = MPI.BXOR
-    else:
-        table = {
-            R.SUM: MPI.SUM,
-            R.PRODUCT: MPI.PROD,
-            R.MIN: MPI.MIN,
-            R.MAX: MPI.MAX,
-            R.BAND: MPI.BAND,
-            R.BOR: MPI.BOR,
-            R.BXOR: MPI.BXOR,
-        }
-    try:
-        found = table[kind]
-    except (KeyError, TypeError):
-        raise MpiError(
-            f"onedist mpi: reduce op {op_name(kind)} is not supported; SUM, AVG, PRODUCT, MIN, MAX, BAND, "
-            "BOR, BXOR are"
-        ) from None
-    if dtype.is_complex and kind in (R.MIN, R.MAX):
-        raise MpiError(f"onedist mpi: reduce op {op_name(kind)} is not defined for complex dtype {dtype}")
-    if dtype.is_floating_point and kind in (R.BAND, R.BOR, R.BXOR):
-        raise MpiError(
-            f"onedist mpi: reduce op {op_name(kind)} needs an integer or bool tensor; got dtype {dtype}"
-        )
-    return found
-
-
-def _wire(t: torch.Tensor, op: Any = None) -> tuple[torch.Tensor, Any, bool]:
-    """``(tensor for MPI, its MPI datatype, True when it is a copy to write back)`` for reduction ``op``."""
-    wide = _WIDEN.get(t.dtype)
-    R = dist.ReduceOp
-    if wide is None and getattr(op, "op", op) in (R.SUM, R.PRODUCT, R.AVG):
-        wide = _WIDEN_ARITH.get(t.dtype)
-    if wide is not None:
-        return t.reshape(-1).to(wide), _datatypes()[wide], True
-    if t.dtype == torch.bool:
-        flat, copied = _flat(t)
-        return flat.view(torch.uint8), _mpi().UINT8_T, copied
-    try:
-        dt = _datatypes()[t.dtype]
-    except KeyError:
-        raise MpiError(f"onedist mpi: dtype {t.dtype} cannot be reduced") from None
-    flat, copied = _flat(t)
-    return flat, dt, copied
-
-
-_SCRATCH = torch.zeros(8, dtype=torch.uint8)  # the address of a zero-length buffer
-
-
-def _buf(t: torch.Tensor, count: Optional[int] = None, datatype: Any = None) -> list[Any]:
-    """An MPI buffer spec over ``t``'s memory: ``[memory, count, datatype]`` (bytes by default)."""
-    MPI = _mpi()
-    nbytes = t.numel() * t.element_size()
-    base = t if nbytes else _SCRATCH
-    mem = MPI.buffer.fromaddress(base.data_ptr(), nbytes)
-    if datatype is None:
-        return [mem, nbytes, MPI.BYTE]
-    return [mem, t.numel() if count is None else count, datatype]
-
-
-def _displacements(counts: list[int]) -> list[int]:
-    """Where each rank's part starts in a v-collective's buffer (the running sum of ``counts``)."""
-    return list(accumulate(counts, initial=0))[:-1]
-
-
-def _bytes(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A contiguous uint8 view of ``t`` (or of a contiguous copy: then True)."""
-    flat, copied = _flat(t)
-    return flat.view(torch.uint8), copied
 
 
 # ---------------------------------------------------------------------------- watchdog
@@ -286,7 +171,7 @@ class _Watchdog:
                     "timeout to onedist.initialize\n"
                 )
                 sys.stderr.flush()
-                _mpi().COMM_WORLD.Abort(1)
+                mpi().COMM_WORLD.Abort(1)
 
 
 _watchdog = _Watchdog()
@@ -307,6 +192,15 @@ class MpiProcessGroup(OrderedGroup):
         self._timed_out = ""  # the barrier that timed out: the group can no longer be used
         self._stale: Any = None  # that barrier's MPI request, pending for good
         self._revoked = False
+        #: the calls on record (see the module doc), and the communicators of DDP's gradient
+        #: buckets by the parity of their step (recorded.steps); None with ONEDIST_RECORD=0
+        self.calls: Optional[CallLog] = None
+        self._buckets: tuple[Any, ...] = ()
+        if recorded.enabled() and size > 1:
+            self._buckets = (comm.Dup(), comm.Dup())
+            nonce = comm.allreduce(int.from_bytes(os.urandom(7), "little"))  # agreed by the members
+            self.calls = CallLog(rank, tuple(ranks) if ranks else tuple(range(size)), nonce)
+            steps.install()
         _live_groups.add(self)
 
     def revoke(self) -> bool:
@@ -314,8 +208,9 @@ class MpiProcessGroup(OrderedGroup):
         if self._revoked:
             return True
         try:
-            self._comm.Revoke()
-        except (NotImplementedError, _mpi().Exception):
+            for comm in (self._comm, *self._buckets):
+                comm.Revoke()
+        except (NotImplementedError, mpi().Exception):
             return False
         self._revoked = True
         return True
@@ -338,23 +233,53 @@ class MpiProcessGroup(OrderedGroup):
         key = _watchdog.enter(self._timeout, f"{what} on rank {self._rank} of {self._label}")
         try:
             return fn(*args)
-        except _mpi().Exception as e:
+        except mpi().Exception as e:
             raise self._explained(what, e) from None
         finally:
             _watchdog.leave(key)
+
+    def _issue(
+        self,
+        sig: tuple[int, ...],
+        job: Callable[[], Any],
+        inputs: list[torch.Tensor],
+        result: Any,
+        step: int = 0,
+    ) -> Any:
+        """Run a collective (:meth:`_run`) on record: begun before it starts, its work the group's
+        once it has one (a blocking call has none until it returns)."""
+        log = self.calls
+        if log is None:
+            return self._run(job, inputs, result)
+        entry = log.begin(sig, step)
+        running = _Running()
+        log.started(entry, running)
+        try:
+            running.work = self._run(job, inputs, result)
+        except BaseException:
+            running.failed = True
+            raise
+        return running.work
+
+    def _step_comm(self) -> tuple[int, Any]:
+        """The DDP step of an all-reduce about to start (0 outside a backward), and the
+        communicator it travels on: its step's, so that buckets of different steps never pair."""
+        log = self.calls
+        step = steps.step_of_call(log) if log is not None and log.ddp_step else 0
+        return step, (self._buckets[step & 1] if step else self._comm)
 
     def _explained(self, what: str, e: Any) -> BaseException:
         """MPI's error, or what it means when a peer sent more than this call takes, or revoked
         the group (the stall check's verdict, which onedist's guard then raises)."""
         error_class = e.Get_error_class()
-        if error_class == getattr(_mpi(), "ERR_REVOKED", None):
+        if error_class == getattr(mpi(), "ERR_REVOKED", None):
             return MpiRevokedError(
                 f"onedist mpi: {what} on rank {self._rank} of {self._label} was broken off: a rank revoked "
                 "the group's communicator after it found the ranks' calls differ (ranks blocked in "
                 "different collectives, or a call that received more data than it takes); the group "
                 "cannot be used again"
             )
-        if error_class != _mpi().ERR_TRUNCATE:
+        if error_class != mpi().ERR_TRUNCATE:
             return e  # type: ignore[no-any-return]
         if _revocable():  # the peers may wait for data this rank will never send: let them go
             self.revoke()
@@ -384,7 +309,7 @@ class MpiProcessGroup(OrderedGroup):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if any(t.is_sparse for t in tensors):
             return self._sparse_all_reduce(tensors, op)
-        return self._reduce_each(tensors, op, None)
+        return self._reduce_each(tensors, op, None, "all_reduce")
 
     def _sparse_all_reduce(self, tensors: list[torch.Tensor], op: Any) -> Any:
         if getattr(op, "op", op) != dist.ReduceOp.SUM or not all(t.is_sparse for t in tensors):
@@ -392,7 +317,8 @@ class MpiProcessGroup(OrderedGroup):
                 f"onedist mpi: a sparse all_reduce takes sparse COO tensors only and op SUM (as gloo), got "
                 f"op {op_name(getattr(op, 'op', op))} and layouts {sorted({str(t.layout) for t in tensors})}"
             )
-        return self._run(partial(for_each, self._sparse_sum_one, tensors), [], tensors)
+        sig = signature("all_reduce", tensors, op)
+        return self._issue(sig, partial(for_each, self._sparse_sum_one, tensors), [], tensors)
 
     def _sparse_sum_one(self, t: torch.Tensor) -> None:
         """``t`` becomes the coalesced sum of every rank's ``t``: their indices and values gathered
@@ -407,36 +333,38 @@ class MpiProcessGroup(OrderedGroup):
         for mine, into in ((indices, all_indices), (values, all_values)):
             row = into[0].numel() * into.element_size() if total else 0
             sizes = [n * row for n in counts]
-            recv = [_buf(into)[0], sizes, _displacements(sizes), _mpi().BYTE]
-            self._call("all_reduce", self._comm.Allgatherv, _buf(mine), recv)
+            recv = [buf(into)[0], sizes, displacements(sizes), mpi().BYTE]
+            self._call("all_reduce", self._comm.Allgatherv, buf(mine), recv)
         t.copy_(torch.sparse_coo_tensor(all_indices.t(), all_values, t.shape).coalesce())
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._reduce_each(tensors, op, None)
+        return self._reduce_each(tensors, op, None, "all_reduce_coalesced")
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         ArgCheck("mpi", "reduce", self._size).root(opts.rootRank)
-        return self._reduce_each(tensors, opts.reduceOp, opts.rootRank)
+        return self._reduce_each(tensors, opts.reduceOp, opts.rootRank, "reduce")
 
-    def _reduce_each(self, tensors: list[torch.Tensor], op: Any, root: Optional[int]) -> Any:
+    def _reduce_each(self, tensors: list[torch.Tensor], op: Any, root: Optional[int], kind: str) -> Any:
         self._check_cpu("all_reduce" if root is None else "reduce", tensors)
         for t in tensors:  # an unsupported op or dtype raises here, on every rank, before any call
-            _mpi_op(op, t.dtype)
-            if t.dtype not in _WIDEN and t.dtype != torch.bool and t.dtype not in _datatypes():
+            mpi_op(op, t.dtype)
+            if t.dtype not in WIDEN and t.dtype != torch.bool and t.dtype not in datatypes():
                 raise MpiError(f"onedist mpi: dtype {t.dtype} cannot be reduced")
-        job = partial(for_each, partial(self._reduce_one, op=op, root=root), tensors)
-        return self._run(job, tensors, tensors)
+        step, comm = self._step_comm() if root is None else (0, self._comm)
+        job = partial(for_each, partial(self._reduce_one, op=op, root=root, comm=comm), tensors)
+        sig = signature(kind, tensors, op, root=-1 if root is None else root)
+        return self._issue(sig, job, tensors, tensors, step)
 
-    def _reduce_one(self, t: torch.Tensor, op: Any, root: Optional[int]) -> None:
+    def _reduce_one(self, t: torch.Tensor, op: Any, root: Optional[int], comm: Any) -> None:
         if t.numel() == 0:
             return
-        MPI = _mpi()
-        wire, datatype, copied = _wire(t, op)
-        mop = _mpi_op(op, t.dtype)
-        spec = _buf(wire, wire.numel(), datatype)
+        MPI = mpi()
+        wire, datatype, copied = on_wire(t, op)
+        mop = mpi_op(op, t.dtype)
+        spec = buf(wire, wire.numel(), datatype)
         if root is None:
-            self._call("all_reduce", self._comm.Allreduce, MPI.IN_PLACE, spec, mop)
+            self._call("all_reduce", comm.Allreduce, MPI.IN_PLACE, spec, mop)
         elif root == self._rank:
             self._call("reduce", self._comm.Reduce, MPI.IN_PLACE, spec, mop, root)
         else:
@@ -455,16 +383,17 @@ class MpiProcessGroup(OrderedGroup):
         check.per_rank(inputs, outputs, "input")
         stacked = [torch.stack([i.reshape(-1) for i in ins]) for ins in inputs]
         for out in outputs:
-            _mpi_op(op, out.dtype)
+            mpi_op(op, out.dtype)
         job = partial(for_each, partial(self._reduce_scatter_one, op=op), outputs, stacked)
-        return self._run(job, stacked, outputs)
+        return self._issue(signature("reduce_scatter", outputs, op), job, stacked, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self._check_cpu("reduce_scatter", [output, input])
         ArgCheck("mpi", "reduce_scatter_tensor", self._size).whole(input, output, "input")
-        _mpi_op(op, output.dtype)
-        return self._run(partial(self._reduce_scatter_one, output, input, op), [input], output)
+        mpi_op(op, output.dtype)
+        sig = signature("reduce_scatter_tensor", (output,), op)
+        return self._issue(sig, partial(self._reduce_scatter_one, output, input, op), [input], output)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.reduce_scatter_single(output, input, opts)
@@ -473,17 +402,17 @@ class MpiProcessGroup(OrderedGroup):
         n = output.numel()
         if n == 0:
             return
-        src, datatype, _ = _wire(rows, op)
+        src, datatype, _ = on_wire(rows, op)
         if src.dtype == rows.dtype or rows.dtype == torch.bool:
-            dst, _, copied = _wire(output, op)
+            dst, _, copied = on_wire(output, op)
         else:  # reduced in a wider type
             dst, copied = torch.empty(n, dtype=src.dtype), True
         self._call(
             "reduce_scatter",
             self._comm.Reduce_scatter_block,
-            [_buf(src)[0], datatype],  # mpi4py derives the per-block count from the receive side
-            _buf(dst, n, datatype),
-            _mpi_op(op, output.dtype),
+            [buf(src)[0], datatype],  # mpi4py derives the per-block count from the receive side
+            buf(dst, n, datatype),
+            mpi_op(op, output.dtype),
         )
         if averages(op):
             dst.div_(self._size)
@@ -499,15 +428,14 @@ class MpiProcessGroup(OrderedGroup):
         root = opts.rootRank if opts is not None else 0
         self._check_cpu("broadcast", tensors)
         ArgCheck("mpi", "broadcast", self._size).root(root)
-        return self._run(
-            partial(for_each, partial(self._broadcast_one, root=root), tensors), tensors, tensors
-        )
+        job = partial(for_each, partial(self._broadcast_one, root=root), tensors)
+        return self._issue(signature("broadcast", tensors, root=root), job, tensors, tensors)
 
     def _broadcast_one(self, t: torch.Tensor, root: int) -> None:
-        raw, copied = _bytes(t)
+        raw, copied = as_bytes(t)
         if raw.numel() == 0:
             return
-        self._call("broadcast", self._comm.Bcast, _buf(raw), root)
+        self._call("broadcast", self._comm.Bcast, buf(raw), root)
         if copied and self._rank != root:
             t.copy_(raw.view(t.dtype).view(t.shape))
 
@@ -517,7 +445,8 @@ class MpiProcessGroup(OrderedGroup):
         self._check_cpu("all_gather", inputs + [t for ts in outputs for t in ts])
         check = ArgCheck("mpi", "all_gather", self._size)
         check.per_rank(outputs, inputs, "output")
-        return self._run(partial(for_each, self._gather_into_list, outputs, inputs), inputs, outputs)
+        job = partial(for_each, self._gather_into_list, outputs, inputs)
+        return self._issue(signature("all_gather", inputs), job, inputs, outputs)
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         # torch's coalesced form is rank-major (outputs[rank][i]); allgather's is input-major
@@ -528,17 +457,18 @@ class MpiProcessGroup(OrderedGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         self._check_cpu("all_gather", [output, input])
         ArgCheck("mpi", "all_gather_into_tensor", self._size).whole(output, input, "output")
-        return self._run(partial(self._gather_into, output, input), [input], output)
+        sig = signature("all_gather_into_tensor", (input,))
+        return self._issue(sig, partial(self._gather_into, output, input), [input], output)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.all_gather_single(output, input, opts)
 
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        src, _ = _bytes(input)
-        dst, copied = _bytes(output)
+        src, _ = as_bytes(input)
+        dst, copied = as_bytes(output)
         if src.numel() == 0:
             return
-        self._call("all_gather", self._comm.Allgather, _buf(src), _buf(dst, src.numel(), _mpi().BYTE))
+        self._call("all_gather", self._comm.Allgather, buf(src), buf(dst, src.numel(), mpi().BYTE))
         if copied:
             output.copy_(dst.view(output.dtype).view(output.shape))
 
@@ -558,18 +488,18 @@ class MpiProcessGroup(OrderedGroup):
 
         def job() -> None:
             for i, inp in enumerate(inputs):
-                src, _ = _bytes(inp)
+                src, _ = as_bytes(inp)
                 if self._rank == root:
                     whole = torch.empty(self._size * src.numel(), dtype=torch.uint8)
                     self._call(
-                        "gather", self._comm.Gather, _buf(src), _buf(whole, src.numel(), _mpi().BYTE), root
+                        "gather", self._comm.Gather, buf(src), buf(whole, src.numel(), mpi().BYTE), root
                     )
                     for j, o in enumerate(outputs[i]):
                         o.copy_(whole[j * src.numel() : (j + 1) * src.numel()].view(o.dtype).view(o.shape))
                 else:
-                    self._call("gather", self._comm.Gather, _buf(src), None, root)
+                    self._call("gather", self._comm.Gather, buf(src), None, root)
 
-        work = self._run(job, inputs, outputs)
+        work = self._issue(signature("gather", inputs, root=root), job, inputs, outputs)
         if bad is not None:
             work.wait()
             raise bad
@@ -584,22 +514,22 @@ class MpiProcessGroup(OrderedGroup):
         def job() -> None:
             # the root's verdict on its inputs first, so that every rank raises or none does
             ok = torch.tensor([bad is None], dtype=torch.uint8)
-            self._call("scatter", self._comm.Bcast, _buf(ok), root)
+            self._call("scatter", self._comm.Bcast, buf(ok), root)
             if not ok.item():
                 raise bad if bad is not None else check.refused(root)
             for i, out in enumerate(outputs):
-                dst, copied = _bytes(out)
+                dst, copied = as_bytes(out)
                 if self._rank == root:
-                    whole = torch.cat([_bytes(t)[0] for t in inputs[i]])
+                    whole = torch.cat([as_bytes(t)[0] for t in inputs[i]])
                     self._call(
-                        "scatter", self._comm.Scatter, _buf(whole, dst.numel(), _mpi().BYTE), _buf(dst), root
+                        "scatter", self._comm.Scatter, buf(whole, dst.numel(), mpi().BYTE), buf(dst), root
                     )
                 else:
-                    self._call("scatter", self._comm.Scatter, None, _buf(dst), root)
+                    self._call("scatter", self._comm.Scatter, None, buf(dst), root)
                 if copied:
                     out.copy_(dst.view(out.dtype).view(out.shape))
 
-        return self._run(job, outputs, outputs)
+        return self._issue(signature("scatter", outputs, root=root), job, outputs, outputs)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         self._check_cpu("all_to_all", outputs + inputs)
@@ -608,7 +538,7 @@ class MpiProcessGroup(OrderedGroup):
         check.count(outputs, "output")
 
         def job() -> None:
-            send = torch.cat([_bytes(t)[0] for t in inputs]) if inputs else _SCRATCH[:0]
+            send = torch.cat([as_bytes(t)[0] for t in inputs]) if inputs else SCRATCH[:0]
             counts_in = [t.numel() * t.element_size() for t in inputs]
             counts_out = [t.numel() * t.element_size() for t in outputs]
             recv = torch.empty(sum(counts_out), dtype=torch.uint8)
@@ -618,7 +548,7 @@ class MpiProcessGroup(OrderedGroup):
                 t.copy_(recv[lo : lo + c].view(t.dtype).view(t.shape))
                 lo += c
 
-        return self._run(job, inputs, outputs)
+        return self._issue(signature("all_to_all", inputs, sized=False), job, inputs, outputs)
 
     def alltoall_base(
         self,
@@ -640,13 +570,14 @@ class MpiProcessGroup(OrderedGroup):
             return [s * row for s in splits]
 
         def job() -> None:
-            send, _ = _bytes(input)
-            recv, copied = _bytes(output)
+            send, _ = as_bytes(input)
+            recv, copied = as_bytes(output)
             self._alltoallv(recv, send, counts(output, out_splits), counts(input, in_splits))
             if copied:
                 output.copy_(recv.view(output.dtype).view(output.shape))
 
-        return self._run(job, [input], output)
+        sig = signature("all_to_all_single", (input,), sized=False)  # split sizes may differ per rank
+        return self._issue(sig, job, [input], output)
 
     def all_to_all_single(
         self,
@@ -661,21 +592,21 @@ class MpiProcessGroup(OrderedGroup):
     def _alltoallv(
         self, recv: torch.Tensor, send: torch.Tensor, counts_out: list[int], counts_in: list[int]
     ) -> None:
-        MPI = _mpi()
+        MPI = mpi()
         self._call(
             "all_to_all",
             self._comm.Alltoallv,
-            [_buf(send)[0], (counts_in, _displacements(counts_in)), MPI.BYTE],
-            [_buf(recv)[0], (counts_out, _displacements(counts_out)), MPI.BYTE],
+            [buf(send)[0], (counts_in, displacements(counts_in)), MPI.BYTE],
+            [buf(recv)[0], (counts_out, displacements(counts_out)), MPI.BYTE],
         )
 
     def barrier(self, opts: Any = None) -> Any:
-        return self._run(self._barrier_until_timeout, [], None)
+        return self._issue(signature("barrier"), self._barrier_until_timeout, [], None)
 
     def _tested(self, request: Any) -> bool:
         try:
             return bool(request.Test())
-        except _mpi().Exception as e:
+        except mpi().Exception as e:
             raise self._explained("barrier", e) from None
 
     def _barrier_until_timeout(self) -> None:
@@ -701,24 +632,30 @@ class MpiProcessGroup(OrderedGroup):
     # ------------------------------------------------------------------ point to point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
         self._check_cpu("send", tensors)
-        raws = [_bytes(t)[0] for t in tensors]
-        requests = [self._comm.Isend(_buf(raw), dst, tag) for raw in raws]
-        return _RequestWork(self, "send", requests, keep=raws)
+        raws = [as_bytes(t)[0] for t in tensors]
+        requests = [self._comm.Isend(buf(raw), dst, tag) for raw in raws]
+        return self._p2p(SEND, dst, tensors, _RequestWork(self, "send", requests, keep=raws))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
-        return self._recv(tensors, src, tag)
+        return self._recv(tensors, src, tag, src)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Any:
-        return self._recv(tensors, _mpi().ANY_SOURCE, tag)
+        return self._recv(tensors, mpi().ANY_SOURCE, tag, -1)
 
-    def _recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+    def _recv(self, tensors: list[torch.Tensor], src: int, tag: int, peer: int) -> Any:
         self._check_cpu("recv", tensors)
         if len(tensors) != 1:
             raise MpiError(f"onedist mpi: recv takes one tensor, got {len(tensors)}")
         t = tensors[0]
-        raw, copied = _bytes(t)
-        request = self._comm.Irecv(_buf(raw), src, tag)
-        return _RequestWork(self, "recv", [request], keep=[raw], into=(t, raw) if copied else None)
+        raw, copied = as_bytes(t)
+        request = self._comm.Irecv(buf(raw), src, tag)
+        work = _RequestWork(self, "recv", [request], keep=[raw], into=(t, raw) if copied else None)
+        return self._p2p(RECV, peer, tensors, work)
+
+    def _p2p(self, kind: int, peer: int, tensors: list[torch.Tensor], work: _RequestWork) -> Any:
+        """A send or receive on record (peer -1: any source), its wait explaining a failure."""
+        log = self.calls
+        return work if log is None else RecordedWork(work, log.record_p2p(kind, peer, tensors, work))
 
     def shutdown(self) -> None:
         self._stop_thread()
@@ -739,26 +676,56 @@ class _RequestWork(PyWork):
         self._group, self._what, self._requests = group, what, requests
         self._keep = keep  # the memory MPI reads or writes stays alive until the request completes
         self._into = into
+        # held while a thread waits on or tests the requests: MPI forbids two threads on one
+        # request at once, and the failure watcher asks is_completed() while the caller waits
+        self._busy = threading.Lock()
 
     def wait(self, timeout: Any = None) -> bool:
-        if not self._fut.done():
-            MPI = _mpi()
-            status = MPI.Status()
-            for request in self._requests:
-                self._group._call(self._what, request.Wait, status)
-            self._source = status.Get_source()
-            if self._into is not None:
-                t, raw = self._into
-                t.copy_(raw.view(t.dtype).view(t.shape))
-            self._fut.set_result(self._keep)
+        with self._busy:
+            if not self._fut.done():
+                MPI = mpi()
+                status = MPI.Status()
+                for request in self._requests:
+                    self._group._call(self._what, request.Wait, status)
+                self._source = status.Get_source()
+                if self._into is not None:
+                    t, raw = self._into
+                    t.copy_(raw.view(t.dtype).view(t.shape))
+                self._fut.set_result(self._keep)
         return True
 
     def is_completed(self) -> bool:
-        return self._fut.done() or all(r.Test() for r in self._requests)
+        if self._fut.done():
+            return True
+        if not self._busy.acquire(blocking=False):
+            return False  # another thread waits on it
+        try:
+            return all(r.Test() for r in self._requests)
+        finally:
+            self._busy.release()
 
     def _source_rank(self) -> int:
         self.wait()
         return self._source
+
+
+class _Running:
+    """A collective on record until the group gives its work: a blocking call (run inline) has
+    none until it returns, and a call that raised is a failed one (recorded.calls asks)."""
+
+    __slots__ = ("failed", "work")
+
+    def __init__(self) -> None:
+        self.work: Any = None
+        self.failed = False
+
+    def is_completed(self) -> bool:
+        return self.failed or (self.work is not None and bool(self.work.is_completed()))
+
+    def wait(self) -> bool:
+        if self.failed:
+            raise MpiError("onedist mpi: the call failed")
+        return True if self.work is None else bool(self.work.wait())
 
 
 # ---------------------------------------------------------------------------- creation
@@ -775,7 +742,7 @@ def create(opts: Any, backend_options: Any) -> MpiProcessGroup:
             'HINT: pip install "onedist[mpi]" (and Open MPI or MPICH), then start the ranks with mpirun'
         )
     prepare_environment()  # a torch program's first MPI use may be here
-    MPI = _mpi()
+    MPI = mpi()
     rank, size = opts.group_rank, opts.group_size
     if not dist.is_initialized():  # the default group, created before torch records it
         mpi_size = MPI.COMM_WORLD.Get_size()

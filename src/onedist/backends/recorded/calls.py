@@ -29,7 +29,17 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["KINDS", "CallLog", "Entry", "RecordedWork", "explain_failure", "known_cause", "logs", "signature"]
+__all__ = [
+    "KINDS",
+    "CallLog",
+    "Entry",
+    "RecordedWork",
+    "enabled",
+    "explain_failure",
+    "known_cause",
+    "logs",
+    "signature",
+]
 
 _Work: Any = dist.distributed_c10d.Work
 
@@ -75,6 +85,12 @@ _SKIP_DIRS = (
 )
 
 
+def enabled() -> bool:
+    """Recording is on unless ``ONEDIST_RECORD`` is 0 / false / off (gloo's and mpi4py's groups;
+    shm's always records: its protocol compares the calls anyway)."""
+    return os.environ.get("ONEDIST_RECORD", "1").lower() not in ("0", "false", "off", "no")
+
+
 class Entry(NamedTuple):
     """One call as the log keeps it (without its Work)."""
 
@@ -108,10 +124,8 @@ def _op_code(op: Any) -> int:
     """A reduction (options holding one, a ReduceOp, its RedOpType) as an int; -1 for none."""
     if op is None:
         return -1
-    try:
-        return int(op.reduceOp.op)  # options, the usual case
-    except AttributeError:
-        op = getattr(op, "op", op)  # ReduceOp -> RedOpType
+    op = getattr(op, "reduceOp", op)  # options -> ReduceOp (getattr's default: no exception raised)
+    op = getattr(op, "op", op)  # ReduceOp -> RedOpType
     try:
         return int(op)
     except (TypeError, ValueError):

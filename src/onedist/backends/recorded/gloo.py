@@ -17,7 +17,6 @@ inside it. Groups your code makes with ``dist.new_group`` are torch's plain gloo
 
 from __future__ import annotations
 
-import os
 import sys
 from datetime import timedelta
 from typing import Any, Optional
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from .._pygroup import NamedGroup
 from . import steps
-from .calls import RECV, SEND, CallLog, RecordedWork, signature
+from .calls import RECV, SEND, CallLog, RecordedWork, enabled, signature
 
 __all__ = ["NAME", "RecordedGloo", "create", "enabled", "register"]
 
@@ -35,11 +34,6 @@ __all__ = ["NAME", "RecordedGloo", "create", "enabled", "register"]
 NAME = "onedist-gloo"
 
 _c10d: Any = dist.distributed_c10d
-
-
-def enabled() -> bool:
-    """Recording is on unless ``ONEDIST_RECORD`` is 0 / false / off."""
-    return os.environ.get("ONEDIST_RECORD", "1").lower() not in ("0", "false", "off", "no")
 
 
 def register() -> None:
