@@ -41,8 +41,8 @@ Failure handling (nothing may hang; every process is gone within a few seconds o
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -51,13 +51,13 @@ import tempfile
 import threading
 import time
 from subprocess import _args_from_interpreter_flags  # type: ignore[attr-defined]
-from types import FrameType
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 from .._net import STORE_FD_ENV, discard_store_fd, rendezvous_port
 from ..environments import TORCHRUN_VARS
 from ..errors import OnedistRuntimeError, WorkerFailedError, bad_value, format_user_traceback
 from .launcher import SingleAttemptLauncher
+from .main_signals import MainSignals
 from .report import Failure, failure_error, failure_report
 from .spec import LaunchSpec
 from .supervisor import GRACE_S, POLL_S, TERM_S, PopenWorker, Supervisor
@@ -172,89 +172,60 @@ def _write_stderr(text: str) -> None:
         pass
 
 
+class Phase(enum.Enum):
+    """Where a run is. It leaves RUNNING once, by whichever thread comes first (:class:`_Phases`)."""
+
+    RUNNING = "running"  # the main thread is in initialize / fn / finalize
+    LEFT = "left"  # it came out by itself
+    FAILED = "failed"  # the watcher took over: a child failed
+    SIGNALLED = "signalled"  # the watcher took over: a stop signal arrived
+
+
+class _Phases:
+    """The run's :class:`Phase`, and the event of the main thread leaving fn."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # RLock: the SIGINT handler may run while the main thread holds it
+        self.now = Phase.RUNNING
+        self.left_fn = threading.Event()
+
+    def leave(self, to: Phase) -> Phase:
+        """Move out of RUNNING to ``to``; the phase found (RUNNING: this call moved it). The main
+        thread's move (``to`` LEFT) also marks that it left fn, whatever it found."""
+        with self.lock:
+            found = self.now
+            if found is Phase.RUNNING:
+                self.now = to
+            if to is Phase.LEFT:
+                self.left_fn.set()
+        return found
+
+
 class _Launch:
-    """One run: the children, the watcher thread, and the signal plumbing of the main thread."""
+    """One run: the children, the watcher thread, the main thread's signals, and the phase."""
 
     def __init__(self, cmd: list[str], rank0: int, child_env: dict[int, dict[str, str]]) -> None:
         self.cmd = cmd
         self.rank0 = rank0
         self.child_env = child_env
         self.supervisor = Supervisor[PopenWorker]()  # the children
-        self.lock = threading.RLock()  # RLock: the SIGINT handler may run while the main thread holds it
-        # "running": the main thread is in initialize / fn / finalize; "left": it came out;
-        # "failed" / "signalled": the watcher took over (a child failed / a signal arrived)
-        self.state = "running"
-        self.left_fn = threading.Event()
+        self.phase = _Phases()
+        self.signals = MainSignals(self._interrupted, self.phase.lock)
         self.done = threading.Event()
-        self.error: Optional[WorkerFailedError] = None
-        self.delivered = False
-        self.interrupts_sent = 0
-        self.interrupts_seen = 0
-        self.signalled: Optional[int] = None
+        self.error: Optional[WorkerFailedError] = None  # the children's failure (Phase.FAILED)
+        self.delivered = False  # raised in the main thread
+        self.signalled: Optional[int] = None  # the stop signal (Phase.SIGNALLED)
         self.tmpdir = ""
         self.watcher: Optional[threading.Thread] = None
-        self.in_main_thread = threading.current_thread() is threading.main_thread()
-        self.interruptible = False  # our SIGINT handler is installed: the watcher can interrupt
-        self.wake_r = self.wake_w = -1
-        self.prev_wakeup = -1
-        self.prev_int: Any = None
-        self.prev_term: Any = None
-        self.stop_signals: set[int] = set()
-        self.forward_signals: set[int] = set()
         self.initialized = False  # the main thread's group exists: finalise it at the end
 
-    # ------------------------------------------------------------------ signals (main thread)
-    def install_signals(self) -> None:
-        self.prev_int = signal.getsignal(signal.SIGINT) if self.in_main_thread else None
-        if self.prev_int is None:  # not the main thread, or a handler set outside Python: no
-            return  # signal plumbing; the os._exit fallback remains
-        self.prev_term = signal.getsignal(signal.SIGTERM)
-        for signum, prev in ((signal.SIGINT, self.prev_int), (signal.SIGTERM, self.prev_term)):
-            if prev is signal.default_int_handler or prev == signal.SIG_DFL:
-                self.stop_signals.add(signum)  # the default would end the process: stop the run
-            elif callable(prev):
-                self.forward_signals.add(signum)  # the user's own handler: the children get it too
-        if signal.SIGTERM in self.stop_signals:
-            signal.signal(signal.SIGTERM, self.on_sigterm)
-        signal.signal(signal.SIGINT, self.on_sigint)  # also how the watcher interrupts this thread
-        self.interruptible = True
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
-        # the watcher learns of a signal even while the main thread is stuck in native code
-        self.prev_wakeup = signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-
-    def restore_signals(self) -> None:
-        if not self.interruptible:
-            return
-        signal.set_wakeup_fd(self.prev_wakeup)
-        signal.signal(signal.SIGINT, self.prev_int)
-        if signal.SIGTERM in self.stop_signals:
-            signal.signal(signal.SIGTERM, self.prev_term)
-        for fd in (self.wake_r, self.wake_w):
-            os.close(fd)
-        self.wake_r = self.wake_w = -1
-        self.interruptible = False
-
-    def on_sigint(self, signum: int, frame: Optional[FrameType]) -> None:
-        with self.lock:
-            ours = self.interrupts_sent > self.interrupts_seen
-            if ours:
-                self.interrupts_seen += 1
-            deliver = ours and self.state == "failed" and not self.delivered and not self.left_fn.is_set()
-            if deliver:
-                self.delivered = True
-        if deliver and self.error is not None:
-            raise self.error
-        if ours:  # our interrupt, after the main thread came out by itself: nothing to do
-            return
-        if callable(self.prev_int):
-            self.prev_int(signum, frame)
-        elif self.prev_int != signal.SIG_IGN:
-            raise KeyboardInterrupt
-
-    def on_sigterm(self, signum: int, frame: Optional[FrameType]) -> None:
-        raise SystemExit(128 + signum)
+    def _interrupted(self) -> Optional[BaseException]:
+        """What the main thread raises when the watcher's interrupt reaches it: the children's
+        failure, once, while it is still in fn."""
+        if self.phase.now is Phase.FAILED and not self.delivered and not self.phase.left_fn.is_set():
+            self.delivered = True
+            return self.error
+        return None
 
     # ------------------------------------------------------------------ children
     def start_children(self) -> None:
@@ -265,7 +236,7 @@ class _Launch:
             except OSError:
                 libc = None
         parent = os.getpid()
-        ignore_sigint = self.prev_int == signal.SIG_IGN
+        ignore_sigint = self.signals.sigint_ignored
 
         def die_with_parent() -> None:  # runs in the child between fork and exec
             if libc is not None:
@@ -313,39 +284,17 @@ class _Launch:
         return self.supervisor.failures(mark_stopped)
 
     # ------------------------------------------------------------------ watcher thread
-    def read_signals(self, timeout: float) -> list[int]:
-        if self.wake_r < 0:
-            time.sleep(timeout)
-            return []
-        try:
-            ready, _, _ = select.select([self.wake_r], [], [], timeout)
-        except (OSError, ValueError):  # closed by the main thread at the very end
-            return []
-        if not ready:
-            return []
-        try:
-            data = os.read(self.wake_r, 512)
-        except (BlockingIOError, OSError):
-            return []
-        if self.prev_wakeup >= 0:  # e.g. an asyncio loop's: pass the signal on
-            try:
-                os.write(self.prev_wakeup, data)
-            except OSError:
-                pass
-        return list(data)
-
     def watch(self) -> None:
         first: Optional[float] = None
         while not self.done.is_set():
-            for signum in self.read_signals(POLL_S):
-                if signum in self.stop_signals:
+            for signum in self.signals.read(POLL_S):
+                if signum in self.signals.stop_signals:
                     self.on_stop_signal(signum)
                     return
-                if signum in self.forward_signals:
+                if signum in self.signals.forward_signals:
                     self.signal_children(signum)
-            with self.lock:
-                if self.state != "running":
-                    return
+            if self.phase.now is not Phase.RUNNING:
+                return
             seen = self.poll_failures()
             if first is None:
                 first = seen
@@ -354,25 +303,18 @@ class _Launch:
                 return
 
     def on_child_failure(self) -> None:
-        with self.lock:
-            if self.state != "running":
+        with self.phase.lock:
+            if self.phase.leave(Phase.FAILED) is not Phase.RUNNING:
                 return
-            self.state = "failed"
             self.error = failure_error(self.failures(mark_stopped=True))
-            interrupt = self.interruptible
-            if interrupt:
-                self.interrupts_sent += 1
         deadline = time.monotonic() + MAIN_GRACE_S
-        if interrupt and threading.main_thread().ident is not None:
-            # a real signal (not _thread.interrupt_main): it also interrupts a blocking sleep / select
-            signal.pthread_kill(cast(int, threading.main_thread().ident), signal.SIGINT)
+        self.signals.interrupt_main()
         self.finish(deadline, str(self.error) + "\n", 1)
 
     def on_stop_signal(self, signum: int) -> None:
-        with self.lock:
-            if self.state != "running":
+        with self.phase.lock:
+            if self.phase.leave(Phase.SIGNALLED) is not Phase.RUNNING:
                 return
-            self.state = "signalled"
             self.signalled = signum
         deadline = time.monotonic() + MAIN_GRACE_S
         name = signal.Signals(signum).name
@@ -385,11 +327,11 @@ class _Launch:
         while True:
             alive = bool(self.running())
             now = time.monotonic()
-            if not self.left_fn.is_set() and now >= deadline:
+            if not self.phase.left_fn.is_set() and now >= deadline:
                 self.die(message, code)
             if alive and now >= kill_at:
                 self.signal_children(signal.SIGKILL)
-            if not alive and self.left_fn.is_set():
+            if not alive and self.phase.left_fn.is_set():
                 return
             time.sleep(POLL_S)
 
@@ -406,15 +348,6 @@ class _Launch:
         os._exit(code)
 
     # ------------------------------------------------------------------ main thread
-    def leave_fn(self) -> str:
-        """Mark that the main thread left fn; the state it found ("running" unless the watcher acted)."""
-        with self.lock:
-            found = self.state
-            if found == "running":
-                self.state = "left"
-            self.left_fn.set()
-        return found
-
     def join_watcher(self) -> None:
         if self.watcher is not None:
             self.watcher.join(TERM_S + MAIN_GRACE_S + 1.0)
@@ -422,11 +355,11 @@ class _Launch:
     def main_failed(self, exc: BaseException) -> BaseException:
         """The exception to raise after ``exc`` came out of initialize / fn / finalize here."""
         when = time.time()
-        found = self.leave_fn()
-        if found == "failed" and self.error is not None:
+        found = self.phase.leave(Phase.LEFT)
+        if found is Phase.FAILED and self.error is not None:
             self.join_watcher()  # it stops the children
             return self.error
-        if found == "signalled" or isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        if found is Phase.SIGNALLED or isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             self.join_watcher()
             self.stop()
             return exc
@@ -497,7 +430,7 @@ def _run_subprocess(spec: LaunchSpec) -> Any:
         os.environ.update(env_for(0))
         previous_threads = _set_torch_threads(threads)
         launch.tmpdir = tempfile.mkdtemp(prefix="onedist-reexec-")
-        launch.install_signals()
+        launch.signals.install()
         launch.start_children()
         launch.watcher = threading.Thread(target=launch.watch, name="onedist-reexec-watcher", daemon=True)
         launch.watcher.start()
@@ -577,11 +510,11 @@ def _run_rank0(launch: _Launch, spec: LaunchSpec) -> Any:
         if err is e:
             raise
         raise err from None
-    found = launch.leave_fn()
-    if found == "failed" and launch.error is not None:
+    found = launch.phase.leave(Phase.LEFT)
+    if found is Phase.FAILED and launch.error is not None:
         launch.join_watcher()
         raise launch.error
-    if found == "signalled" and launch.signalled is not None:  # fn returned as the signal came
+    if found is Phase.SIGNALLED and launch.signalled is not None:  # fn returned as the signal came
         launch.join_watcher()
         if launch.signalled == signal.SIGINT:
             raise KeyboardInterrupt
@@ -603,7 +536,7 @@ def _end(launch: _Launch, saved: dict[str, Optional[str]], previous_threads: Opt
             finalize_context(check_last_call=False)
         except Exception:
             pass
-    launch.restore_signals()
+    launch.signals.restore()
     if previous_threads is not None:
         import torch
 
