@@ -86,6 +86,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     )
     from .errors import (
         BackendUnavailableError as BackendUnavailableError,
+        CheckpointCorruptError as CheckpointCorruptError,
         CollectiveMismatchError as CollectiveMismatchError,
         JoinedRankError as JoinedRankError,
         LaunchArgumentError as LaunchArgumentError,
@@ -204,6 +205,7 @@ _LAZY = {
     "show_config": "context",
     "sync": "context",
     "BackendUnavailableError": "errors",
+    "CheckpointCorruptError": "errors",
     "CollectiveMismatchError": "errors",
     "JoinedRankError": "errors",
     "LaunchArgumentError": "errors",

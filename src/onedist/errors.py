@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointCorruptError",
     "CollectiveMismatchError",
     "JoinedRankError",
     "LaunchArgumentError",
@@ -100,6 +101,39 @@ class JoinedRankError(OnedistRuntimeError):
         super().__init__(message)
         self.call = call
         self.rank = rank
+
+
+class CheckpointCorruptError(OnedistRuntimeError):
+    """A checkpoint is damaged or cannot be read: its bytes differ from the checksum written with
+    them, it is cut short, or reading it fails. Raised on every rank, naming each file and what did
+    not match; a RuntimeError, as torch's own errors for an unreadable file are.
+
+    Attributes:
+        faults: each damaged file (a sharded checkpoint's shard file within its directory) and its
+            fault; :func:`onedist.resume` lists every step it tried when none was intact.
+
+    Example:
+        >>> import torch, onedist as od
+        >>> path = "/tmp/od-corrupt-doc/last.pt"
+        >>> od.save_checkpoint({"weight": torch.zeros(4)}, path)
+        >>> with open(path, "r+b") as f:  # one bit flipped, 100 bytes before the end
+        ...     _ = f.seek(-100, 2)
+        ...     byte = f.read(1)[0]
+        ...     _ = f.seek(-100, 2)
+        ...     _ = f.write(bytes([byte ^ 1]))
+        >>> try:
+        ...     od.load_checkpoint(path)
+        ... except od.CheckpointCorruptError as e:
+        ...     print(list(e.faults), e.faults[path].split(" is ")[0])
+        ['/tmp/od-corrupt-doc/last.pt'] the CRC-32 of its ... bytes
+    """
+
+    def __init__(self, message: str, faults: dict[str, str]) -> None:
+        super().__init__(message)
+        self.faults = dict(faults)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.faults))
 
 
 class RemoteRankError(OnedistRuntimeError):

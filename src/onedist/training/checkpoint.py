@@ -6,8 +6,10 @@
 * :func:`load_checkpoint` loads on every rank onto :func:`onedist.device` and can load the state
   dicts back into live objects: a checkpoint of a DDP model loads into a plain one and back.
 
-A failure on one rank (no space left, a missing file) raises on every rank instead of leaving the
-others waiting in the next collective.
+Every file ends with the CRC-32 of its bytes, computed as they are written and checked before
+torch reads them (:mod:`.checksums`): a damaged file raises :class:`~onedist.CheckpointCorruptError`
+on every rank instead of loading wrong values. A failure on one rank (no space left, a missing
+file) raises on every rank instead of leaving the others waiting in the next collective.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any, Union
 import torch
 
 from ..errors import OnedistError, bad_type, bad_value
-from .files import fsync_dir, temporary_beside
+from .checksums import load_verified, save_with_checksum
+from .files import fsync_dir, remove_stale_temporaries, temporaries_of, temporary_beside, write_failed
 from .outcomes import on_every_rank, on_writer
 from .sharded_checkpoint import holds_sharded, is_sharded_checkpoint, load_sharded, save_sharded
 
@@ -48,10 +51,14 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
     config, tensors) are saved as they are.
 
     Only ``rank`` writes: ``torch.save`` to a temporary file in the same directory (created if
-    missing), ``fsync``, then ``os.replace`` onto ``path``, so a crash never leaves a truncated
-    checkpoint behind. One small collective then tells every rank the outcome: all return after
-    the file exists, or all raise if the write failed (the writer its own error, the others
-    :class:`~onedist.RemoteRankError`). Every rank must call it.
+    missing), followed by the CRC-32 of every byte written (checked by :func:`load_checkpoint`),
+    ``fsync``, then ``os.replace`` onto ``path``, so a crash never leaves a truncated checkpoint
+    behind; temporary files of ``path`` whose writer was killed are deleted first. One small
+    collective then tells every rank the outcome: all return after the file exists, or all raise
+    if the write failed (the writer its own error, the others :class:`~onedist.RemoteRankError`).
+    A full disk, a missing permission or a read-only file system raises an ``OSError`` of that
+    errno naming ``path``, what the errno means and the fix; the file at ``path`` is then
+    unchanged and no temporary file is left. Every rank must call it.
 
     A sharded model (``auto_model(sharding="fsdp")``) in ``obj`` makes ``path`` a directory that
     every rank writes its own shards into (torch.distributed.checkpoint), its optimizer's state
@@ -131,12 +138,22 @@ def _has_method(value: Any, name: str) -> bool:
 
 
 def _write(state: Any, target: Path) -> None:
+    """``state`` to ``target`` through a temporary file, with its checksum; an OSError (a full disk,
+    no permission, a read-only file system) raised as :func:`write_failed`'s clear one."""
+    try:
+        _write_atomically(state, target)
+    except OSError as e:
+        raise write_failed("save_checkpoint", target, e) from e
+
+
+def _write_atomically(state: Any, target: Path) -> None:
     directory = target.parent
     directory.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(directory, temporaries_of(target))  # those of writers killed before
     tmp = temporary_beside(target)
     try:
         with open(tmp, "xb") as f:  # honours the umask, unlike mkstemp's 0600
-            torch.save(state, f)
+            save_with_checksum(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -164,6 +181,14 @@ def load_checkpoint(
     that cannot read it makes every rank raise rather than hang in the next collective. Every
     rank must call it.
 
+    Before torch reads a byte, the file's CRC-32 is checked against the one
+    :func:`save_checkpoint` wrote: a flipped bit, a file cut short, emptied or unreadable raises
+    :class:`~onedist.CheckpointCorruptError` on every rank, naming the file and what did not
+    match; nothing is loaded into ``to``. The checked file is read through the memory map that was
+    hashed, and every loaded tensor then copied into memory of its own (nothing depends on the
+    file afterwards). A file without a checksum (saved before onedist wrote them, or by another tool) loads as
+    before, with a warning that it cannot be verified.
+
     With ``to``, each of its values that has ``load_state_dict`` gets the checkpoint's entry of
     the same key (nested dicts/lists/tuples are followed): a model is loaded into
     :func:`onedist.unwrap` of it, so wrapped and unwrapped models load each other's checkpoints;
@@ -190,6 +215,8 @@ def load_checkpoint(
     Raises:
         CheckpointNotFoundError: on every rank without the file (a ``FileNotFoundError``), naming
             the path; the other ranks raise :class:`~onedist.RemoteRankError`.
+        CheckpointCorruptError: on every rank, when any rank finds the file (or a shard of a
+            sharded checkpoint) damaged, naming it and what did not match.
 
     Example:
         >>> import torch, onedist as od
@@ -209,14 +236,20 @@ def load_checkpoint(
     location = device() if map_location is None else map_location
     if is_sharded_checkpoint(target):
         return load_sharded(target, to, location, weights_only, _load_into)
-    return on_every_rank(
-        lambda: _load_here(target, b.rank, location, weights_only, to),
+    state = on_every_rank(
+        lambda: _read_here(target, b.rank, location, weights_only),
         lambda r: f"onedist.load_checkpoint: rank {r} could not load {str(target)!r}",
     )
+    if to is not None:  # only once every rank read it intact: a failed load changes no live object
+        on_every_rank(
+            lambda: _load_into(to, state, "to"),
+            lambda r: f"onedist.load_checkpoint: rank {r} could not load {str(target)!r} into `to`",
+        )
+    return state
 
 
-def _load_here(target: Path, rank: int, location: Any, weights_only: bool, to: Any) -> Any:
-    """This rank's load of ``target`` (into ``to``'s objects when given)."""
+def _read_here(target: Path, rank: int, location: Any, weights_only: bool) -> Any:
+    """This rank's read of ``target``, checked against its checksum."""
     if not target.is_file():
         what = "a directory" if target.is_dir() else "no file"
         raise CheckpointNotFoundError(
@@ -224,10 +257,7 @@ def _load_here(target: Path, rank: int, location: Any, weights_only: bool, to: A
             "HINT: check the path; save_checkpoint returns on every rank only after the file exists, "
             "and every rank must see the same filesystem"
         )
-    state = torch.load(target, map_location=location, weights_only=weights_only)
-    if to is not None:
-        _load_into(to, state, "to")
-    return state
+    return load_verified(target, location, weights_only)
 
 
 def _load_into(live: Any, saved: Any, where: str) -> None:

@@ -7,7 +7,9 @@ that raised.
   whether another failed.
 
 The rank that failed raises its own error; the others raise :class:`~onedist.RemoteRankError`
-naming it, with its error's type and message.
+naming it, with its error's type and message, or, when that rank found a checkpoint damaged,
+:class:`~onedist.CheckpointCorruptError`: every rank then raises the error that callers (such as
+:func:`onedist.resume`, which skips a damaged step) act on.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
-from ..errors import RemoteRankError
+from ..errors import CheckpointCorruptError, RemoteRankError
 
 __all__ = ["on_every_rank", "on_writer"]
 
@@ -54,7 +56,9 @@ def on_writer(writer: int, step: Callable[[], Any], failure: str) -> Any:
 def on_every_rank(step: Callable[[], T], failure: Callable[[int], str]) -> T:
     """``step()`` on every rank, then (several ranks) one all_gather of whether it failed: a rank
     whose step failed raises its error, the others the first failure (``failure(rank)``, followed
-    by that rank's error). Every rank must call it.
+    by that rank's error). When any rank found a checkpoint damaged, every rank raises
+    :class:`~onedist.CheckpointCorruptError` (its own, or that rank's faults), so that every rank
+    takes the same decision on it. Every rank must call it.
 
     Example:
         >>> on_every_rank(lambda: 3, lambda rank: f"rank {rank} failed")
@@ -70,12 +74,22 @@ def on_every_rank(step: Callable[[], T], failure: Callable[[int], str]) -> T:
     except Exception as e:
         error = e
     if current().world_size > 1:
-        statuses = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+        statuses = all_gather_object(None if error is None else _status(error))
         failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+        damaged = [(r, s) for r, s in failed if s[1] is not None]
+        if damaged and not isinstance(error, CheckpointCorruptError):  # every rank raises what resume acts on
+            rank, (status, faults) = damaged[0]
+            raise CheckpointCorruptError(f"{failure(rank)}. Its error: {status}", faults) from error
         if error is None and failed:
-            rank, status = failed[0]
+            rank, (status, _) = failed[0]
             raise RemoteRankError(f"{failure(rank)}. Its error: {status}", rank=rank)
     if error is not None:
         raise error
     out: T = result
     return out
+
+
+def _status(error: BaseException) -> tuple[str, Optional[dict[str, str]]]:
+    """What the other ranks learn of ``error``: its type and message, and a damaged file's faults."""
+    faults = error.faults if isinstance(error, CheckpointCorruptError) else None
+    return f"{type(error).__name__}: {error}", faults

@@ -15,7 +15,9 @@ another world size.
 Only checkpoints with their final name count: ``save_checkpoint`` writes a temporary file (or
 directory) and renames it when complete, so a write cut short (a killed rank) leaves a ``.tmp``
 that is never loaded; both functions delete such leftovers once their writer is gone
-(:func:`remove_stale_temp_files`).
+(:func:`remove_stale_temp_files`). A step whose checkpoint is damaged (its checksum does not
+match, it is cut short or unreadable) is skipped for the newest intact one, on every rank alike,
+and renamed aside to ``<name>.corrupt``; only when no step is intact does ``resume`` raise.
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ import logging
 import os
 import random
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from ..errors import bad_type, bad_value
+from ..errors import CheckpointCorruptError, bad_type, bad_value
 from ..log import log_shown
 from .checkpoint import PathLike, load_checkpoint, save_checkpoint
+from .files import remove_stale_temporaries
 
 __all__ = ["checkpoint_path", "remove_stale_temp_files", "resume", "save_training_state"]
 
@@ -126,8 +128,13 @@ def resume(
     objects given (a DDP model's module; the same objects ``save_training_state`` got), and this
     rank's RNG states are restored: at once, or, when ``sampler`` was saved mid-epoch, when its
     next pass starts, after the ``DataLoader`` drew its base seed from the global RNG as it did
-    at that epoch's start. Rank 0 logs the step. Every rank must call it (rank 0 picks the file,
-    one small broadcast).
+    at that epoch's start. Rank 0 logs the step. Every rank must call it (rank 0 lists the
+    files, one small broadcast).
+
+    A damaged newest step (its checksum does not match, it is cut short, empty or unreadable on
+    any rank: :class:`~onedist.CheckpointCorruptError`) is skipped on every rank alike for the
+    newest intact one; rank 0 then renames each skipped file to ``<name>.corrupt`` (kept for a
+    look, never loaded) and logs a warning naming it and its fault.
 
     Args:
         directory: the folder :func:`save_training_state` writes to; it need not exist yet.
@@ -139,6 +146,10 @@ def resume(
 
     Returns:
         The step of the checkpoint loaded, or 0 when there is none.
+
+    Raises:
+        CheckpointCorruptError: on every rank when there are checkpoints and none is intact,
+            listing each file and its fault (the files stay where they are).
 
     Example:
         >>> import torch, onedist as od
@@ -159,10 +170,10 @@ def resume(
     _check_objects(func, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler)
     if get_rank() == 0:  # the ranks of a job share the folder: one of them cleans it
         remove_stale_temp_files(folder)
-    step = newest_step(folder)
+    steps = steps_newest_first(folder)
     if get_world_size() > 1:
-        step = broadcast_object(step, src=0)  # every rank loads the file rank 0 picked
-    if step is None:
+        steps = broadcast_object(steps, src=0)  # every rank tries the files rank 0 listed
+    if not steps:
         if get_rank() == 0:
             log_shown(logger, logging.INFO, "onedist.resume: no checkpoint in %s; starting at step 0", folder)
         return 0
@@ -171,12 +182,66 @@ def resume(
         for k, v in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
         if v is not None
     }
-    path = checkpoint_path(folder, step)
-    state = load_checkpoint(path, live, map_location="cpu")
+    step, path, state = _newest_intact(folder, steps, live)
     _restore_rng(state, path, sampler)
     if get_rank() == 0:
         log_shown(logger, logging.INFO, "onedist.resume: resumed from step %d (%s)", step, path)
-    return int(step)
+    return step
+
+
+def _newest_intact(folder: Path, steps: list[int], live: dict[str, Any]) -> tuple[int, Path, Any]:
+    """The newest step whose checkpoint loads intact into ``live``: (step, path, state).
+
+    load_checkpoint raises CheckpointCorruptError on every rank when any rank found the file
+    damaged, so every rank skips the same steps. The skipped files are set aside once one step
+    loaded; with none intact they stay, and every rank raises listing them."""
+    skipped: dict[Path, dict[str, str]] = {}
+    for step in steps:
+        path = checkpoint_path(folder, step)
+        try:
+            state = load_checkpoint(path, live, map_location="cpu")
+        except CheckpointCorruptError as e:
+            skipped[path] = e.faults
+            continue
+        _set_aside(skipped, step)
+        return step, path, state
+    faults = {where: fault for found in skipped.values() for where, fault in found.items()}
+    listing = "".join(f"\n  {where}: {fault}" for where, fault in faults.items())
+    raise CheckpointCorruptError(
+        f"onedist.resume: none of the {len(steps)} checkpoint(s) in {str(folder)!r} is intact:{listing}\n"
+        "HINT: they are left in place; copy an intact checkpoint there, or move them away to start at step 0",
+        faults,
+    )
+
+
+def _set_aside(skipped: dict[Path, dict[str, str]], step: int) -> None:
+    """Rank 0 renames each damaged checkpoint to ``<name>.corrupt`` and says why it was skipped."""
+    from ..context import get_rank
+
+    if get_rank() != 0:
+        return
+    for path, faults in skipped.items():
+        aside = _unused(path.with_name(path.name + ".corrupt"))
+        try:
+            os.replace(path, aside)
+            kept = f"kept as {aside.name}"
+        except OSError as e:
+            kept = f"left in place (renaming it failed: {e})"
+        why = "; ".join(
+            fault if where == str(path) else f"{where}: {fault}" for where, fault in faults.items()
+        )
+        logger.warning(
+            "onedist.resume: skipped the damaged %s (%s); %s; resuming from step %d", path, why, kept, step
+        )
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``path.2``, ``path.3``... : the first that does not exist."""
+    candidate, n = path, 1
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = path.with_name(f"{path.name}.{n}")
+    return candidate
 
 
 def _restore_rng(state: dict[str, Any], path: Path, sampler: Any) -> None:
@@ -210,12 +275,22 @@ def newest_step(directory: PathLike) -> Optional[int]:
         >>> newest_step("/tmp/od-resume-doc/none-here") is None
         True
     """
+    steps = steps_newest_first(directory)
+    return steps[0] if steps else None
+
+
+def steps_newest_first(directory: PathLike) -> list[int]:
+    """The steps with a complete checkpoint in ``directory``, the largest first.
+
+    Example:
+        >>> steps_newest_first("/tmp/od-resume-doc/none-here")
+        []
+    """
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
-        return None
-    steps = [int(m.group(1)) for m in map(_NAME.fullmatch, names) if m is not None]
-    return max(steps, default=None)
+        return []
+    return sorted((int(m.group(1)) for m in map(_NAME.fullmatch, names) if m is not None), reverse=True)
 
 
 def remove_stale_temp_files(directory: PathLike) -> list[str]:
@@ -223,9 +298,9 @@ def remove_stale_temp_files(directory: PathLike) -> list[str]:
 
     A writer killed during its write (a restart's cause) leaves ``.step_<n>.pt.<pid>.<id>.tmp``
     behind (a directory, for a sharded checkpoint): never loaded, but as large as a checkpoint,
-    one more per kill. The pid in the name
-    tells whether its writer still runs on this host; a file whose writer runs (or whose pid
-    belongs to another user's process) is kept. Other files are never touched.
+    one more per kill. The pid in the name tells whether its writer still runs on this host; a
+    file whose writer runs (or whose pid belongs to another user's process) is kept. Other files
+    are never touched.
 
     Example:
         >>> import os, tempfile
@@ -235,20 +310,7 @@ def remove_stale_temp_files(directory: PathLike) -> list[str]:
         >>> remove_stale_temp_files(folder), os.listdir(folder)
         (['.step_00000005.pt.4194305.0123456789ab.tmp'], [])
     """
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    removed = []
-    for name in names:
-        m = _TEMP.fullmatch(name)
-        if m is None or _process_exists(int(m.group(1))):
-            continue
-        try:
-            _remove(os.path.join(directory, name))
-        except FileNotFoundError:
-            continue
-        removed.append(name)
+    removed = remove_stale_temporaries(Path(os.fspath(directory)), _TEMP)
     if removed:
         log_shown(
             logger,
@@ -257,24 +319,6 @@ def remove_stale_temp_files(directory: PathLike) -> list[str]:
             len(removed),
         )
     return removed
-
-
-def _remove(path: str) -> None:
-    """Delete a temporary file, or a sharded checkpoint's temporary directory."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # no such process (or no such pid at all)
-        return False
-    except PermissionError:
-        return True  # another user's process: not ours to judge
-    return True
 
 
 def _directory(func: str, directory: Any) -> Path:

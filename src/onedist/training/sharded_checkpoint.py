@@ -13,7 +13,9 @@ checkpoints), through torch.distributed.checkpoint (DCP):
 
 The directory is written under a temporary name in the same folder and renamed to the path only
 when every rank's shards, DCP's metadata and ``rest.pt`` are complete, so a save cut short (a killed
-rank) is never loaded. :func:`load_sharded` loads such a directory into live objects: a sharded
+rank) is never loaded. Every file carries a CRC-32 computed as it is written: ``rest.pt`` its own
+record, DCP's files a list in ``checksums.json`` (:mod:`.shard_checksums`), all checked before a
+load reads them. :func:`load_sharded` loads such a directory into live objects: a sharded
 model at the same or another world size, or an unsharded one (each rank then reads the whole
 tensors), with the optimizer paired to its model by its parameters.
 """
@@ -31,7 +33,8 @@ from typing import Any
 import torch
 
 from ..errors import bad_type, bad_value
-from .files import fsync_dir, temporary_beside
+from .checksums import load_verified, save_with_checksum, without_torchs_own_crc
+from .files import fsync_dir, remove_stale_temporaries, temporaries_of, temporary_beside, write_failed
 from .outcomes import on_every_rank, on_writer
 from .sharding import is_sharded
 
@@ -68,9 +71,11 @@ def save_sharded(obj: Any, target: Path, writer: int, state_of: Any) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    from ..collectives import all_gather_object
     from ..context import current
+    from .shard_checksums import ChecksummedFileSystem
 
-    rank = current().rank
+    rank, world_size = current().rank, current().world_size
     entries: dict[str, Any] = {}
     rest = _split(obj, "", _models_of(obj), entries, state_of)
     temporary: str = on_writer(
@@ -79,18 +84,23 @@ def save_sharded(obj: Any, target: Path, writer: int, state_of: Any) -> None:
         f"onedist.save_checkpoint: rank {writer} could not create the sharded checkpoint's "
         f"directory beside {str(target)!r}",
     )
+    storage = FileSystemWriter(temporary)
+    storage.fs = files = ChecksummedFileSystem()  # each file's CRC-32, as DCP writes it
     try:  # every rank's shards; DCP raises on every rank when one rank's write fails
         # a replicated tensor (a buffer) is written once: rank 0's, the copy DDP-like training keeps
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        with _quiet_without_process_group() as no_dist:
-            save(entries, storage_writer=FileSystemWriter(temporary), planner=planner, no_dist=no_dist)
+        with _quiet_without_process_group() as no_dist, without_torchs_own_crc():
+            save(entries, storage_writer=storage, planner=planner, no_dist=no_dist)
     except BaseException:
         if rank == writer:
             shutil.rmtree(temporary, ignore_errors=True)
         raise
+    digests = files.digests
+    if world_size > 1:
+        digests = {name: d for found in all_gather_object(files.digests) for name, d in found.items()}
     on_writer(  # returning means the directory is in place
         writer,
-        lambda: _finish(rest, Path(temporary), target),
+        lambda: _finish(rest, digests, Path(temporary), target),
         f"onedist.save_checkpoint: rank {writer} could not complete the sharded checkpoint {str(target)!r}",
     )
 
@@ -177,27 +187,37 @@ def _model_of(
 def _make_temporary(target: Path) -> Path:
     """A new directory beside ``target`` whose name resume's clean-up recognises (the pid is the
     writer's: the directory is stale once that process is gone)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = temporary_beside(target)
-    temporary.mkdir()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(target.parent, temporaries_of(target))  # those of writers killed before
+        temporary = temporary_beside(target)
+        temporary.mkdir()
+    except OSError as e:
+        raise write_failed("save_checkpoint", target, e) from e
     return temporary
 
 
-def _finish(rest: Any, temporary: Path, target: Path) -> None:
+def _finish(rest: Any, digests: dict[str, tuple[int, int]], temporary: Path, target: Path) -> None:
     """:func:`_complete`, or the temporary directory removed when it fails."""
     try:
-        _complete(rest, temporary, target)
-    except BaseException:
+        _complete(rest, digests, temporary, target)
+    except BaseException as e:
         shutil.rmtree(temporary, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_failed("save_checkpoint", target, e) from e
         raise
 
 
-def _complete(rest: Any, temporary: Path, target: Path) -> None:
-    """rest.pt into the complete directory, then the directory renamed to ``target``."""
+def _complete(rest: Any, digests: dict[str, tuple[int, int]], temporary: Path, target: Path) -> None:
+    """rest.pt and the shards' checksums into the complete directory, then the directory renamed
+    to ``target``."""
+    from .shard_checksums import write_manifest
+
     with open(temporary / REST, "xb") as f:
-        torch.save(rest, f)
+        save_with_checksum(rest, f)
         f.flush()
         os.fsync(f.fileno())
+    write_manifest(temporary, digests)
     fsync_dir(temporary)
     if os.path.lexists(target):  # a directory cannot replace another in one rename: move it aside
         old = temporary_beside(target)  # a crash before the rmtree leaves it for resume's clean-up
@@ -218,6 +238,9 @@ def load_sharded(target: Path, to: Any, location: Any, weights_only: bool, load_
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import load
 
+    from .shard_checksums import verify_shards
+
+    verify_shards(target)  # before anything is read or built from them; raises on every rank
     rest, plan = on_every_rank(lambda: _plan(target, to, location, weights_only), _load_failed)
     entries = {key: template for key, (_, template, _) in plan.items()}
     with _quiet_without_process_group() as no_dist:  # DCP raises on every rank when one fails
@@ -237,7 +260,7 @@ def _plan(
 
     from .wrappers import unwrap
 
-    rest = torch.load(target / REST, map_location=location, weights_only=weights_only)
+    rest = load_verified(target / REST, location, weights_only)
     models = _models_of(to)
     plan: dict[str, tuple[Any, Any, Any]] = {}
     for key, path in _placeholders(rest):

@@ -1,0 +1,233 @@
+"""Checkpoints that never load wrong (issue 51): every file onedist writes carries a CRC-32 of its
+bytes, checked before torch reads them; od.resume falls back to the newest intact step, on every
+rank alike; a save that cannot write says why, on every rank, and leaves the previous checkpoint
+and no temporary file. Real gloo ranks (2), real damaged files, a real full tmpfs, real SIGKILLs."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import checks_integrity
+import onedist as od
+from checks import onedist_log
+from conftest import Runner
+from launch_env import clean_env
+from onedist.training import checksums
+from onedist.training.checksums import RECORD_SIZE, crc32_combine, crc32_of
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+# ---------------------------------------------------------------- the checksum itself
+def test_crc32_of_a_file_in_threads_is_zlibs_crc32_of_its_bytes(tmp_path, monkeypatch):
+    """Also on a file system that cannot map files: the file is read instead."""
+    data = random.Random(0).randbytes((70 << 20) + 12345)  # three 32 MiB segments, the last a part
+    path = tmp_path / "data"
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        for length in (len(data), len(data) - 1, 32 << 20, 7, 0):
+            assert crc32_of(f, length) == zlib.crc32(data[:length]), length
+
+    def cannot_map(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(checksums.mmap, "mmap", cannot_map)
+    with open(path, "rb") as f:
+        assert crc32_of(f, len(data) - 1) == zlib.crc32(data[:-1])
+    for a, b in ((b"", b"x"), (b"abc", b""), (data[:1000], data[1000:5000])):
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_a_checkpoint_ends_with_the_crc32_of_its_bytes_and_plain_torch_load_reads_it(tmp_path):
+    path = tmp_path / "last.pt"
+    od.save_checkpoint({"weight": torch.arange(6.0)}, path)
+    data = path.read_bytes()
+    crc, size = zlib.crc32(data[:-RECORD_SIZE]), len(data) - RECORD_SIZE
+    assert data[-RECORD_SIZE:].decode() == f"\nonedist checksum: crc32 {crc:08x} of {size:016x} bytes\n"
+    assert torch.equal(torch.load(path, weights_only=True)["weight"], torch.arange(6.0))
+
+
+# ---------------------------------------------------------------- damaged files
+@pytest.mark.parametrize("kind", checks_integrity.DAMAGES)
+def test_a_damaged_newest_step_is_refused_and_resume_falls_back_to_the_previous(kind, tmp_path):
+    """load_checkpoint raises CheckpointCorruptError on both ranks naming the file and what did not
+    match; resume returns step 1 with its exact weight, momentum and RNG state on both ranks, sets
+    step 2 aside as step_00000002.pt.corrupt, and rank 0 (only) says so."""
+    out = Runner(2)(checks_integrity.check_a_damaged_newest_step, str(tmp_path), kind)
+    newest = str(tmp_path / "step_00000002.pt")
+    expected = {
+        "truncated": "it is not a whole zip archive",
+        "empty": "it is empty",
+        "tail_cut": "it is not a whole zip archive",
+        "record_cut": "it was cut short: the last 20 bytes of its checksum record are missing",
+        "tensor_bit": "the CRC-32 of its",
+        "weight_bit": "the CRC-32 of its",
+        "pickle_bit": "the CRC-32 of its",
+        "directory_bit": "the CRC-32 of its",
+    }[kind]
+    for rank in out:
+        assert list(rank["faults"]) == [newest] and expected in rank["faults"][newest], rank
+        assert repr(newest) in rank["message"], rank["message"]
+        assert rank["listing"] == ["step_00000001.pt", "step_00000002.pt.corrupt"], rank
+    assert out[1]["warnings"] == [], out[1]
+    (warning,) = out[0]["warnings"]
+    assert warning.startswith(f"onedist.resume: skipped the damaged {newest} ({expected}"), warning
+    assert warning.endswith("kept as step_00000002.pt.corrupt; resuming from step 1"), warning
+
+
+def test_the_ranks_agree_when_only_one_rank_finds_the_newest_step_damaged(tmp_path):
+    out = Runner(2)(checks_integrity.check_ranks_agree_when_one_rank_sees_damage, str(tmp_path))
+    newest = str(tmp_path / "step_00000002.pt")
+    assert [o["step"] for o in out] == [1, 1], out
+    assert [list(o["faults"]) for o in out] == [[newest], [newest]], out
+    assert all("Input/output error" in o["faults"][newest] for o in out), out
+
+
+def test_resume_with_no_intact_step_raises_listing_each_file_and_leaves_them(tmp_path):
+    out = Runner(2)(checks_integrity.check_no_intact_step_raises_listing_each, str(tmp_path))
+    steps = [str(tmp_path / f"step_0000000{n}.pt") for n in (2, 1)]
+    for rank in out:
+        assert list(rank["faults"]) == steps, rank
+        assert "the CRC-32 of its" in rank["faults"][steps[0]] and "it is empty" in rank["faults"][steps[1]]
+        assert rank["message"].startswith(
+            f"onedist.resume: none of the 2 checkpoint(s) in {str(tmp_path)!r} is intact:"
+        )
+        assert all(step in rank["message"] for step in steps), rank["message"]
+        assert rank["listing"] == ["step_00000001.pt", "step_00000002.pt"], rank
+
+
+def test_a_bit_flipped_in_a_sharded_checkpoints_distcp_file_is_refused_and_resume_falls_back(tmp_path):
+    """FSDP over 2 ranks: the .distcp file named, on both ranks; resume loads step 1's weights; a
+    sharded directory without checksums.json (an older onedist's) loads with a warning."""
+    out = Runner(2)(checks_integrity.check_a_damaged_shard, str(tmp_path), timeout=120)
+    for rank in out:
+        assert list(rank["faults"]) == [rank["shard"]], rank
+        assert "the CRC-32 of its" in rank["faults"][rank["shard"]], rank
+        assert rank["shard"] in rank["message"], rank["message"]
+        assert rank["listing"] == ["step_00000001.pt", "step_00000002.pt.corrupt"], rank
+    assert out[0]["unverified"] == [f"onedist.load_checkpoint: {tmp_path / 'step_00000001.pt'} has no "
+                                    "checksums.json (written before onedist wrote them): its shards are "
+                                    "loaded without verification"], out[0]  # fmt: skip
+    assert out[1]["unverified"] == [], out[1]
+    aside = tmp_path / "step_00000002.pt.corrupt"
+    for rank in out:  # the same directory, one file cut, one missing, one flipped
+        assert sorted(rank["more"]) == [str(aside / n) for n in (".metadata", "__0_0.distcp", "__1_0.distcp")]
+        assert rank["more"][str(aside / ".metadata")] == "it is missing", rank["more"]
+        assert rank["more"][str(aside / "__0_0.distcp")].startswith("it has 100 bytes, "), rank["more"]
+
+
+def test_a_file_without_a_checksum_loads_with_a_warning_that_it_cannot_be_verified(tmp_path):
+    """What an older onedist (or torch.save) wrote: load_checkpoint and resume load it, with one
+    warning line; a damaged one raises CheckpointCorruptError naming it and torch's error."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    old = tmp_path / "step_00000004.pt"
+    torch.save({"step": 4, "rng": [], "model": model.state_dict()}, old)
+    with onedist_log(logging.WARNING) as records:
+        assert od.load_checkpoint(old)["step"] == 4
+    assert [r.getMessage() for r in records] == [
+        f"onedist.load_checkpoint: {old} has no checksum (written before onedist wrote them, or by "
+        "another tool): loaded without verification"
+    ]
+    fresh = torch.nn.Linear(3, 2)
+    assert od.resume(tmp_path, model=fresh) == 4 and torch.equal(fresh.weight, model.weight)
+    old.write_bytes(old.read_bytes()[:-100])
+    with pytest.raises(od.CheckpointCorruptError, match="failed finding central directory") as e:
+        od.load_checkpoint(old)
+    assert list(e.value.faults) == [str(old)] and isinstance(e.value, RuntimeError)
+
+
+def test_loaded_tensors_own_their_memory_when_the_file_is_rewritten_in_place(tmp_path):
+    """The file is read through a memory map (the pages hashed are the pages loaded), but nothing
+    loaded stays on it: rewriting the file in place afterwards (torch.save to the same path, a copy
+    over it) neither changes the loaded values nor ends the process with SIGBUS. Tied tensors stay
+    tied; the mapping is gone once the load returns."""
+    path = tmp_path / "mapped.pt"
+    weight = torch.arange(1000.0)
+    od.save_checkpoint({"weight": weight, "tied": weight, "items": [weight[:10]]}, path)
+    checkpoint = od.load_checkpoint(path)
+    with open("/proc/self/maps") as maps:
+        assert str(path) not in maps.read()
+    with open(path, "wb") as f:  # in place: the same inode, truncated, then other bytes
+        f.write(b"\0" * 100)
+    assert torch.equal(checkpoint["weight"], torch.arange(1000.0))
+    assert (
+        checkpoint["tied"].untyped_storage().data_ptr() == checkpoint["weight"].untyped_storage().data_ptr()
+    )
+    assert torch.equal(checkpoint["items"][0], torch.arange(10.0))
+
+
+# ---------------------------------------------------------------- saves that cannot write
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A 1 MiB tmpfs (root may mount one here), unmounted after the test."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=755", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (root can): {mounted.stderr.strip()}")
+    yield folder
+    subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+@pytest.mark.parametrize("fault", ["full", "denied", "read-only"])
+def test_a_save_that_cannot_write_says_why_on_every_rank_and_leaves_the_previous(fault, small_file_system):
+    if fault == "denied" and os.geteuid() != 0:
+        pytest.skip("the test writes as another user (os.seteuid), which needs root")
+    run = Runner(2)
+    folder = str(small_file_system)
+    run(checks_integrity.save_the_previous, folder)
+    if fault == "read-only":
+        subprocess.run(["mount", "-o", "remount,ro", folder], check=True)
+    said = run(checks_integrity.check_a_save_that_cannot_write, folder, fault)
+    number = checks_integrity.ERRNOS[fault]
+    meaning = {"full": "ENOSPC (No space left on device)", "denied": "EACCES (Permission denied)",
+               "read-only": "EROFS (Read-only file system)"}[fault]  # fmt: skip
+    paths = (os.path.join(folder, "step_00000002.pt"), os.path.join(folder, "last.pt"))
+    kind = "PermissionError" if fault == "denied" else "OSError"
+    for path, writer, other in zip(paths, said[0], said[1]):
+        told = f"{kind}: [Errno {number}] onedist.save_checkpoint: could not write {path!r}: {meaning}"
+        assert writer.startswith(f"{told}; the checkpoint there, if any, is unchanged"), said
+        assert "unexpected pos" not in writer and "\nHINT: " in writer, said
+        assert other.startswith(f"RemoteRankError: onedist.save_checkpoint: rank 0 could not write the "
+                                f"checkpoint {path!r}. Its error: {told}"), said  # fmt: skip
+
+
+# ---------------------------------------------------------------- killed writers
+def test_a_killed_save_leaves_the_previous_intact_and_the_next_save_removes_its_temporary(tmp_path):
+    """A writer SIGKILLed mid-write and before its rename, and the other rank SIGKILLed while the
+    writer writes: step 1 and last.pt are intact, and once the next save (here, of one process)
+    of the same paths ran, nothing temporary is left."""
+    points = ["writer-mid-write", "writer-before-rename", "other-rank"]
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "killed_saves.py"), str(tmp_path), *points],
+        capture_output=True, text=True, timeout=180, env=clean_env(),
+    )  # fmt: skip
+    left = {line.split()[0]: line.split()[1:] for line in run.stdout.splitlines()}
+    assert set(left) == set(points), (run.stdout, run.stderr)
+    assert any(n.startswith(".step_00000002.pt.") for n in left["writer-mid-write"]), left
+    assert any(n.startswith(".last.pt.") for n in left["writer-before-rename"]), left
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(64, 64).weight
+    for point in points:
+        folder = tmp_path / point
+        fresh = torch.nn.Linear(64, 64)
+        assert od.resume(folder, model=fresh) == 1 and torch.equal(fresh.weight, saved), point
+        assert torch.equal(od.load_checkpoint(folder / "last.pt")["weight"], saved), point
+        od.save_training_state(folder, 3, model=fresh)
+        od.save_checkpoint({"weight": fresh.weight}, folder / "last.pt")
+        assert sorted(os.listdir(folder)) == ["last.pt", "step_00000001.pt", "step_00000003.pt"], point
