@@ -21,6 +21,7 @@ import pytest
 
 import checks
 import checks_join
+import checks_large_models
 import checks_loop
 import checks_mpi4py
 import checks_pg
@@ -142,6 +143,19 @@ def test_fsdp_trains_like_ddp_on_a_fraction_of_the_bytes(n, tmp_path):
     )
 
 
+def test_a_meta_model_is_initialised_as_one_process_and_allocates_only_each_ranks_shards():
+    """tests/checks_large_models.py under mpirun (mpi4py, 2 ranks): a model built under
+    od.init_module(empty_init=True) gets the serial init's weights, and a 256 MiB one grows each
+    rank's peak RSS by < 16 MiB to build, by at most its half + one layer + 16 MiB to shard."""
+    out = mpi_world(2).run(checks_large_models.check_meta_init_equals_the_serial_init, "fsdp")
+    assert all(o["sharded"] for o in out), out
+    big = mpi_world(2).run(
+        checks_large_models.check_a_large_meta_model_allocates_only_its_shards, timeout=120
+    )
+    print(big)
+    assert all(o["held"] * 2 <= o["total"] * 1.01 for o in big), big
+
+
 def test_a_sharded_checkpoint_saved_on_2_ranks_loads_on_3(tmp_path):
     """Sharded checkpoints over the mpi4py group: saved on 2 ranks, resharded by DCP onto 3."""
     mpi_world(2).run(checks_sharded_checkpoint.check_save_for_another_world, str(tmp_path), timeout=120)
@@ -169,6 +183,9 @@ def test_digits_example_trains_with_identical_parameters():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "backend: mpi" in proc.stderr + proc.stdout
     assert "parameters identical on 3 process(es)" in proc.stdout
+    # rank 0 hosts the store and leaves last: no rank's store call fails (torch would print a
+    # C++ stack trace for it, "recvValue failed ... Connection was likely closed")
+    assert "TCPStore" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_barrier_nobody_else_calls_raises_at_the_timeout_naming_the_absent_rank():

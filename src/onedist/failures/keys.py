@@ -3,7 +3,8 @@ protocol :mod:`.stall` (the watcher's check) and :mod:`.last_call` (the check at
 
 A rank publishes what it is blocked in under ``BLOCKED_KEY`` (``"{}"``: nothing), the rank that
 finds a mismatch writes the verdict under ``VERDICT_KEY``, every rank that reads it leaves a
-receipt under ``READ_KEY``, and a rank done with its collectives says so under ``DONE_KEY``.
+receipt under ``READ_KEY``, and a rank done with its collectives says so under ``DONE_KEY`` (and
+under ``CHECKED_KEY`` once its check at finalize made its last store call).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "BLOCKED_KEY",
+    "CHECKED_KEY",
     "DONE_KEY",
     "HISTORY_KEY",
     "READ_KEY",
@@ -26,6 +28,8 @@ VERDICT_KEY = "onedist/stall-verdict"
 READ_KEY = "onedist/stall-verdict-read/{}"
 #: a rank done with its collectives, at finalize
 DONE_KEY = "onedist/done/{}"
+#: a rank through with the check at finalize: it calls the store no more
+CHECKED_KEY = "onedist/checked/{}"
 #: a rank's last calls on a recorded group (the group's log key, the rank), see .history
 HISTORY_KEY = "onedist/calls/{}/{}"
 #: how long the rank that hosts the store waits for the others' receipts before it raises (its

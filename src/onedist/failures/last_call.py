@@ -20,13 +20,14 @@ from typing import Any, Optional
 
 from ..state import world
 from .channel import FAILED_COUNT, rank_and_world, server_gone, side_store
-from .keys import BLOCKED_KEY, DONE_KEY, RECEIPT_WAIT_S, await_receipts
+from .keys import BLOCKED_KEY, CHECKED_KEY, DONE_KEY, RECEIPT_WAIT_S, await_receipts
 from .stall import HINT, RETURNED_EARLY, stall_seconds, write_verdict
 
 __all__ = ["check_at_finalize", "last_call_verdict"]
 
 _CONFIRM_S = 1.2  # the watcher samples once a second: a report still there this much later is current
 _SLACK_S = 2.5  # the watcher samples once a second (a report appears 3-4 s after the block), round trips
+_LAST_OUT_S = 2.0  # how long rank 0 waits for its peers to be through with the check (see _leave)
 
 
 def check_at_finalize() -> Optional[str]:
@@ -64,8 +65,11 @@ def last_call_verdict(
     failed_before = int(store.add(FAILED_COUNT, 0))
     while True:
         blocked = _blocked_behind(store, peers, last_seq, domain)
-        if blocked is None or int(store.add(FAILED_COUNT, 0)) > failed_before:
-            return None  # every peer is done, or one failed (its error is what the job reports)
+        if blocked is None:  # every peer is done
+            _leave(store, rank, peers)
+            return None
+        if int(store.add(FAILED_COUNT, 0)) > failed_before:
+            return None  # one failed (its error is what the job reports)
         now = time.monotonic()
         for r, report in blocked.items():
             beat = report.get("beat", 0)  # its watcher's looks since it published (stall.py)
@@ -78,6 +82,20 @@ def last_call_verdict(
             return None  # the peers not done are busy elsewhere (or left and came back)
         time.sleep(pause)
         pause = min(2 * pause, 0.2)
+
+
+def _leave(store: Any, rank: int, peers: list[int]) -> None:
+    """Rank 0, which hosts the store unless a launcher does, leaves after its peers' last store
+    call of the check (within a bound): a peer's call to a store whose host has exited fails, and
+    torch prints a C++ stack trace for it, even where it is caught (seen under mpirun on mpi4py,
+    whose group's teardown does not hold rank 0 back as gloo's does)."""
+    if rank != 0:
+        store.set(CHECKED_KEY.format(rank), "1")
+        return
+    keys = [CHECKED_KEY.format(r) for r in peers]
+    deadline = time.monotonic() + _LAST_OUT_S
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _blocked_behind(
