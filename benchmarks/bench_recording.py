@@ -7,7 +7,9 @@ mpi4py group with and without its record, ``ONEDIST_RECORD=0``, started through 
     python benchmarks/bench_recording.py --json out.json
 
 Rows (each a ratio to the plain group: 1.00 = free):
-  dist.all_reduce, 1 float       torch.distributed's function on each group
+  dist.all_reduce, 1 float       torch.distributed's function on each group; on gloo also a Python
+                                 group that only forwards to gloo (what torch calling a Python
+                                 group costs at all, before anything is recorded)
   dist.all_reduce, 64 KiB        the same, 16384 floats (the record's cost is per call)
   od.all_reduce, 1 float         onedist's, on each group (``group=``)
   DDP step                       forward, backward (the gradient buckets), SGD step of an MLP
@@ -33,7 +35,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_collectives import compare
 
 import onedist as od
+from onedist.backends._pygroup import NamedGroup
 from onedist.backends.recorded import gloo as recorded_gloo
+
+_c10d: Any = dist.distributed_c10d
+
+
+class _Forwarding(NamedGroup):
+    """A Python process group that hands each all_reduce to gloo and records nothing."""
+
+    def __init__(self, options: Any, backend_options: Any = None) -> None:
+        super().__init__(options.group_rank, options.group_size)
+        store = _c10d.PrefixStore("forward/", options.store)
+        self.inner = _c10d.ProcessGroupGloo(store, options.group_rank, options.group_size, options.timeout)
+
+    def getBackendName(self) -> str:
+        return "onedist-forward"
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.inner.allreduce(tensors, opts or _c10d.AllreduceOptions())
 
 
 def _ddp_step(group: Any) -> Callable[[], None]:
@@ -57,22 +77,26 @@ def _ddp_step(group: Any) -> Callable[[], None]:
     return step
 
 
-def _groups(backend: str) -> tuple[Any, Any, Any]:
-    """A recorded group and two plain ones of ``backend``, on every rank."""
+def _groups(backend: str) -> tuple[Any, ...]:
+    """A recorded group, two plain ones of ``backend`` and, on gloo, a forwarding one."""
     if backend == "gloo":
         recorded_gloo.register()
-        return tuple(dist.new_group(backend=b) for b in (recorded_gloo.NAME, "gloo", "gloo"))
+        if "onedist-forward" not in dist.Backend.backend_list:
+            dist.Backend.register_backend("onedist-forward", _Forwarding, extended_api=True, devices=["cpu"])
+        return tuple(
+            dist.new_group(backend=b) for b in (recorded_gloo.NAME, "gloo", "gloo", "onedist-forward")
+        )
     recorded = dist.new_group()  # the default group's backend (mpi4py): recorded unless switched off
     os.environ["ONEDIST_RECORD"] = "0"  # read as the group is made
     try:
-        return recorded, dist.new_group(), dist.new_group()
+        return recorded, dist.new_group(), dist.new_group(), None
     finally:
         del os.environ["ONEDIST_RECORD"]
 
 
 def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
-    recorded, plain, plain_again = _groups(args.backend)
+    recorded, plain, plain_again, forwarding = _groups(args.backend)
     t, big = torch.ones(1), torch.ones(16384)
     cases: dict[str, dict[str, Callable[[], Any]]] = {
         "dist.all_reduce, 1 float": {
@@ -90,6 +114,8 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]
         },
         "DDP step": {"plain": _ddp_step(plain), "recorded": _ddp_step(recorded)},
     }
+    if forwarding is not None:
+        cases["dist.all_reduce, 1 float"]["forwarding only"] = lambda: dist.all_reduce(t, group=forwarding)
     iters = {"DDP step": args.iters // 10}
     results: dict[str, dict[str, float]] = {}
     for case, variants in cases.items():
