@@ -254,7 +254,8 @@ def check_precision_arguments() -> None:
     cases = [
         (
             "16-mixed",
-            rf"precision='16-mixed' is not allowed; allowed: '32', 'bf16-mixed' on device '{device}'",
+            rf"precision='16-mixed' is not allowed; allowed: '32', 'bf16-mixed'(, 'bf16-true')? on "
+            rf"device '{device}'",
         )
     ]
     cases += [("fp8", "precision='fp8' is not allowed"), (16.0, "precision has type float")]

@@ -151,7 +151,8 @@ def check_sharding_arguments() -> None:
 
 def check_sharding_is_refused_where_torch_distributed_does_not_train() -> None:
     """Horovod and XLA: sharding="fsdp" raises at once, naming the backends that shard, and
-    od.clip_grad_norm_ (their gradients are averaged inside the step) raises too."""
+    od.clip_grad_norm_ (their gradients are averaged inside the step) raises too; so do a model
+    built under od.init_module(empty_init=True), activation_checkpointing and "bf16-true"."""
     backend = od.backend()
     try:
         od.auto_model(Net(), sharding="fsdp")
@@ -160,6 +161,20 @@ def check_sharding_is_refused_where_torch_distributed_does_not_train() -> None:
         assert "gloo, nccl, shm, mpi" in str(e), e
     else:
         raise AssertionError(f"sharding='fsdp' did not raise on {backend}")
+    with od.init_module(empty_init=True):
+        meta = Net()
+    refusals = [  # issue 52's options: built for torch.distributed and one process
+        ({"model": meta}, "model='Net on the meta device' is not allowed; allowed: an allocated model"),
+        ({"model": Net(), "activation_checkpointing": True}, "activation_checkpointing=True is not allowed"),
+        ({"model": Net(), "precision": "bf16-true"}, "precision='bf16-true' is not allowed"),
+    ]
+    for kwargs, text in refusals:
+        try:
+            od.auto_model(**kwargs)
+        except od.OnedistValueError as e:
+            assert text in str(e), (text, str(e))
+        else:
+            raise AssertionError(f"{sorted(kwargs)} did not raise on {backend}")
     if od.get_world_size() > 1:
         model = od.auto_model(Net())
         try:

@@ -301,3 +301,31 @@ def test_uneven_data_inside_od_join_on_nccl() -> None:
     with od.Parallel(backend="nccl", nproc_per_node=n) as parallel:
         res = parallel.run(_uneven_on_gpu)
     assert res["steps"] == 10 and res["difference"] <= 1e-5, res
+
+
+def _large_models_on_gpu(local_rank: int) -> dict:
+    """tests/checks_large_models.py on the GPUs: a meta model initialised as the same build on the
+    GPU would be (the CUDA generator draws) and bf16-true; with several GPUs, cpu_offload=True
+    keeping the shards on the CPU. (Activation checkpointing's bit-for-bit check stays on the CPU:
+    an embedding's backward pass on CUDA adds with atomics, in no fixed order.)"""
+    import checks_large_models
+
+    sharding = "fsdp" if od.get_world_size() > 1 else None
+    out = checks_large_models.check_meta_init_equals_the_serial_init(sharding)
+    if torch.cuda.is_bf16_supported():
+        checks_large_models.check_bf16_true_trains_in_bfloat16_on_half_the_bytes(sharding)
+    if od.get_world_size() > 1:
+        out.update(checks_large_models.check_cpu_offload_keeps_the_shards_on_the_cpu())
+    return out
+
+
+@pytest.mark.parametrize("n", sorted({1, torch.cuda.device_count()}) if torch.cuda.is_available() else [1])
+def test_large_model_options_on_nccl(n: int) -> None:
+    """init_module + auto_model and bf16-true on nccl at world size 1 and at
+    the machine's number of GPUs; cpu_offload=True (FSDP2's CPUOffloadPolicy) where there are 2 or
+    more GPUs to shard over (nccl takes one rank per GPU)."""
+    with od.Parallel(backend="nccl", nproc_per_node=n) as parallel:
+        res = parallel.run(_large_models_on_gpu)
+    assert res["output_difference"] <= 1e-6, res
+    if n > 1:
+        assert res["max_difference"] <= 1e-5, res

@@ -127,8 +127,8 @@ def test_the_precision_error_ends_with_its_hint():
     with pytest.raises(od.OnedistValueError) as raised:
         od.auto_model(torch.nn.Linear(2, 2), precision="16-mixed")
     assert str(raised.value) == (  # the page's text, serially on CPU
-        "onedist.auto_model: precision='16-mixed' is not allowed; allowed: '32', 'bf16-mixed' on "
-        "device 'cpu' with backend 'serial'\n"
+        "onedist.auto_model: precision='16-mixed' is not allowed; allowed: '32', 'bf16-mixed', 'bf16-true' "
+        "on device 'cpu' with backend 'serial'\n"
         "HINT: float16 training needs CUDA (and a backend with the GradScaler path): use 'bf16-mixed'"
     )
 
@@ -144,8 +144,9 @@ def test_16_mixed_is_refused_with_sharding(monkeypatch):
     monkeypatch.setattr(precision, "_scaler", None)  # should it not raise, no scaler stays behind
     with pytest.raises(od.OnedistValueError) as raised:
         od.auto_model(torch.nn.Linear(2, 2), precision="16-mixed", sharding="fsdp")
-    assert "precision='16-mixed' is not allowed; allowed: '32' or 'bf16-mixed' with sharding='fsdp'" in str(
-        raised.value
+    assert (
+        "precision='16-mixed' is not allowed; allowed: '32', 'bf16-mixed' or 'bf16-true' with sharding='fsdp'"
+        in str(raised.value)
     )
 
 

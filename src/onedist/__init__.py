@@ -133,6 +133,9 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
         Join as Join,
         join as join,
     )
+    from .training.meta_init import (
+        init_module as init_module,
+    )
     from .training.precision import (
         backward as backward,
     )
@@ -224,6 +227,7 @@ _LAZY = {
     "no_sync": "training.accumulation",
     "Join": "training.join",
     "join": "training.join",
+    "init_module": "training.meta_init",
     "backward": "training.precision",
     "auto_dataloader": "training.auto",
     "auto_model": "training.auto",

@@ -30,10 +30,12 @@ from torch.utils.data import (
 
 from ..backends.interface import Backend
 from ..errors import bad_type, bad_value
+from .activation_checkpointing import check_activation_checkpointing, checkpoint_blocks
 from .ddp import averager_for, check_options, wrap_ddp
-from .precision import apply_precision, check_precision, scaled_optimizer
+from .meta_init import is_meta, materialize, original_dtypes
+from .precision import apply_precision, cast_parameters, check_precision, scaled_optimizer
 from .samplers import DistributedEvalSampler, DistributedProxySampler, DistributedSampler
-from .sharding import check_sharding, shard
+from .sharding import check_sharding, shard, units_of
 from .wrappers import WRAPPERS, unwrap
 
 __all__ = ["auto_dataloader", "auto_model", "auto_optim", "unwrap"]
@@ -47,6 +49,8 @@ def auto_model(
     *,
     precision: str = "32",
     sharding: Optional[str] = None,
+    activation_checkpointing: Any = None,
+    init_weights: bool = True,
     **kwargs: Any,
 ) -> torch.nn.Module:
     """Put ``model`` on :func:`onedist.device` and wrap it for the active backend.
@@ -59,35 +63,34 @@ def auto_model(
     * otherwise the model itself, on the device.
 
     Args:
-        model: the model.
-        sync_bn: convert BatchNorm layers to torch's ``SyncBatchNorm`` (batch statistics over all
-            ranks), which works on CUDA only: on CPU this is a ``ValueError``, as in ignite.
-            ``od.convert_sync_batchnorm(model)`` before ``auto_model`` gives onedist's
-            :class:`~onedist.SyncBatchNorm`, which works on any device (Horovod uses it for
-            ``sync_bn=True``).
+        model: the model; one built under :func:`onedist.init_module` (``empty_init=True``) is
+            allocated here (with ``sharding="fsdp"``, only each rank's shards) and initialised
+            by its modules' ``reset_parameters()`` (torch.distributed backends and one process).
+        sync_bn: convert BatchNorm layers to torch's ``SyncBatchNorm`` (CUDA only: on CPU a
+            ``ValueError``, as in ignite; ``od.convert_sync_batchnorm(model)`` before gives
+            onedist's :class:`~onedist.SyncBatchNorm`, which works on any device).
         precision: ``"32"`` (default), ``"bf16-mixed"`` (forward under bfloat16 autocast: CPU,
-            CUDA, XLA) or ``"16-mixed"`` (float16 autocast, CUDA; :func:`onedist.backward` scales
-            the loss, :func:`auto_optim`'s optimizer unscales and skips inf/NaN steps). State
-            stays float32, outputs come back float32; what the device cannot do raises.
+            CUDA, XLA), ``"16-mixed"`` (float16 autocast, CUDA; :func:`onedist.backward` scales
+            the loss, :func:`auto_optim`'s optimizer unscales and skips inf/NaN steps; state stays
+            float32) or ``"bf16-true"`` (parameters, gradients and optimizer state bfloat16;
+            inputs cast to bfloat16). Outputs come back float32; what the device cannot do raises.
         sharding: None (default: DDP) or ``"fsdp"``: FSDP2 (``fully_shard``) over the world, each
-            rank holding 1/N of the parameters, gradients and optimizer state; the blocks of
-            every ``nn.ModuleList`` are units of their own, then the root. Its keyword arguments:
-            ``policy`` (a set of module classes, or a function ``(module) -> bool``, choosing the
-            units), ``reshard_after_forward``, ``mesh`` (a DeviceMesh). torch.distributed
-            backends only (gloo, nccl, shm, mpi); with one process the model is returned as is.
-        **kwargs: ``DistributedDataParallel`` keyword arguments, passed through
-            (``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
-            ``bucket_cap_mb``, ``broadcast_buffers``, ...; checked, and unused with one process), and:
-
-            * ``comm_hook``: ``"fp16"`` / ``"bf16"`` (compress gradients), ``"powersgd"`` /
-              ``"batched_powersgd"``, ``"post_localsgd"``, or a hook function;
-            * ``comm_hook_kwargs``: arguments of the hook's state (``PowerSGDState``:
-              ``matrix_approximation_rank``, ``start_powerSGD_iter``, ...;
-              ``PostLocalSGDState``: ``start_localSGD_iter``, ``subgroup`` (default: this node));
-            * ``comm_hook_state``: the state for a hook function;
-            * ``comm_wrapper``: ``"fp16"`` / ``"bf16"``, compress around the hook (e.g. PowerSGD);
-            * ``model_averaging_period``: with ``"post_localsgd"``, average the model over all
-              ranks every that many steps (:func:`auto_optim` wraps the optimizer for it).
+            rank holding 1/N of the parameters, gradients and optimizer state; units: the blocks
+            of every ``nn.ModuleList``, then the root. Its keyword arguments: ``policy`` (a set of
+            module classes, or a function ``(module) -> bool``, choosing the units),
+            ``reshard_after_forward``, ``mesh`` (a DeviceMesh), ``cpu_offload`` (FSDP2's
+            ``CPUOffloadPolicy`` on CUDA; nothing on the CPU). torch.distributed backends only
+            (gloo, nccl, shm, mpi); with one process the model is returned as is.
+        activation_checkpointing: None (default); True (the blocks ``sharding`` makes units), a
+            module class (or a set of them) or a function ``(module) -> bool``: those blocks
+            recompute their activations in the backward pass instead of keeping them.
+        init_weights: False: a meta model's memory is left for :func:`onedist.load_checkpoint`.
+        **kwargs: ``DistributedDataParallel`` keyword arguments, passed through (checked, unused
+            with one process), and ``comm_hook`` (``"fp16"`` / ``"bf16"``, ``"powersgd"`` /
+            ``"batched_powersgd"``, ``"post_localsgd"``, or a hook function),
+            ``comm_hook_kwargs`` (the hook state's arguments), ``comm_hook_state`` (for a hook
+            function), ``comm_wrapper`` (``"fp16"`` / ``"bf16"`` around the hook) and
+            ``model_averaging_period`` (with ``"post_localsgd"``).
 
     Returns:
         The wrapped model (:func:`unwrap` gives the inner module back).
@@ -97,22 +100,60 @@ def auto_model(
         >>> model = od.auto_model(torch.nn.Linear(4, 2))          # serial: the model, on the device
         >>> isinstance(model, torch.nn.Linear)
         True
-        >>> # under 4 gloo processes, a DDP whose gradients travel as fp16:
-        >>> # od.auto_model(net, comm_hook="fp16", find_unused_parameters=True)
+        >>> # 4 gloo processes: od.auto_model(net, comm_hook="fp16") is a DDP sending fp16 gradients
     """
-    from ..context import current, device
+    from ..context import current
 
     _check_model(model, sync_bn)
     b = current()
     precision = check_precision(precision, b.device(), b.backend)
-    if check_sharding(sharding, b, precision, sync_bn, kwargs):
-        model.to(device())
-        if b.world_size > 1:  # FSDP2's own mixed precision: no autocast on top
-            return shard(model, precision, kwargs)
-        return apply_precision(model, precision, b.device())  # one process: nothing to shard
-    hooks, ddp_kwargs = check_options(kwargs)
-    model.to(device())
-    return apply_precision(_wrap(model, b, sync_bn, hooks, ddp_kwargs), precision, b.device())
+    checkpointing = check_activation_checkpointing(activation_checkpointing)
+    meta = is_meta(model, init_weights)
+    _check_backend_carries(b, model, meta, activation_checkpointing)
+    sharded = check_sharding(sharding, b, precision, sync_bn, kwargs) is not None
+    hooks, ddp_kwargs = check_options(kwargs) if not sharded else ({}, {})
+    dtypes = _prepare(model, b.device(), precision, checkpointing, meta, kwargs.get("policy"))
+    if sharded and b.world_size > 1:
+        init = (lambda m, dev, group: materialize(m, dev, init_weights, dtypes, group)) if meta else None
+        model = shard(model, precision, kwargs, b.device(), init)
+        return apply_precision(model, precision, b.device()) if precision == "bf16-true" else model
+    if meta:
+        materialize(model, b.device(), init_weights, dtypes)
+    if not sharded:
+        model = _wrap(model, b, sync_bn, hooks, ddp_kwargs)
+    return apply_precision(model, precision, b.device())
+
+
+def _prepare(
+    model: torch.nn.Module, device: torch.device, precision: str, checkpointing: Any, meta: bool, policy: Any
+) -> dict[str, torch.dtype]:
+    """Before wrapping or sharding: the blocks under activation checkpointing, the parameters in
+    ``precision``'s dtype, the model on ``device`` (a meta one stays there: the caller allocates
+    it); the dtypes a meta model was built with."""
+    dtypes = original_dtypes(model) if meta else {}
+    if checkpointing is not None:
+        checkpoint_blocks(model, checkpointing, lambda m: units_of(m, policy))
+    cast_parameters(model, precision)
+    if not meta:
+        model.to(device)
+    return dtypes
+
+
+def _check_backend_carries(b: Backend, model: torch.nn.Module, meta: bool, checkpointing: Any) -> None:
+    """A meta model and activation checkpointing are built for torch.distributed and one process."""
+    if b.model_parallelism == "ddp":
+        return
+    where = f"with backend {b.backend!r} (built for torch.distributed: gloo, nccl, shm, mpi; and one process)"
+    if meta:
+        raise bad_value(
+            "auto_model",
+            "model",
+            f"{type(model).__name__} on the meta device",
+            f"an allocated model {where}",
+            hint="build the model without od.init_module(empty_init=True) on this backend",
+        )
+    if checkpointing is not None:
+        raise bad_value("auto_model", "activation_checkpointing", checkpointing, f"None {where}")
 
 
 def _check_model(model: Any, sync_bn: Any) -> None:

@@ -4,7 +4,9 @@ Fabric's names: ``"32"`` (nothing changes), ``"bf16-mixed"`` (the forward pass u
 bfloat16 autocast; parameters, gradients and optimizer state stay float32) and ``"16-mixed"``
 (float16 autocast on CUDA, with a ``GradScaler``: :func:`backward` scales the loss, and the
 optimizer :func:`~onedist.auto_optim` returns unscales the gradients and skips a step whose
-gradients hold inf or NaN; the scale is updated at the next :func:`backward`).
+gradients hold inf or NaN; the scale is updated at the next :func:`backward`), and ``"bf16-true"``
+(the parameters themselves bfloat16, so their gradients and the optimizer state are too; floating
+inputs are cast to bfloat16 on the way in, floating outputs back to float32 on the way out).
 
 The forward pass runs under autocast through two hooks on the model (a pre-hook enters the
 context, a hook that also runs on an exception leaves it and turns the floating outputs back to
@@ -33,12 +35,13 @@ __all__ = [
     "active_scaler",
     "apply_precision",
     "backward",
+    "cast_parameters",
     "check_precision",
     "scaled_optimizer",
 ]
 
 #: what ``auto_model(precision=...)`` accepts (``32`` and ``"32-true"`` mean ``"32"``)
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+PRECISIONS = ("32", "bf16-mixed", "bf16-true", "16-mixed")
 _ALIASES = {"32-true": "32", 32: "32"}
 
 _scaler: Optional[Any] = None  # the GradScaler of "16-mixed" (CUDA), shared by backward and the optimizers
@@ -58,8 +61,12 @@ def check_precision(precision: Any, device: torch.device, backend: Optional[str]
         hint = None
         if name == "16-mixed":
             hint = "float16 training needs CUDA (and a backend with the GradScaler path): use 'bf16-mixed'"
-        elif name == "bf16-mixed":
+        elif name in ("bf16-mixed", "bf16-true") and device.type == "cuda":
             hint = "this GPU has no bfloat16: use '16-mixed'"
+        elif name == "bf16-true":
+            hint = (
+                "bfloat16 parameters are built for torch.distributed (gloo, nccl, shm, mpi) and one process"
+            )
         where = f"on device {device.type!r} with backend {backend or 'serial'!r}"
         raise bad_value(
             "auto_model", "precision", precision, f"{', '.join(map(repr, allowed))} {where}", hint
@@ -68,20 +75,32 @@ def check_precision(precision: Any, device: torch.device, backend: Optional[str]
 
 
 def _allowed(device: torch.device, backend: Optional[str]) -> tuple[str, ...]:
+    # bfloat16 parameters through Horovod's and XLA's own optimizer wrappers: not built nor tested
+    true = ("bf16-true",) if backend not in ("horovod", "xla") else ()
     if device.type == "cuda":
-        bf16 = ("bf16-mixed",) if torch.cuda.is_bf16_supported() else ()
+        bf16 = ("bf16-mixed", *true) if torch.cuda.is_bf16_supported() else ()
         # the GradScaler with hvd.DistributedOptimizer needs its synchronize() first: not built
         fp16 = ("16-mixed",) if backend != "horovod" else ()
         return ("32", *bf16, *fp16)
     if device.type in ("cpu", "xla"):
-        return ("32", "bf16-mixed")
+        return ("32", "bf16-mixed", *true)
     return ("32",)
+
+
+def cast_parameters(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """``model`` with its floating parameters and buffers in bfloat16 under ``"bf16-true"`` (before
+    it is wrapped or sharded, and before the optimizer sees its parameters)."""
+    return model.to(torch.bfloat16) if precision == "bf16-true" else model
 
 
 def apply_precision(model: torch.nn.Module, precision: str, device: torch.device) -> torch.nn.Module:
     """Put ``model``'s forward pass under ``precision``'s autocast (see the module doc)."""
     global _scaler
     if precision == "32":
+        return model
+    if precision == "bf16-true":
+        model.register_forward_pre_hook(_inputs_to_bfloat16, with_kwargs=True)
+        model.register_forward_hook(lambda module, args, output: _to_float32(output))
         return model
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
     model.register_forward_pre_hook(functools.partial(_enter_autocast, device.type, dtype))
@@ -105,17 +124,29 @@ def _leave_autocast(module: torch.nn.Module, args: Any, output: Any) -> Any:
     return _to_float32(output)
 
 
+def _inputs_to_bfloat16(module: torch.nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    return _cast(args, torch.bfloat16), _cast(kwargs, torch.bfloat16)
+
+
 def _to_float32(value: Any) -> Any:
     """Floating tensors of lower precision in ``value`` (nested lists, tuples, dicts) as float32: the
     loss is then computed in float32, whatever the layers returned."""
+    return _cast(value, torch.float32)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """Floating tensors in ``value`` (nested lists, tuples, dicts) as ``dtype``: to float32 those of
+    lower precision (float64 stays), to bfloat16 every other floating one (as Fabric's bf16-true)."""
     if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        if dtype == torch.float32:
+            return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+        return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_to_float32(v) for v in value))
+        return type(value)(*(_cast(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_to_float32(v) for v in value)
+        return type(value)(_cast(v, dtype) for v in value)
     if isinstance(value, dict):
-        return type(value)((k, _to_float32(v)) for k, v in value.items())
+        return type(value)((k, _cast(v, dtype)) for k, v in value.items())
     return value
 
 

@@ -14,11 +14,18 @@ is the policy's:
 Works where torch.distributed runs the training (gloo, nccl, shm, mpi); with one process there is
 nothing to shard and the model is returned as DDP would be (itself). ``precision="bf16-mixed"``
 becomes FSDP2's mixed-precision policy (parameters gathered in bfloat16, gradients reduced in
-float32, outputs float32).
+float32, outputs float32); ``"bf16-true"`` shards parameters that are bfloat16 already (their
+gradients are reduced in bfloat16). ``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy`` on CUDA
+(the shards, their gradients and the optimizer step on the CPU) and does nothing on the CPU, where
+everything is there already (a warning says so, once). A model built under
+``od.init_module(empty_init=True)`` is sharded on the meta device and then allocated shard by
+shard (:mod:`onedist.training.meta_init`).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -26,12 +33,13 @@ import torch
 from ..errors import bad_type, bad_value
 from .versions import require_torch
 
-__all__ = ["SHARDINGS", "check_sharding", "full_state_dict", "is_sharded", "shard"]
+__all__ = ["SHARDINGS", "check_sharding", "full_state_dict", "is_sharded", "shard", "units_of"]
 
 #: what ``auto_model(sharding=...)`` accepts
 SHARDINGS = (None, "fsdp")
 #: auto_model's keyword arguments with ``sharding="fsdp"``
-_FSDP_OPTIONS = ("policy", "reshard_after_forward", "mesh")
+_FSDP_OPTIONS = ("policy", "reshard_after_forward", "mesh", "cpu_offload")
+_warned_offload = False  # cpu_offload=True on the CPU: said once per process
 
 
 def check_sharding(
@@ -54,7 +62,11 @@ def check_sharding(
         )
     if precision == "16-mixed":
         raise bad_value(
-            "auto_model", "precision", precision, "'32' or 'bf16-mixed' with sharding='fsdp'", hint=None
+            "auto_model",
+            "precision",
+            precision,
+            "'32', 'bf16-mixed' or 'bf16-true' with sharding='fsdp'",
+            hint=None,
         )
     if sync_bn:
         raise bad_value(
@@ -67,19 +79,31 @@ def check_sharding(
     for name, value in options.items():
         if name not in _FSDP_OPTIONS:
             raise bad_value("auto_model", name, value, "with sharding='fsdp': " + ", ".join(_FSDP_OPTIONS))
+    if not isinstance(options.get("cpu_offload", False), bool):
+        raise bad_type("auto_model", "cpu_offload", options["cpu_offload"], "a bool")
     return "fsdp"
 
 
-def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> torch.nn.Module:
-    """FSDP2 units of ``model`` (the policy's, then the root) over the world's mesh."""
+def shard(
+    model: torch.nn.Module,
+    precision: str,
+    options: dict[str, Any],
+    device: torch.device,
+    materialize: Optional[Callable[[torch.nn.Module, torch.device, Any], None]] = None,
+) -> torch.nn.Module:
+    """FSDP2 units of ``model`` (the policy's, then the root) over the world's mesh. A meta model
+    is sharded as it is, then ``materialize(model, device, group)`` allocates (and initialises)
+    each rank's shards; any other model starts from rank 0's weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = options.get("mesh") or _world_mesh(next(iter(model.parameters()), torch.empty(0)).device)
+    mesh = options.get("mesh") or _world_mesh(device)
     kwargs: dict[str, Any] = {"mesh": mesh}
     if "reshard_after_forward" in options:
         kwargs["reshard_after_forward"] = options["reshard_after_forward"]
-    _from_rank_0(model)
-    units = _units(model, options.get("policy"))
+    kwargs.update(_offload(options.get("cpu_offload", False), device))
+    if materialize is None:
+        _from_rank_0(model)
+    units = units_of(model, options.get("policy"))
     root_kwargs = dict(kwargs)
     if precision == "bf16-mixed":
         # bf16 between units (a root's own layer after a unit takes its bf16 output, as under
@@ -92,10 +116,37 @@ def shard(model: torch.nn.Module, precision: str, options: dict[str, Any]) -> to
     for unit in reversed(units):  # inner units first: an outer unit then skips their parameters
         fully_shard(unit, **kwargs)
     fully_shard(model, **root_kwargs)
+    if materialize is not None and "offload_policy" in kwargs:  # the shards live on the CPU
+        materialize(model, torch.device("cpu"), mesh.get_group())
+        for module in model.modules():  # the buffers (not sharded, not offloaded) on the GPU
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+    elif materialize is not None:
+        materialize(model, device, mesh.get_group())
     if any(True for _ in model.buffers()):
         group = mesh.get_group()
         model.register_forward_pre_hook(lambda module, args: _buffers_from_rank_0(module, group))
     return model
+
+
+def _offload(cpu_offload: bool, device: torch.device) -> dict[str, Any]:
+    """fully_shard's ``offload_policy`` for ``cpu_offload`` on ``device``."""
+    global _warned_offload
+    if not cpu_offload:
+        return {}
+    if device.type == "cpu":
+        if not _warned_offload:
+            _warned_offload = True
+            warnings.warn(
+                "onedist.auto_model: cpu_offload=True does nothing on the CPU: the shards, their gradients "
+                "and the optimizer state are in CPU memory already (it moves them off a GPU)",
+                stacklevel=4,
+            )
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return {"offload_policy": CPUOffloadPolicy()}
 
 
 def _buffers_from_rank_0(model: torch.nn.Module, group: Any) -> None:
@@ -156,7 +207,7 @@ def _float32_batch_norms(
     return [unit for unit in units if not isinstance(unit, _BatchNorm)]
 
 
-def _units(model: torch.nn.Module, policy: Any) -> list[torch.nn.Module]:
+def units_of(model: torch.nn.Module, policy: Any = None) -> list[torch.nn.Module]:
     """The submodules that are units of their own, outer before inner."""
     if policy is None:  # the repeated blocks
         return [block for m in model.modules() if isinstance(m, torch.nn.ModuleList) for block in m]
