@@ -238,6 +238,21 @@ def test_a_killed_worker_of_a_sharded_run_resumes_to_bit_identical_weights(tmp_p
     run.check_nothing_left()
 
 
+def test_an_injected_failure_restarts_once_and_resumes_to_bit_identical_weights(uninterrupted, tmp_path):
+    """``onedist run --inject-failure rank=1,step=37``: rank 1 kills itself (SIGKILL) after its 37th
+    optimizer step of the first attempt, says so, and the restarted run (not killed again)
+    resumes from step 35 to the uninterrupted run's weights."""
+    ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
+    argv = _digits(ckpt, final, "-n", "2", "--inject-failure", "rank=1,step=37")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=clean_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = "onedist: rank 1 ends itself by SIGKILL after optimizer step 37, as ONEDIST_INJECT_FAILURE asks"
+    assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
+    assert check_restart_reported(proc.stderr, 1, proc.stdout, 35) == 35
+    assert proc.stderr.count("restarting the workers") == 1, proc.stderr[-3000:]
+    check_same_weights(final, uninterrupted)
+
+
 FAILS_ON_THE_FIRST_ATTEMPT = """
 import sys, onedist as od
 od.initialize("gloo")

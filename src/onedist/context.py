@@ -21,6 +21,7 @@ import torch
 from . import failures
 from .backends import Backend, SerialBackend, announce_init_failure, available_backends, class_for_backend
 from .errors import BackendUnavailableError, CollectiveMismatchError, OnedistRuntimeError, bad_type, bad_value
+from .failures import injection
 from .state import current, world
 
 __all__ = [
@@ -219,6 +220,7 @@ def initialize(
     if world.backend.world_size > 1:
         failures.install()  # an uncaught exception here is reported to the other ranks
         failures.start_watch()  # and a failure of another rank ends this one, even outside collectives
+    injection.install(world.backend.rank, restart_count())  # ONEDIST_INJECT_FAILURE, when set
 
 
 def _create(
@@ -282,6 +284,7 @@ def finalize_context(check_last_call: bool) -> None:
     mismatch = failures.check_at_finalize() if check_last_call and not isinstance(b, SerialBackend) else None
     world.backend, world.routes = SerialBackend(), {}
     Backend.local_rank_hint = None  # a hint describes one context
+    injection.remove()
     if not isinstance(b, SerialBackend):
         failures.stop_watch()
         b.finalize()

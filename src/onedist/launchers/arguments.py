@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from .._net import LOOPBACK, is_loopback
 from ..errors import OnedistValueError
+from ..failures.injection import ALLOWED as INJECTION_ALLOWED, ENV as INJECTION_ENV
 
 __all__ = [
     "AGREED",
@@ -271,6 +272,9 @@ RUN_ONLY_ARGUMENTS: tuple[Argument, ...] = (
     Argument("module", "bool", flags=("-m", "--module"), switch=True, variable="PET_MODULE",
              run_default=False, from_text=_switch, flag_allowed=_SWITCH,
              help="run the target as a module (python -m)"),
+    Argument("inject_failure", "Optional[str]", flags=("--inject-failure",), flag_allowed=INJECTION_ALLOWED,
+             help="rank=R,step=S[,signal=NAME][,restart=N]: rank R kills itself (SIGKILL) after its S-th "
+             f"optimizer step, on the first attempt (restart=N: the N-th restart); sets {INJECTION_ENV}"),
 )  # fmt: skip
 
 #: the arguments that shape the world of a launch (checked as ints, one rule each)

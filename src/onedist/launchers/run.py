@@ -45,6 +45,7 @@ from typing import IO, Any, Optional
 from .._net import rendezvous_port
 from ..environments import detect_cluster, kubernetes_job
 from ..errors import OnedistValueError
+from ..failures.injection import ENV as INJECTION_ENV
 from .arguments import add_flags
 from .launcher import Launcher, restart_verdict, restarts_left
 from .nodes import Agents, AgentsError
@@ -160,6 +161,8 @@ def _base_env(spec: RunSpec) -> dict[str, str]:
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # as torchrun
     if spec.backend:
         env["ONEDIST_BACKEND"] = spec.backend
+    if spec.inject_failure:
+        env[INJECTION_ENV] = spec.inject_failure
     return env
 
 
@@ -434,6 +437,8 @@ def _run_in_place(args: argparse.Namespace) -> int:
 
     if args.backend:
         os.environ["ONEDIST_BACKEND"] = args.backend
+    if args.inject_failure:
+        os.environ[INJECTION_ENV] = args.inject_failure
     try:
         run_target(list(run_command(args)))
     except SystemExit as e:

@@ -40,6 +40,7 @@ from ..errors import (
     bad_type,
     bad_value,
 )
+from ..failures.injection import parse as parse_injection
 from .arguments import (
     ARGUMENTS,
     ENDPOINT,
@@ -547,6 +548,7 @@ class RunSpec:
     max_restarts: int = 0
     backend: Optional[str] = None
     role: str = "default"
+    inject_failure: Optional[str] = None
 
     @classmethod
     def build(cls, args: argparse.Namespace, nproc: int) -> RunSpec:
@@ -620,6 +622,8 @@ def check_run_values(args: argparse.Namespace) -> int:
             raise _run_error(args, flag.name, value, flag.flag_text)
     if args.rdzv_backend not in ("static", "c10d"):
         raise _run_error(args, "rdzv_backend", args.rdzv_backend, ARGUMENTS["rdzv_backend"].flag_text)
+    if args.inject_failure is not None:
+        parse_injection(args.inject_failure, "--inject-failure")  # its error names the flag
     return nproc
 
 
