@@ -35,6 +35,21 @@ def test_gloo_is_on_record_and_torch_still_calls_it_gloo():
     assert group.calls.recent()[-1].site.endswith(f"test_recorded.py:{_line('dist.barrier()')}")
 
 
+def test_groups_made_with_dist_new_group_are_on_record_unless_gloo_is_named():
+    """dist.new_group and DeviceMesh without a backend give recorded groups (torch still calls
+    them gloo); backend="gloo" given by name gives torch's plain group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    od.initialize("gloo", timeout=30)
+    made = dist.new_group([0])
+    assert isinstance(made, RecordedGloo) and dist.get_backend(made) == "gloo"
+    assert isinstance(init_device_mesh("cpu", (1,)).get_group(), RecordedGloo)
+    plain = dist.new_group([0], backend="gloo")
+    assert not isinstance(plain, RecordedGloo) and dist.get_backend(plain) == "gloo"
+    dist.all_reduce(torch.ones(1), group=made)
+    assert made.calls.seq == 1
+
+
 def test_onedist_record_0_gives_torchs_plain_gloo_group(monkeypatch):
     monkeypatch.setenv("ONEDIST_RECORD", "0")
     od.initialize("gloo", timeout=30)

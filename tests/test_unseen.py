@@ -30,7 +30,7 @@ _AT_ONCE = 4  # launches running together: they mostly wait (the stall time), no
 pytestmark = pytest.mark.launcher
 
 MISMATCHES = ("ddp_skip", "ddp_extra", "ddp_unused", "ddp_uneven", "plain_alone", "async_alone",
-              "isend_unreceived", "ops")  # fmt: skip
+              "group_alone", "isend_unreceived", "ops")  # fmt: skip
 
 
 def line(marker: str) -> str:
@@ -173,6 +173,7 @@ ALONE = {  # a call one rank makes while its peer waits in another: the lines bo
     "ddp_extra": ("extra backward", "extra barrier"),  # one more forward/backward, then a barrier
     "plain_alone": ("plain all_reduce", "plain barrier"),  # torch.distributed.all_reduce alone
     "async_alone": ("async all_reduce", "async barrier"),  # od.all_reduce(async_op=True).wait()
+    "group_alone": ("group all_reduce", "group barrier"),  # on a group made with dist.new_group
 }
 
 

@@ -75,6 +75,12 @@ def scenario(name: str, out: dict) -> None:
             od.all_reduce(t, async_op=True).wait()  # unseen: async all_reduce
         else:
             od.barrier()  # unseen: async barrier
+    elif name == "group_alone":  # on a group the script made with dist.new_group
+        group = dist.new_group([0, 1])
+        if rank == 1:
+            dist.all_reduce(t, group=group)  # unseen: group all_reduce
+        else:
+            dist.barrier(group=group)  # unseen: group barrier
     elif name == "isend_unreceived":  # nobody receives rank 1's send
         if rank == 1:
             dist.isend(t, 0).wait()  # unseen: isend

@@ -226,7 +226,8 @@ class NativeBackend(Backend):
 
             return revoke_all()
         # the store's connections stay: the verdict that explains the break travels there
-        broken = break_connections(self._group_fds, keep_port=_store_port()) > 0
+        fds = self._group_fds | recorded_gloo.connection_fds()  # the groups made with dist.new_group too
+        broken = break_connections(fds, keep_port=_store_port()) > 0
         if self.name == "shm":  # shared memory has no connection: the group's mark ends the waits
             self._world.abort()
             broken = True

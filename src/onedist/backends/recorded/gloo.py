@@ -12,23 +12,28 @@ plain gloo group instead.
 
 torch knows the group as ``"gloo"`` (``dist.get_backend()``); its own name for DDP's logs is
 ``"onedist-gloo"`` (``group.name()``), since torch's C++ would otherwise look for a gloo backend
-inside it. Groups your code makes with ``dist.new_group`` are torch's plain gloo groups.
+inside it. Groups your code makes with ``dist.new_group`` (and torch's own: ``DeviceMesh``,
+``new_subgroups``) without naming a backend are recorded groups too (:func:`record_new_groups`);
+``backend="gloo"`` given by name gives torch's plain group.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from .._connections import socket_fds
 from .._pygroup import NamedGroup
 from . import steps
 from .calls import RECV, SEND, CallLog, RecordedWork, enabled, signature
 
-__all__ = ["NAME", "RecordedGloo", "create", "enabled", "register"]
+__all__ = ["NAME", "RecordedGloo", "connection_fds", "create", "enabled", "record_new_groups", "register"]
 
 #: the name the group is registered under in torch (torch's own map then says "gloo")
 NAME = "onedist-gloo"
@@ -40,6 +45,35 @@ def register() -> None:
     """Make :data:`NAME` known to ``torch.distributed`` (idempotent)."""
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, create, extended_api=True, devices=["cpu", "cuda"])
+    record_new_groups()
+
+
+def record_new_groups() -> None:
+    """Make ``dist.new_group`` without a backend, while the default group is a recorded one, give a
+    recorded group as well (idempotent): torch would give a plain gloo group, the backend its map
+    names for the default group. torch's ``new_group``, ``new_subgroups`` and ``DeviceMesh`` all
+    make their groups through ``_new_group_with_tag``; a group made another way stays plain."""
+    original: Any = _c10d._new_group_with_tag
+    if getattr(original, "_onedist_records", False):
+        return
+
+    @functools.wraps(original)
+    def _new_group_with_tag(*args: Any, **kwargs: Any) -> Any:
+        named = kwargs.get("backend", args[2] if len(args) > 2 else None)
+        default = _c10d._world.default_pg if hasattr(_c10d._world, "default_pg") else None
+        if named or not isinstance(default, RecordedGloo):
+            return original(*args, **kwargs)
+        if len(args) > 2:
+            args = (*args[:2], NAME, *args[3:])
+        else:
+            kwargs["backend"] = NAME
+        group = original(*args, **kwargs)
+        if isinstance(group, RecordedGloo):
+            rename_in_torch(group)
+        return group
+
+    _new_group_with_tag._onedist_records = True  # type: ignore[attr-defined]
+    _c10d._new_group_with_tag = _new_group_with_tag
 
 
 def create(options: Any, backend_options: Any = None) -> RecordedGloo:
@@ -58,12 +92,16 @@ class RecordedGloo(NamedGroup):
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, ranks: tuple[int, ...]) -> None:
         super().__init__(rank, size)
+        before = socket_fds()
         #: the group that moves the data
         self.inner = _gloo(store, rank, size, timeout, "data/")
         #: the groups of DDP's gradient buckets, by the parity of their step (:mod:`.steps`)
         self.buckets = tuple(_gloo(store, rank, size, timeout, f"steps-{k}/") for k in (0, 1))
+        #: the sockets gloo connected for it (the backend shuts them down to break a pending call)
+        self.fds = socket_fds() - before
         self.calls = CallLog(rank, ranks, self._agreed_nonce())
         steps.install()
+        _LIVE.add(self)
 
     def getBackendName(self) -> str:
         return NAME
@@ -271,6 +309,15 @@ def _each(call: Any, outputs: Any, inputs: Any, opts: Any) -> Any:
 
     works = [call(o, i, opts) for o, i in zip(outputs, inputs)]
     return PyWork(torch.futures.collect_all([w.get_future() for w in works]))
+
+
+_LIVE: weakref.WeakSet[RecordedGloo] = weakref.WeakSet()
+
+
+def connection_fds() -> frozenset[int]:
+    """The sockets of every live recorded group of this process, those made with
+    ``dist.new_group`` included (the backend knows only those it made itself)."""
+    return frozenset().union(*(group.fds for group in list(_LIVE)))
 
 
 def rename_in_torch(group: Optional[Any] = None) -> None:
