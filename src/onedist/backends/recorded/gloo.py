@@ -20,6 +20,7 @@ inside it. Groups your code makes with ``dist.new_group`` (and torch's own: ``De
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import weakref
 from datetime import timedelta
@@ -109,7 +110,7 @@ class RecordedGloo(NamedGroup):
     def _agreed_nonce(self) -> int:
         """A number every member of this group (and no earlier group) shares: the keys the ranks
         publish its calls under, so that an earlier group's left in the same store never count."""
-        mine = torch.randint(-(2**62), 2**62, (1,), dtype=torch.int64)
+        mine = torch.tensor([_random_int64()])
         parts = [torch.empty(1, dtype=torch.int64) for _ in range(self.size())]
         self.buckets[0].allgather([parts], [mine]).wait()
         return int(sum(int(p) for p in parts))
@@ -309,6 +310,13 @@ def _each(call: Any, outputs: Any, inputs: Any, opts: Any) -> Any:
 
     works = [call(o, i, opts) for o, i in zip(outputs, inputs)]
     return PyWork(torch.futures.collect_all([w.get_future() for w in works]))
+
+
+def _random_int64() -> int:
+    """A random number from the OS, not from torch's generator: drawing from it while a group is
+    made would shift the random numbers of the program (its dropout masks) by where groups are made
+    (od.join narrows its group when a rank leaves: a resumed run would no longer match)."""
+    return int.from_bytes(os.urandom(8), "little", signed=True) >> 2
 
 
 _LIVE: weakref.WeakSet[RecordedGloo] = weakref.WeakSet()

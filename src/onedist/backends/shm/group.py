@@ -409,7 +409,7 @@ def create(store: Any, rank: int, size: int, timeout: timedelta) -> ShmProcessGr
     :func:`onedist.register_torch_backends`): the group, with its calls on record."""
     group = ShmProcessGroup(store, rank, size, timeout)
     if size > 1:
-        mine = torch.randint(-(2**62), 2**62, (1,), dtype=torch.int64)
+        mine = torch.tensor([int.from_bytes(os.urandom(8), "little", signed=True) >> 2])  # not torch's RNG
         parts = [torch.empty(1, dtype=torch.int64) for _ in range(size)]
         group._gloo.allgather([parts], [mine]).wait()  # a number the members agree on (calls.py)
         group.calls = CallLog(rank, partial(dist.get_process_group_ranks, group), sum(int(p) for p in parts))
