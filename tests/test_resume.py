@@ -222,3 +222,143 @@ def test_resume_says_where_it_resumed_from_with_default_logging(tmp_path):
     assert out.stdout.split() == ["0", "7"], out
     assert f"onedist.resume: no checkpoint in {tmp_path}; starting at step 0" in out.stderr, out.stderr
     assert f"onedist.resume: resumed from step 7 ({tmp_path}/step_00000007.pt)" in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------- a run stopped at any micro-step (issue 51)
+def _worlds() -> list[tuple[str, str]]:
+    from onedist.backends.shm import supported
+
+    return [("gloo", s) for s in ("ddp", "fsdp")] + (
+        [("shm", s) for s in ("ddp", "fsdp")] if supported() else []
+    )
+
+
+@pytest.mark.parametrize("backend, sharding", _worlds(), ids=lambda v: v)
+def test_a_run_stopped_at_any_micro_step_resumes_to_bit_identical_weights(backend, sharding, tmp_path):
+    """2 ranks, dropout, a shuffling od.auto_dataloader, od.accumulate over 3 micro-batches (the
+    epoch's last batch closing a window of 2), AdamW, extra state: stopped right after the save of
+    micro-step 4 (a window open, mid-epoch), 5 (an epoch's end, the window closed) or 7 (a window
+    open in the second epoch) and resumed, the weights, the meter and the losses are the
+    uninterrupted run's, on every rank."""
+    import checks_resume
+    from conftest import Runner
+
+    out = Runner(2, backend)(
+        checks_resume.check_stopped_and_resumed_runs_end_bit_identical,
+        str(tmp_path),
+        "fsdp" if sharding == "fsdp" else None,
+        [4, 5, 7],
+    )
+    expected = {
+        "micro": 10,
+        "stops": {
+            stop: {"open": stop != 5, "weights": True, "meter": True, "losses": True} for stop in (4, 5, 7)
+        },
+    }
+    assert out == [expected] * 2, out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_serial_run_with_a_random_sampler_resumes_to_bit_identical_weights(num_workers, tmp_path):
+    """One process: od.auto_dataloader is a plain DataLoader with torch's RandomSampler, which has
+    no state: the resumed pass sets back the RNG states of the saved pass's start (the same
+    shuffle, the same base seed for the workers) and loads and drops the batches already seen."""
+    import checks_resume
+
+    out = checks_resume.check_stopped_and_resumed_runs_end_bit_identical(
+        str(tmp_path), None, [4, 5, 7], num_workers
+    )
+    assert all(
+        s == {"open": s["open"], "weights": True, "meter": True, "losses": True}
+        for s in out["stops"].values()
+    )
+    assert out["micro"] == 10, out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_a_save_inside_join_after_a_rank_left_holds_every_ranks_rng_and_resumes_bit_identical(
+    backend, tmp_path
+):
+    """Saved by rank 0 inside od.join once rank 1 has left its loop: the checkpoint holds both ranks'
+    RNG states (rank 1 sent what it left with); resumed at the same world size, no rank warns, the
+    weights and what each rank draws after the block are the uninterrupted run's."""
+    import checks_resume
+    from conftest import Runner
+    from onedist.backends.shm import supported
+
+    if backend == "shm" and not supported():
+        pytest.skip("the shm backend is not supported here")
+    out = Runner(2, backend)(
+        checks_resume.check_a_save_inside_join_after_a_rank_left_resumes_bit_identical, str(tmp_path)
+    )
+    assert out == [{"weights": True, "draw": True, "rng_entries": 2, "warnings": []}] * 2, out
+
+
+def test_resume_at_another_world_size_restores_model_optimizer_count_and_loader_position(tmp_path):
+    """Saved by 2 ranks inside an open window, after 4 of an epoch's 5 batches; resumed by one
+    process: the model, AdamW's state, the step and the count of micro-steps are the saved ones
+    exactly; the gradients of the open window are not restored (each rank's own) and rank 0 says
+    so with the RNG states; the loader's pass yields the one batch left."""
+    import checks_resume
+    from conftest import Runner
+
+    saved = Runner(2)(checks_resume.check_save_inside_a_window, str(tmp_path))[0]
+    assert saved["open"] is True
+    got = checks_resume.check_resume_at_another_world_size(str(tmp_path))
+    assert got["step"] == 4 and got["micro_steps"] == (4, True), got
+    assert all(torch.equal(got["model"][k], v) for k, v in saved["model"].items())
+    assert got["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]
+    for key, state in saved["optimizer"]["state"].items():
+        assert all(torch.equal(got["optimizer"]["state"][key][k], v) for k, v in state.items())
+    assert got["grads"] == [None] * len(got["grads"]), got["grads"]
+    assert (got["batches"], got["batches_left"]) == (5, 1), got
+    assert got["warnings"] == [
+        f"onedist.resume: {od.checkpoint_path(tmp_path, 4)} was saved by 2 ranks, this run has 1: the RNG "
+        "states are not restored nor the gradients of the open accumulation window"
+    ], got["warnings"]
+
+
+def test_extra_state_comes_back_and_defaults_fill_what_is_missing(tmp_path):
+    """Stateful extras are loaded into the objects given to resume; plain values come back as they
+    are, other picklable ones unpickled; a name the checkpoint lacks gets the value given (a
+    stateful one is left as it is, with a warning)."""
+    import fractions
+    import logging
+
+    from checks import onedist_log
+
+    scaler = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.25)
+    od.save_training_state(
+        tmp_path, 3, opt2=scaler, epoch=2, best={"loss": 0.5, "at": (1, 2)}, ratio=fractions.Fraction(1, 3)
+    )
+    fresh = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    other = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)
+    with onedist_log(logging.WARNING) as records:
+        step = od.resume(tmp_path, opt2=fresh, other=other, epoch=0, missing="default")
+    assert step == 3 and isinstance(step, int) and isinstance(step, od.training.resume.Resumed)
+    assert step.extra == {
+        "opt2": fresh,
+        "epoch": 2,
+        "best": {"loss": 0.5, "at": (1, 2)},
+        "ratio": fractions.Fraction(1, 3),
+        "other": other,
+        "missing": "default",
+    }
+    assert fresh.param_groups[0]["lr"] == 0.25 and other.param_groups[0]["lr"] == 1.0
+    assert [r.getMessage() for r in records] == [
+        f"onedist.resume: {od.checkpoint_path(tmp_path, 3)} holds no 'other' (its extra state: "
+        "['best', 'epoch', 'opt2', 'ratio']): other was left as it was"
+    ]
+    with pytest.raises(
+        od.OnedistValueError, match=r"\bbad\b.*allowed: an object with state_dict\(\) or a picklable"
+    ):
+        od.save_training_state(tmp_path, 4, bad=lambda: 0)
+    with pytest.raises(od.OnedistTypeError, match=r"\bloader\b.*allowed: a torch.utils.data.DataLoader"):
+        od.resume(tmp_path, loader=[1, 2])
+
+
+def test_a_loader_never_given_to_resume_is_refused_by_save(tmp_path):
+    loader = DataLoader(range(8), batch_size=2)
+    with pytest.raises(od.OnedistValueError, match="loader= was never given to od.resume"):
+        od.save_training_state(tmp_path, 1, loader=loader)
+    assert not list(tmp_path.iterdir())

@@ -140,6 +140,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
         backward as backward,
     )
     from .training.resume import (
+        Resumed as Resumed,
         checkpoint_path as checkpoint_path,
         resume as resume,
         save_training_state as save_training_state,
@@ -238,6 +239,7 @@ _LAZY = {
     "save_checkpoint": "training.checkpoint",
     "checkpoint_path": "training.resume",
     "resume": "training.resume",
+    "Resumed": "training.resume",
     "save_training_state": "training.resume",
     "clip_grad_norm_": "training.clipping",
     "full_state_dict": "training.sharding",

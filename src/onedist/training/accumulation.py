@@ -26,7 +26,15 @@ import torch
 from ..errors import bad_type, bad_value
 from .sharding import is_sharded
 
-__all__ = ["Window", "accumulate", "no_sync"]
+__all__ = [
+    "Window",
+    "accumulate",
+    "micro_steps",
+    "no_sync",
+    "pending_gradients",
+    "restore_pending_gradients",
+    "set_micro_steps",
+]
 
 
 @contextlib.contextmanager
@@ -103,12 +111,14 @@ class Window:
 
 
 class _Counter:
-    """How many micro-steps a model has made (the state behind :func:`accumulate`)."""
+    """How many micro-steps a model has made (the state behind :func:`accumulate`), and whether
+    the last one left its window open (its gradients accumulated, not yet exchanged)."""
 
-    __slots__ = ("calls",)
+    __slots__ = ("calls", "open")
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, calls: int = 0, open: bool = False) -> None:
+        self.calls = calls
+        self.open = open
 
 
 _counters: weakref.WeakKeyDictionary[torch.nn.Module, _Counter] = weakref.WeakKeyDictionary()
@@ -158,6 +168,7 @@ def accumulate(model: torch.nn.Module, every: int, loader: Optional[Any] = None)
         counter = _counters[model] = _Counter()
     window = _window(counter.calls, every, epoch)
     counter.calls += 1
+    counter.open = not window.sync
     with no_sync(model, enabled=not window.sync):
         yield window
 
@@ -191,3 +202,121 @@ def _window(calls: int, every: int, epoch: Optional[int]) -> Window:
     size = min(every, epoch - start)
     index = position - start
     return Window(sync=index == size - 1, size=size, index=index)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _counter_of(model: torch.nn.Module) -> Optional[_Counter]:
+    """``model``'s count, also when it was kept under the wrapper of the same module."""
+    from .wrappers import unwrap
+
+    counter = _counters.get(model)
+    if counter is not None:
+        return counter
+    inner = unwrap(model)
+    return next((c for m, c in list(_counters.items()) if unwrap(m) is inner), None)
+
+
+def micro_steps(model: torch.nn.Module) -> Optional[tuple[int, bool]]:
+    """How many micro-steps :func:`accumulate` counted for ``model``, and whether the last one
+    left its window open; None when it never counted one.
+
+    Example:
+        >>> import torch, onedist as od
+        >>> model = torch.nn.Linear(2, 1)
+        >>> with od.accumulate(model, every=3):
+        ...     pass
+        >>> micro_steps(model), micro_steps(torch.nn.Linear(2, 1))
+        ((1, True), None)
+    """
+    counter = _counter_of(model)
+    return None if counter is None else (counter.calls, counter.open)
+
+
+def set_micro_steps(model: torch.nn.Module, calls: int, open: bool) -> None:
+    """Continue :func:`accumulate`'s count for ``model`` at ``calls`` micro-steps (a resumed run).
+
+    Example:
+        >>> import torch, onedist as od
+        >>> model = torch.nn.Linear(2, 1)
+        >>> set_micro_steps(model, 5, True)
+        >>> with od.accumulate(model, every=3) as window:
+        ...     pass
+        >>> window
+        Window(sync=True, size=3, index=2)
+    """
+    counter = _counter_of(model)
+    if counter is None:
+        _counters[model] = _Counter(calls, open)
+    else:
+        counter.calls, counter.open = calls, open
+
+
+def pending_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's gradients accumulated in an open window, not yet exchanged: by parameter name,
+    copies on the CPU (each rank's differ: its own micro-batches).
+
+    A sharded (FSDP2) model keeps them unsharded inside ``fully_shard``'s parameter groups, where
+    :func:`restore_pending_gradients` puts them back.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model(torch.ones(1, 2)).sum().backward()
+        >>> sorted(pending_gradients(model))
+        ['bias', 'weight']
+    """
+    from .wrappers import unwrap
+
+    module = unwrap(model)
+    if is_sharded(module):
+        return {name: grad.detach().cpu().clone() for name, (_, grad) in _fsdp_gradients(module).items()}
+    return {
+        name: p.grad.detach().cpu().clone() for name, p in module.named_parameters() if p.grad is not None
+    }
+
+
+def restore_pending_gradients(model: torch.nn.Module, gradients: dict[str, torch.Tensor]) -> None:
+    """Put back what :func:`pending_gradients` gave: the next backward pass adds to them, as it
+    would have in the saved run.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> restore_pending_gradients(model, {"bias": torch.ones(1)})
+        >>> model.bias.grad, model.weight.grad
+        (tensor([1.]), None)
+    """
+    from .wrappers import unwrap
+
+    module = unwrap(model)
+    if is_sharded(module):
+        by_name = _fsdp_gradients(module, with_empty=True)
+        for name, grad in gradients.items():
+            fsdp_param, _ = by_name[name]
+            # FSDP2 adds each later micro-step's unsharded gradient to this one, in the order
+            # autograd would (acc + new), and reduce-scatters it at the window's last micro-step
+            fsdp_param.unsharded_accumulated_grad = grad.to(fsdp_param.sharded_param.device)
+        return
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, grad in gradients.items():
+            params[name].grad = grad.to(device=params[name].device, dtype=params[name].dtype).clone()
+
+
+def _fsdp_gradients(module: torch.nn.Module, with_empty: bool = False) -> dict[str, tuple[Any, Any]]:
+    """Each FSDP2 parameter of ``module`` by name: (its FSDPParam, its unsharded accumulated
+    gradient). torch keeps no public handle on them (2.4 to 2.13: ``unsharded_accumulated_grad``
+    under a reduce dtype, else the unsharded parameter's ``grad``)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    found: dict[str, tuple[Any, Any]] = {}
+    for sub in module.modules():
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        state = get_state() if callable(get_state) else None
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+                grad = fsdp_param._unsharded_param.grad
+            if grad is not None or with_empty:
+                found[names[id(fsdp_param.sharded_param)]] = (fsdp_param, grad)
+    return found

@@ -32,10 +32,14 @@ from ..context import current
 from ..errors import JoinedRankError, OnedistRuntimeError, OnedistValueError, bad_type
 from ..state import world
 
-__all__ = ["Join", "join"]
+__all__ = ["SAVE_STATE", "Join", "gather_rank_states", "join"]
 
 #: the backends whose groups od.join narrows to the ranks in their loops (torch.distributed's)
 _SUPPORTED = ("gloo", "nccl", "shm", "mpi")
+
+#: a step check's model code, plus the writer's rank, for od.save_training_state: the ranks out of
+#: their loops send their state to the writer (a model's code is 1 + its index: far below this)
+SAVE_STATE = 1 << 40
 
 
 def join(*objects: Any, divide_by_initial_world_size: bool = True) -> Join:
@@ -206,6 +210,12 @@ class Join:
         (``error``: this rank left raising it; the others raise it from their next step check)."""
         check = ranks.answer(error)
         while check.active:
+            if check.model >= SAVE_STATE:  # a step checkpoint: this rank's state to the writer
+                from .run_state import rank_state
+
+                _gather_from_every_rank(rank_state(self._models[0], None), check.model - SAVE_STATE, ranks)
+                check = ranks.answer(error)
+                continue
             ddp = self._ddps[check.model - 1] if check.model else None
             if ddp is not None:
                 _match_ddp_step(ddp, check.grad, check.sync)
@@ -230,6 +240,41 @@ class Join:
             state = broadcast_object(obj.state_dict() if current().rank == src else None, src=src)
             if current().rank != src:
                 obj.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------- step checkpoints
+def gather_rank_states(state: Any, dst: int) -> list[Any]:
+    """Every rank's ``state`` on rank ``dst`` (``[]`` elsewhere): one :func:`~onedist.gather`.
+
+    Inside :func:`join` after ranks left their loops, those ranks send theirs too: the ranks in
+    their loops announce the save in one step check, which the finished ranks answer by sending
+    what :func:`~onedist.training.run_state.rank_state` gives there (their RNG states are those
+    they left with: a finished rank draws no random number). ``dst`` must be in its loop.
+
+    Example:
+        >>> gather_rank_states({"rank": 0}, dst=0)
+        [{'rank': 0}]
+    """
+    from ..collectives import gather
+
+    ranks = world.join if isinstance(world.join, JoinedRanks) else None
+    if ranks is not None:
+        ranks.settle()
+    if ranks is None or not ranks.left or dst in ranks.left:  # a writer that left: gather refuses
+        return gather(state, dst=dst)
+    ranks.announce(SAVE_STATE + dst, False, False, wait=True)
+    return _gather_from_every_rank(state, dst, ranks)
+
+
+def _gather_from_every_rank(state: Any, dst: int, ranks: JoinedRanks) -> list[Any]:
+    """One gather on the whole default group, past the narrowing to the ranks in their loops."""
+    from ..collectives import gather
+
+    world.join = None
+    try:
+        return gather(state, dst=dst)
+    finally:
+        world.join = ranks
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -18,13 +18,20 @@ that is never loaded; both functions delete such leftovers once their writer is 
 (:func:`remove_stale_temp_files`). A step whose checkpoint is damaged (its checksum does not
 match, it is cut short or unreadable) is skipped for the newest intact one, on every rank alike,
 and renamed aside to ``<name>.corrupt``; only when no step is intact does ``resume`` raise.
+
+Each rank's own state (:mod:`.run_state`: its RNG states, its loader's position, the count of
+:func:`~onedist.accumulate` and an open window's gradients) is gathered to the writer and given
+back to the same rank. At another world size than the saving run's, the model, optimizer,
+scheduler, extra state, step and count of micro-steps are restored exactly; the RNG states and an
+open window's gradients are not (rank 0 warns), and the loader continues after as many batches
+as rank 0's had yielded (which samples those are depends on the world size).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
+import pickle
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -35,14 +42,18 @@ from ..errors import CheckpointCorruptError, bad_type, bad_value
 from ..log import log_shown
 from .checkpoint import PathLike, load_checkpoint, save_checkpoint
 from .files import remove_stale_temporaries
+from .positions import track
+from .rng import own_tensors, set_rng_state
 
-__all__ = ["checkpoint_path", "remove_stale_temp_files", "resume", "save_training_state"]
+__all__ = ["Resumed", "checkpoint_path", "remove_stale_temp_files", "resume", "save_training_state"]
 
 logger = logging.getLogger("onedist")
 
 _NAME = re.compile(r"step_(\d{8,})\.pt")
 # save_checkpoint's temporary file for a step checkpoint: .step_<step>.pt.<writer pid>.<12 hex>.tmp
 _TEMP = re.compile(r"\.step_\d{8,}\.pt\.(\d+)\.[0-9a-f]{12}\.tmp")
+# an extra value that is not plain data is kept pickled, as this one-key dict
+_PICKLED = "onedist.pickled"
 
 
 def checkpoint_path(directory: PathLike, step: int) -> Path:
@@ -56,6 +67,29 @@ def checkpoint_path(directory: PathLike, step: int) -> Path:
     return _directory("checkpoint_path", directory) / f"step_{_step('checkpoint_path', step):08d}.pt"
 
 
+class Resumed(int):
+    """The step :func:`resume` continues from: an ``int``, with the extra values it brought back.
+
+    Attributes:
+        extra: each extra value :func:`save_training_state` saved, by its keyword (an object given
+            to ``resume`` under that keyword has its state loaded and is the value), and each
+            keyword given to ``resume`` that the checkpoint lacks (a fresh start: all of them),
+            with the value given.
+
+    Example:
+        >>> step = Resumed(7, {"epoch": 2})
+        >>> step + 1, step.extra["epoch"]
+        (8, 2)
+    """
+
+    extra: dict[str, Any]
+
+    def __new__(cls, step: int, extra: Optional[dict[str, Any]] = None) -> Resumed:
+        resumed = super().__new__(cls, step)
+        resumed.extra = dict(extra or {})
+        return resumed
+
+
 def save_training_state(
     directory: PathLike,
     step: int,
@@ -64,14 +98,19 @@ def save_training_state(
     optimizer: Any = None,
     scheduler: Any = None,
     sampler: Any = None,
+    loader: Any = None,
     rank: int = 0,
+    **extra: Any,
 ) -> Path:
     """Save what :func:`resume` needs to continue after ``step`` steps, bit for bit.
 
     Writes :func:`checkpoint_path` ``(directory, step)`` with :func:`~onedist.save_checkpoint`
     (``rank`` writes, atomically; every rank returns once the file exists). Every rank must call
-    it: each rank's RNG states travel to the writer in one small gather, because ranks may draw
-    different random numbers (dropout on different data).
+    it: each rank's own state travels to the writer in one gather: its RNG states (ranks draw
+    different random numbers), its loader's position, :func:`~onedist.accumulate`'s count for
+    ``model`` and, when saved inside an accumulation window, the gradients it accumulated there
+    (its own micro-batches'; the checkpoint then holds one copy of them per rank). Inside
+    :func:`~onedist.join` after ranks left their loops, those ranks send theirs too.
 
     Args:
         directory: the folder of this run's checkpoints (created if missing).
@@ -80,8 +119,16 @@ def save_training_state(
         optimizer: an optimizer (anything with ``state_dict()``).
         scheduler: an LR scheduler (anything with ``state_dict()``).
         sampler: onedist's :class:`~onedist.DistributedSampler`: its epoch and position. Save
-            mid-epoch only with ``num_workers=0`` (see its ``state_dict``).
+            mid-epoch only with ``num_workers=0`` (see its ``state_dict``); ``loader`` has none
+            of these limits.
+        loader: the training ``DataLoader`` (:func:`~onedist.auto_dataloader`'s or your own),
+            given to :func:`resume` at the run's start: the batches its current pass yielded,
+            its sampler's state, the RNG states at the pass's start.
         rank: the global rank that writes.
+        **extra: more state, by name: objects with ``state_dict()`` (an EMA model, a GradScaler,
+            a metric) save their state dict; other values (an epoch, a best score, a dict) are
+            saved as they are, pickled when they are not plain data (numbers, strings, bytes,
+            tensors, and lists, tuples and dicts of them).
 
     Returns:
         The checkpoint's path.
@@ -90,23 +137,30 @@ def save_training_state(
         >>> import torch, onedist as od
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> od.save_training_state("/tmp/od-resume-doc", 5, model=model, optimizer=opt).name
+        >>> od.save_training_state("/tmp/od-resume-doc", 5, model=model, optimizer=opt, best=0.5).name
         'step_00000005.pt'
     """
-    from ..collectives import all_gather_object
     from ..context import get_rank, get_world_size
+    from .join import gather_rank_states
+    from .positions import check_loader
+    from .run_state import rank_state
 
     func = "save_training_state"
     target = checkpoint_path(directory, step)
     _check_objects(func, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler)
-    rng = _rng_state()
-    rngs = [rng] if get_world_size() == 1 else [_own_tensors(r) for r in all_gather_object(rng)]
-    state: dict[str, Any] = {"step": step, "rng": rngs}
+    if loader is not None:
+        check_loader(func, loader)
+    saved_extra = {name: _extra_value(func, name, value) for name, value in extra.items()}
+    here = rank_state(model, loader)
+    ranks = [here] if get_world_size() == 1 else gather_rank_states(here, dst=rank)
+    state: dict[str, Any] = {"step": step, "ranks": [own_tensors(r) for r in ranks]}
     for key, value in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
         if value is not None:
             state[key] = value
     if sampler is not None:
         state["sampler"] = sampler.state_dict()
+    if saved_extra:
+        state["extra"] = saved_extra
     if get_rank() == rank:
         remove_stale_temp_files(target.parent)
     save_checkpoint(state, target, rank=rank)
@@ -120,16 +174,19 @@ def resume(
     optimizer: Any = None,
     scheduler: Any = None,
     sampler: Any = None,
-) -> int:
+    loader: Any = None,
+    **extra: Any,
+) -> Resumed:
     """Load the newest checkpoint of ``directory`` back; the step to continue from (0: none).
 
     The newest is the ``step_<n>.pt`` with the largest ``n`` (:func:`save_training_state`'s
     names; temporary files of an interrupted write are ignored). Its state goes back into the
     objects given (a DDP model's module; the same objects ``save_training_state`` got), and this
-    rank's RNG states are restored: at once, or, when ``sampler`` was saved mid-epoch, when its
-    next pass starts, after the ``DataLoader`` drew its base seed from the global RNG as it did
-    at that epoch's start. Rank 0 logs the step. Every rank must call it (rank 0 lists the
-    files, one small broadcast).
+    rank's own state comes back: :func:`~onedist.accumulate`'s count and an open window's
+    gradients, and its RNG states, at once or, when ``loader`` (or ``sampler``) was saved
+    mid-epoch, when the loader's next pass starts, after the ``DataLoader`` drew its base seed
+    from the global RNG as it did at that epoch's start (at another world size, what is each
+    rank's own is not restored: see the module). Rank 0 logs the step. Every rank must call it.
 
     A damaged newest step (its checksum does not match, it is cut short, empty or unreadable on
     any rank: :class:`~onedist.CheckpointCorruptError`) is skipped on every rank alike for the
@@ -143,9 +200,15 @@ def resume(
         scheduler: the LR scheduler to load into, or None.
         sampler: onedist's :class:`~onedist.DistributedSampler`: continues at the saved epoch and
             position, or None.
+        loader: the training ``DataLoader``: its next pass continues where the saved run's was
+            (give it on a fresh start too: from then on it counts the batches it yields, which
+            :func:`save_training_state` saves).
+        **extra: the extra state saved by name: an object with ``load_state_dict`` gets its saved
+            state (a warning when the checkpoint has none); another value is the default.
 
     Returns:
-        The step of the checkpoint loaded, or 0 when there is none.
+        The step of the checkpoint loaded, or 0 when there is none: a :class:`Resumed`, an ``int``
+        whose ``extra`` holds the extra values.
 
     Raises:
         CheckpointCorruptError: on every rank when there are checkpoints and none is intact,
@@ -154,39 +217,47 @@ def resume(
     Example:
         >>> import torch, onedist as od
         >>> model = torch.nn.Linear(4, 2)
-        >>> od.save_training_state("/tmp/od-resume-doc", 7, model=model)
+        >>> od.save_training_state("/tmp/od-resume-doc", 7, model=model, epoch=2)
         PosixPath('/tmp/od-resume-doc/step_00000007.pt')
         >>> fresh = torch.nn.Linear(4, 2)
-        >>> od.resume("/tmp/od-resume-doc", model=fresh), torch.equal(fresh.weight, model.weight)
-        (7, True)
-        >>> od.resume("/tmp/od-resume-doc/empty", model=fresh)
-        0
+        >>> step = od.resume("/tmp/od-resume-doc", model=fresh, epoch=0)
+        >>> step, step.extra["epoch"], torch.equal(fresh.weight, model.weight)
+        (7, 2, True)
+        >>> od.resume("/tmp/od-resume-doc/empty", model=fresh, epoch=0).extra
+        {'epoch': 0}
     """
-    from ..collectives import broadcast_object
-    from ..context import get_rank, get_world_size
+    from ..context import get_rank
 
     func = "resume"
     folder = _directory(func, directory)
     _check_objects(func, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler)
-    if get_rank() == 0:  # the ranks of a job share the folder: one of them cleans it
-        remove_stale_temp_files(folder)
-    steps = steps_newest_first(folder)
-    if get_world_size() > 1:
-        steps = broadcast_object(steps, src=0)  # every rank tries the files rank 0 listed
+    if loader is not None:
+        track(loader, func)
+    steps = _listed_by_rank_0(folder)
     if not steps:
         if get_rank() == 0:
             log_shown(logger, logging.INFO, "onedist.resume: no checkpoint in %s; starting at step 0", folder)
-        return 0
-    live = {
-        k: v
-        for k, v in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
-        if v is not None
-    }
+        return Resumed(0, extra)
+    objects = (("model", model), ("optimizer", optimizer), ("scheduler", scheduler))
+    live = {k: v for k, v in objects if v is not None}
     step, path, state = _newest_intact(folder, steps, live)
-    _restore_rng(state, path, sampler)
+    values = _restore_extra(state, path, extra)
+    _restore_ranks(state, path, model, sampler, loader)
     if get_rank() == 0:
         log_shown(logger, logging.INFO, "onedist.resume: resumed from step %d (%s)", step, path)
-    return step
+    return Resumed(step, values)
+
+
+def _listed_by_rank_0(folder: Path) -> list[int]:
+    """The steps of ``folder``, newest first, as rank 0 lists them after cleaning the folder (the
+    ranks of a job share it: one of them cleans it; every rank tries the files rank 0 listed)."""
+    from ..collectives import broadcast_object
+    from ..context import get_rank, get_world_size
+
+    if get_rank() == 0:
+        remove_stale_temp_files(folder)
+    steps = steps_newest_first(folder)
+    return broadcast_object(steps, src=0) if get_world_size() > 1 else steps
 
 
 def _newest_intact(folder: Path, steps: list[int], live: dict[str, Any]) -> tuple[int, Path, Any]:
@@ -244,28 +315,112 @@ def _unused(path: Path) -> Path:
     return candidate
 
 
-def _restore_rng(state: dict[str, Any], path: Path, sampler: Any) -> None:
-    """This rank's RNG states back: at once, or when ``sampler``'s resumed pass starts."""
+def _restore_ranks(state: dict[str, Any], path: Path, model: Any, sampler: Any, loader: Any) -> None:
+    """This rank's own state back (:mod:`.run_state`); its RNG states at once, or when the
+    loader's (or sampler's) resumed pass starts."""
     from ..context import get_rank, get_world_size
+    from .accumulation import restore_pending_gradients, set_micro_steps
+    from .positions import continue_from
+    from .samplers import DistributedSampler
 
-    rngs = state["rng"]
-    rng = rngs[get_rank()] if len(rngs) == get_world_size() else None
-    if rng is None and get_rank() == 0:
+    entries = state.get("ranks")
+    if entries is None:  # saved by onedist 0.x before issue 51: RNG states only
+        entries = [{"rng": rng} for rng in state.get("rng", [])]
+    same = len(entries) == get_world_size()
+    mine: Optional[dict[str, Any]] = entries[get_rank()] if same else None
+    here = mine if mine is not None else (entries[0] if entries else {})
+    if not same and get_rank() == 0:
+        window = (
+            " nor the gradients of the open accumulation window"
+            if any("gradients" in e for e in entries)
+            else ""
+        )
         logger.warning(
-            "onedist.resume: %s was saved by %d ranks, this run has %d: the RNG states are not restored",
+            "onedist.resume: %s was saved by %d ranks, this run has %d: the RNG states are not restored%s",
             path,
-            len(rngs),
+            len(entries),
             get_world_size(),
+            window,
         )
 
     def restore_rng() -> None:
-        if rng is not None:
-            _set_rng_state(rng)
+        if mine is not None:
+            set_rng_state(mine["rng"])
 
-    if sampler is not None and "sampler" in state:
+    if model is not None and "micro_steps" in here:
+        calls, open_window = here["micro_steps"]
+        set_micro_steps(model, int(calls), bool(open_window))
+        if mine is not None and "gradients" in mine:
+            restore_pending_gradients(model, mine["gradients"])
+    if sampler is None and loader is not None and isinstance(loader.sampler, DistributedSampler):
+        sampler = loader.sampler
+    if loader is not None and "loader" in here:
+        continue_from(loader, here["loader"], same, restore_rng)
+    elif sampler is not None and "sampler" in state:
         sampler.load_state_dict(state["sampler"], at_start=restore_rng)
     else:
         restore_rng()
+
+
+def _extra_value(func: str, name: str, value: Any) -> Any:
+    """What the checkpoint keeps of extra ``name``: the object (save_checkpoint saves its state
+    dict), a plain value as it is, anything else pickled."""
+    if not isinstance(value, type) and callable(getattr(value, "state_dict", None)):
+        return value
+    if _plain(value):
+        return value
+    try:
+        return {_PICKLED: pickle.dumps(value)}
+    except Exception as e:
+        raise bad_value(
+            func, name, value, f"an object with state_dict() or a picklable value (pickling it raised {e!r})"
+        ) from e
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``torch.load(weights_only=True)`` reads ``value`` back as it is."""
+    if (
+        value is None
+        or type(value) in (bool, int, float, str, bytes, complex)
+        or isinstance(value, torch.Tensor)
+    ):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(type(k) in (str, int) and _plain(v) for k, v in value.items())
+    return False
+
+
+def _restore_extra(state: dict[str, Any], path: Path, given: dict[str, Any]) -> dict[str, Any]:
+    """The extra values: the saved ones (loaded into the objects given for them), then the
+    defaults given for names the checkpoint lacks."""
+    from ..context import get_rank
+    from .wrappers import unwrap
+
+    saved = state.get("extra") or {}
+    values: dict[str, Any] = {}
+    for name, value in saved.items():
+        if isinstance(value, dict) and set(value) == {_PICKLED}:
+            value = pickle.loads(value[_PICKLED])  # saved by this run's own save_training_state
+        values[name] = value
+    for name, obj in given.items():
+        stateful = not isinstance(obj, type) and callable(getattr(obj, "load_state_dict", None))
+        if name in saved and stateful:
+            target = unwrap(obj) if isinstance(obj, torch.nn.Module) else obj
+            target.load_state_dict(values[name])
+            values[name] = obj
+        elif name not in saved:
+            values[name] = obj
+            if stateful and get_rank() == 0:
+                logger.warning(
+                    "onedist.resume: %s holds no %r (its extra state: %s): %s was left as it was",
+                    path,
+                    name,
+                    sorted(saved),
+                    name,
+                )
+    return values
 
 
 def newest_step(directory: PathLike) -> Optional[int]:
@@ -356,46 +511,3 @@ def _check_objects(func: str, **objects: Any) -> None:
             getattr(value, "load_state_dict", None)
         ):
             raise bad_type(func, name, value, "an object with state_dict() and load_state_dict(), or None")
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's RNG states, in types ``torch.load(weights_only=True)`` reads back."""
-    version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state["numpy"] = [kind, torch.from_numpy(np.array(keys)), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def _own_tensors(value: Any) -> Any:
-    """``value`` with each tensor copied into storage of its own: a gathered tensor may be a view
-    into one buffer of every rank's bytes, which ``torch.set_rng_state`` misreads (segfault)."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _own_tensors(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_own_tensors(v) for v in value)
-    return value
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    state = _own_tensors(state)
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        try:
-            import numpy as np
-        except ImportError:
-            return
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
