@@ -12,14 +12,16 @@ The only distributed lines are onedist's; the same file runs on every backend an
     python examples/digits.py --nproc-per-node 2 --accumulate 4 --precision bf16-mixed
     python examples/digits.py --nproc-per-node 2 --sharding fsdp      # FSDP2: 1/2 of the model per rank
     python examples/digits.py --nproc-per-node 3 --uneven        # ranks with fewer batches: od.join
+    python examples/digits.py --nproc-per-node 2 --log-dir runs  # metrics to runs/metrics.csv (+ TensorBoard)
     python examples/digits.py --backend nccl --nproc-per-node 4  # GPUs
     mpirun -np 3 python examples/digits.py --backend mpi         # MPI itself (mpi4py)
     horovodrun -np 2 -H localhost:2 --gloo python examples/digits.py --backend horovod
     PJRT_DEVICE=CPU python examples/digits.py --backend xla-tpu  # torch_xla (XLA device)
 
-It prints the loss and exact test accuracy per epoch (rank 0), checks at the end that every rank
-holds the same parameters, and exits non-zero when they differ or when the final test accuracy is
-below --target (0.95).
+It prints the loss, exact test accuracy and the job's samples/s per epoch (rank 0), with one
+progress display for the job on stderr (od.progress), checks at the end that every rank holds the
+same parameters, and exits non-zero when they differ or when the final test accuracy is below
+--target (0.95).
 """
 
 from __future__ import annotations
@@ -86,13 +88,12 @@ class Net(nn.Module):
         return self.head(self.features(x))
 
 
-def _progress(loader: Any, epoch: int) -> Any:
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return loader
-    show = od.is_main_process() and sys.stdout.isatty()  # rank 0's bar, on a terminal only
-    return tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=not show, file=sys.stdout)
+def flops_per_batch(batch_size: int) -> int:
+    """The FLOPs of one training step (forward and backward) on ``batch_size`` samples, counted on
+    the meta device: nothing is computed."""
+    with torch.device("meta"):
+        net, x, y = Net(), torch.empty(batch_size, 1, 8, 8), torch.zeros(batch_size, dtype=torch.long)
+    return od.measure_flops(net, x, loss_fn=lambda out: F.cross_entropy(out, y))
 
 
 def evaluate(model: nn.Module, loader: Any) -> float:
@@ -107,7 +108,9 @@ def evaluate(model: nn.Module, loader: Any) -> float:
     return (gathered["pred"] == gathered["target"]).double().mean().item()
 
 
-def train_epoch(model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, epoch: int, args: Any) -> Any:
+def train_epoch(
+    model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, epoch: int, args: Any, throughput: Any
+) -> Any:
     """One pass over this rank's share of the data (the rest of it, in a resumed epoch)."""
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -119,12 +122,16 @@ def train_epoch(model: nn.Module, optimizer: Any, scheduler: Any, loader: Any, e
     # od.join: a rank out of batches answers the others' collectives until every rank is done
     joined = od.join(model, optimizer, scheduler) if args.uneven else contextlib.nullcontext()
     with joined:
-        for i, (x, y) in enumerate(_progress(loader, epoch), start=first):  # reshuffles every epoch
+        # the job's progress on rank 0 (every rank's batches), nothing on the others
+        bar = od.progress(loader, desc=f"epoch {epoch}", unit="batch")
+        for i, (x, y) in enumerate(bar, start=first):  # reshuffles every epoch
             if i == steps:
                 break
             loss = train_step(model, optimizer, scheduler, x, y, i, steps, args)
             loss_sum += loss.detach().double().cpu() * len(y)
             seen += len(y)
+            bar.set_postfix(loss=loss.detach())  # this rank's; read when shown
+            throughput.update(len(y))  # counted here, exchanged once at the epoch's end
             args.step += 1  # batches done (a checkpoint falls on a window's end: every % k == 0)
             if args.checkpoint_every and args.step % args.checkpoint_every == 0 and i + 1 < steps:
                 save_state(model, optimizer, scheduler, loader, args)  # the epoch's end saves below
@@ -192,15 +199,24 @@ def training(local_rank: int, args: argparse.Namespace) -> float:
             flush=True,
         )
     accuracy = None
+    log_dir = getattr(args, "log_dir", None)
+    if log_dir:  # rank 0 writes; TensorBoard too when it is installed
+        board = [od.TensorBoardLogger(log_dir)] if importlib.util.find_spec("tensorboard") else []
+        od.loggers(od.CSVLogger(log_dir), *board)  # flushed and closed at exit, after a failure too
+    per_rank_batch = args.batch_size // od.get_world_size()
     for epoch in range(args.step // len(train_loader) + 1, args.epochs + 1):
         start = time.perf_counter()
-        totals = train_epoch(model, optimizer, scheduler, train_loader, epoch, args)
+        throughput = od.Throughput(every=None, flops_per_batch=flops_per_batch(per_rank_batch))
+        totals = train_epoch(model, optimizer, scheduler, train_loader, epoch, args, throughput)
+        rates = throughput.compute()  # one small collective: every rank's samples
         accuracy = evaluate(model, test_loader)
         save_state(model, optimizer, scheduler, train_loader, args)  # after evaluate: its RNG draw too
+        loss = float(totals["loss"]) / max(1, totals["seen"])
+        od.log_metrics({"train_loss": loss, "test_accuracy": accuracy, **rates.as_dict()}, step=epoch)
         if od.is_main_process():
             print(
-                f"epoch {epoch:2d}  train loss {float(totals['loss']) / max(1, totals['seen']):.4f}  "
-                f"test accuracy {accuracy:.4f}  ({time.perf_counter() - start:.1f} s)",
+                f"epoch {epoch:2d}  train loss {loss:.4f}  test accuracy {accuracy:.4f}  "
+                f"({time.perf_counter() - start:.1f} s, {rates.samples_per_s:.0f} samples/s)",
                 flush=True,
             )
     if accuracy is None:  # resumed from the last epoch's checkpoint: nothing left to train
@@ -253,6 +269,11 @@ def main() -> int:
     parser.add_argument("--save-final", default=None, help="write the final model's state dict here")
     parser.add_argument(
         "--uneven", action="store_true", help="rank r trains on world_size - 1 - r batches fewer (od.join)"
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        help="log each epoch's metrics to DIR/metrics.csv (and TensorBoard if installed)",
     )
     args = parser.parse_args()
     if args.checkpoint_dir and args.max_steps is not None:

@@ -133,11 +133,23 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
         Join as Join,
         join as join,
     )
+    from .training.loggers import (
+        CSVLogger as CSVLogger,
+        TensorBoardLogger as TensorBoardLogger,
+        log_metrics as log_metrics,
+        loggers as loggers,
+    )
     from .training.meta_init import (
         init_module as init_module,
     )
+    from .training.peak_flops import (
+        peak_flops as peak_flops,
+    )
     from .training.precision import (
         backward as backward,
+    )
+    from .training.progress import (
+        progress as progress,
     )
     from .training.resume import (
         Resumed as Resumed,
@@ -156,6 +168,11 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
     from .training.syncbn import (
         SyncBatchNorm as SyncBatchNorm,
         convert_sync_batchnorm as convert_sync_batchnorm,
+    )
+    from .training.throughput import (
+        Rates as Rates,
+        Throughput as Throughput,
+        measure_flops as measure_flops,
     )
 
 # public name -> submodule that defines it. `import onedist` imports none of them (nor torch):
@@ -249,6 +266,15 @@ _LAZY = {
     "DistributedSampler": "training.samplers",
     "SyncBatchNorm": "training.syncbn",
     "convert_sync_batchnorm": "training.syncbn",
+    "CSVLogger": "training.loggers",
+    "TensorBoardLogger": "training.loggers",
+    "log_metrics": "training.loggers",
+    "loggers": "training.loggers",
+    "peak_flops": "training.peak_flops",
+    "progress": "training.progress",
+    "Rates": "training.throughput",
+    "Throughput": "training.throughput",
+    "measure_flops": "training.throughput",
 }
 _COMPUTED = ("has_hvd_support", "has_native_dist_support", "has_xla_support")
 
