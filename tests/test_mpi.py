@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import checks
+import checks_full_checkpoint
 import checks_join
 import checks_large_models
 import checks_loop
@@ -154,6 +155,24 @@ def test_a_meta_model_is_initialised_as_one_process_and_allocates_only_each_rank
     )
     print(big)
     assert all(o["held"] * 2 <= o["total"] * 1.01 for o in big), big
+
+
+def test_a_one_file_checkpoint_loads_into_a_256_mib_meta_model_reading_only_each_ranks_shards(tmp_path):
+    """tests/checks_full_checkpoint.py under mpirun (mpi4py, 2 ranks): building, sharding and
+    loading a one-file checkpoint grows each rank's peak RSS by at most its half (twice: its shards
+    and the file pages of its chunks) + the stated overhead; full_state_dict and
+    save_checkpoint(full=True) gather a tensor at a time; 3 steps equal one process's."""
+    path = str(tmp_path / "big.pt")
+    total = checks_full_checkpoint.write_big_checkpoint(path, plain=False)
+    out = mpi_world(2).run(
+        checks_full_checkpoint.check_a_one_file_checkpoint_loads_into_shards_reading_only_their_bytes,
+        path,
+        total,
+        str(tmp_path),
+        timeout=180,
+    )
+    print(out)
+    assert out[0]["max_difference"] <= 1e-5 and out[0]["moved"] >= 1e-3, out[0]
 
 
 def test_a_sharded_checkpoint_saved_on_2_ranks_loads_on_3(tmp_path):

@@ -14,17 +14,18 @@ file) raises on every rank instead of leaving the others waiting in the next col
 
 from __future__ import annotations
 
+import functools
 import os
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Union
 
 import torch
 
 from ..errors import OnedistError, bad_type, bad_value
-from .checksums import load_verified, save_with_checksum
+from .checksums import load_mapped, load_verified, save_with_checksum
 from .files import fsync_dir, remove_stale_temporaries, temporaries_of, temporary_beside, write_failed
+from .full_checkpoint import gathered, load_into_shards, strip_prefixes
 from .outcomes import on_every_rank, on_writer
 from .sharded_checkpoint import holds_sharded, is_sharded_checkpoint, load_sharded, save_sharded
 
@@ -32,16 +33,13 @@ __all__ = ["CheckpointNotFoundError", "load_checkpoint", "save_checkpoint"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-# prefixes that wrappers add to every key of a module's state dict (DDP / DataParallel, torch.compile)
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
 
 class CheckpointNotFoundError(OnedistError, FileNotFoundError):
     """:func:`load_checkpoint` found no file at the path (raised on every rank that lacks it)."""
 
 
 # ============================================================================ save
-def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
+def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0, full: bool = False) -> None:
     """Write ``obj`` to ``path`` from one rank, atomically; every rank returns once it is written.
 
     Each value of ``obj`` (a dict, searched through nested dicts/lists/tuples; or a single
@@ -64,12 +62,18 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
     every rank writes its own shards into (torch.distributed.checkpoint), its optimizer's state
     included: no rank gathers the whole model, and it loads at another world size. The other
     values go to ``rest.pt`` in it; the directory, too, appears at ``path`` only when complete
-    (docs/training.md, "Sharded checkpoints").
+    (docs/training.md, "Sharded checkpoints"). With ``full=True`` a sharded model is gathered to
+    ``rank`` one tensor at a time instead (``rank`` holds the model once, the others one tensor)
+    and ``path`` is one file, as for an unsharded model: an export, which loads into a model in
+    one process, into DDP, or into a sharded model (:func:`load_checkpoint` reads each rank's
+    shards of it); a sharded model's optimizer is refused there (its state stays sharded).
 
     Args:
         obj: what to save, usually a dict such as ``{"model": model, "optimizer": opt, "epoch": 3}``.
         path: the file (a directory, for a sharded model) to write.
         rank: the global rank that writes (the others need not build the state dicts).
+        full: with a sharded model in ``obj``: False (default) writes a sharded checkpoint, True one
+            file with the whole model. Without one, the file is one either way.
 
     Example:
         >>> import torch, onedist as od
@@ -95,17 +99,21 @@ def save_checkpoint(obj: Any, path: PathLike, *, rank: int = 0) -> None:
             hint=f"the arguments are (obj, path), as torch.save's; Fabric's save(path, state) has them "
             f"the other way round: od.save_checkpoint(state, {os.fspath(obj)!r})",
         )
+    if not isinstance(full, bool):
+        raise bad_type("save_checkpoint", "full", full, "a bool (True: a sharded model as one file)")
     target = _check_path("save_checkpoint", path)
-    if holds_sharded(obj):  # every rank writes its shards into a directory at path
+    sharded = holds_sharded(obj)
+    if sharded and not full:  # every rank writes its shards into a directory at path
         save_sharded(obj, target, rank, _state_of)
         return
     if b.world_size == 1:
         _write(_state_of(obj), target)
         return
+    state = gathered(obj, rank, _state_of) if sharded else None  # to the writer, a tensor at a time
     # every rank waits here until the writer is done: returning means the file exists
     on_writer(
         rank,
-        lambda: _write(_state_of(obj), target),
+        lambda: _write(state if sharded else _state_of(obj), target),
         f"onedist.save_checkpoint: rank {rank} could not write the checkpoint {str(target)!r}",
     )
 
@@ -201,6 +209,9 @@ def load_checkpoint(
     model at any world size, or an unsharded one (each rank reads the whole tensors). DCP pickles
     its index, so ``weights_only`` covers its ``rest.pt`` only: load sharded checkpoints you trust.
 
+    A one-file checkpoint loads into a sharded model in ``to`` with each rank copying only its
+    chunks from the mapped file (docs/training.md, "A one-file checkpoint into the shards").
+
     Args:
         path: the checkpoint file (or a sharded checkpoint's directory).
         to: None, or live objects to load into, e.g. ``{"model": model, "optimizer": opt}``; the
@@ -236,8 +247,16 @@ def load_checkpoint(
     location = device() if map_location is None else map_location
     if is_sharded_checkpoint(target):
         return load_sharded(target, to, location, weights_only, _load_into)
+    return _load_file(target, to, b.rank, location, weights_only)
+
+
+def _load_file(target: Path, to: Any, rank: int, location: Any, weights_only: bool) -> Any:
+    """:func:`load_checkpoint` of the one file ``target``."""
+    if holds_sharded(to):  # each rank reads its shards' bytes of the file only
+        read = functools.partial(_read_here, target, rank, lambda: load_mapped(target, weights_only))
+        return load_into_shards(to, read, location, _load_into, str(target))
     state = on_every_rank(
-        lambda: _read_here(target, b.rank, location, weights_only),
+        lambda: _read_here(target, rank, lambda: load_verified(target, location, weights_only)),
         lambda r: f"onedist.load_checkpoint: rank {r} could not load {str(target)!r}",
     )
     if to is not None:  # only once every rank read it intact: a failed load changes no live object
@@ -248,8 +267,8 @@ def load_checkpoint(
     return state
 
 
-def _read_here(target: Path, rank: int, location: Any, weights_only: bool) -> Any:
-    """This rank's read of ``target``, checked against its checksum."""
+def _read_here(target: Path, rank: int, load: Callable[[], Any]) -> Any:
+    """This rank's read of ``target`` (``load()``, which checks it against its checksum)."""
     if not target.is_file():
         what = "a directory" if target.is_dir() else "no file"
         raise CheckpointNotFoundError(
@@ -257,7 +276,7 @@ def _read_here(target: Path, rank: int, location: Any, weights_only: bool) -> An
             "HINT: check the path; save_checkpoint returns on every rank only after the file exists, "
             "and every rank must see the same filesystem"
         )
-    return load_verified(target, location, weights_only)
+    return load()
 
 
 def _load_into(live: Any, saved: Any, where: str) -> None:
@@ -271,7 +290,7 @@ def _load_into(live: Any, saved: Any, where: str) -> None:
             raise bad_type(
                 "load_checkpoint", f"the checkpoint's entry for {where}", saved, "a model state dict"
             )
-        module.load_state_dict(_strip_prefixes(saved, module))
+        module.load_state_dict(strip_prefixes(saved, module))
         return
     if _has_method(live, "load_state_dict"):
         live.load_state_dict(saved)
@@ -309,36 +328,3 @@ def _load_into(live: Any, saved: Any, where: str) -> None:
         "objects with load_state_dict (models, optimizers, schedulers, scalers) or containers of them",
         hint="plain values (an epoch, a config) are in the returned checkpoint: ckpt = load_checkpoint(path)",
     )
-
-
-def _strip_prefixes(saved: Mapping[str, Any], module: torch.nn.Module) -> Mapping[str, Any]:
-    """Drop wrapper prefixes that every saved key has and the module's own keys lack."""
-    own = list(module.state_dict().keys())
-    keys = list(saved.keys())
-    stripped: list[str] = []
-    while keys:
-        prefix = next(
-            (
-                p
-                for p in _WRAPPER_PREFIXES
-                if all(isinstance(k, str) and k.startswith(p) for k in keys)
-                and not (own and all(k.startswith(p) for k in own))
-            ),
-            None,
-        )
-        if prefix is None:
-            break
-        keys = [k[len(prefix) :] for k in keys]
-        stripped.append(prefix)
-    if not stripped:
-        return saved
-    out: OrderedDict[str, Any] = OrderedDict(zip(keys, saved.values()))
-    metadata = getattr(saved, "_metadata", None)
-    if metadata is not None:  # per-module versions, read by some modules' _load_from_state_dict
-        renamed: OrderedDict[str, Any] = OrderedDict()
-        for key, value in metadata.items():
-            for p in stripped:
-                key = "" if key == p[:-1] else key[len(p) :] if key.startswith(p) else key
-            renamed.setdefault(key, value)
-        out._metadata = renamed  # type: ignore[attr-defined]
-    return out

@@ -11,9 +11,15 @@ torch reads a byte of them.
   :class:`~onedist.CheckpointCorruptError` naming the file and the mismatch otherwise.
 * :func:`load_verified` is ``torch.load`` of a file once it is verified, from the same memory
   (``mmap=True``: the pages hashed are the pages read), each storage then copied once into memory of
-  its own (:func:`_own_memory` says why). A file without a record
+  its own (:func:`own_memory` says why). A file without a record
   loads as before, with a warning; when torch cannot read it and it is not a whole zip archive,
   it is damaged: CheckpointCorruptError, not torch's "failed finding central directory".
+* :func:`load_mapped` is the same load with the tensors left on the file's mapped pages, for a
+  caller that copies parts of them (each rank's shards: :mod:`.full_checkpoint`) and then drops
+  them, which unmaps the file; :func:`own_memory` copies the rest into memory of its own.
+
+The hash pass maps the file and hands each 4 MiB back to the page cache once hashed
+(``MADV_DONTNEED``): a process's resident memory grows by a few MiB during it, not by the file.
 
 Why zlib's CRC-32: on 200 MB it ran at 2.3 GB/s here, zlib.adler32 at 1.8, hashlib's sha256 and
 sha1 at 1.2, blake2b at 1.05, md5 at 0.8 (``benchmarks/bench_checkpoint.py`` prints them); every
@@ -45,7 +51,9 @@ __all__ = [
     "corrupt",
     "crc32_combine",
     "crc32_of",
+    "load_mapped",
     "load_verified",
+    "own_memory",
     "save_with_checksum",
     "verify_file",
     "without_torchs_own_crc",
@@ -59,6 +67,8 @@ _ZIP_END = b"PK\x05\x06"  # a zip's end record: 22 bytes when it has no comment 
 _ZIP_END_SIZE = 22
 # one thread hashes each 32 MiB: zlib.crc32 lets go of the GIL, so the threads run at once
 _SEGMENT = 32 << 20
+# ... in steps of 4 MiB, each handed back to the page cache once hashed
+_STEP = 4 << 20
 _POLY = 0xEDB88320  # CRC-32's polynomial, bit-reversed (zlib's)
 
 
@@ -230,24 +240,67 @@ def load_verified(path: Path, location: Any, weights_only: bool) -> Any:
             if _mappable(path):  # torch's own error, not the file system's
                 raise
             return torch.load(path, map_location=location, weights_only=weights_only)
-        return _own_memory(loaded)
+        return own_memory(loaded)
     try:
         state = torch.load(path, map_location=location, weights_only=weights_only)
     except Exception as e:
         fault = _damage(path)
         if fault is None:  # a whole zip archive: torch refuses its content, not damaged bytes
             raise
-        said = (str(e).splitlines() or [""])[0]
-        raise corrupt(
-            path,
-            f"{fault}; torch cannot read it ({type(e).__name__}: {said}), and it has no checksum record "
-            "(it was cut short, or written by an older onedist or another tool)",
-        ) from e
+        raise _unreadable(path, fault, e) from e
     _warn_unverified(path)
     return state
 
 
-def _own_memory(loaded: Any) -> Any:
+def _unreadable(path: Path, fault: str, error: BaseException) -> CheckpointCorruptError:
+    """The error for a file without a checksum record that torch cannot read (``error``) and that
+    is not a whole zip archive (``fault``)."""
+    said = (str(error).splitlines() or [""])[0]
+    return corrupt(
+        path,
+        f"{fault}; torch cannot read it ({type(error).__name__}: {said}), and it has no checksum record "
+        "(it was cut short, or written by an older onedist or another tool)",
+    )
+
+
+def load_mapped(path: Path, weights_only: bool) -> Any:
+    """``torch.load`` of ``path`` on the CPU once :func:`verify_file` found it intact, its tensors
+    left on the file's mapped pages (``mmap=True``): nothing of them is read until it is used, and
+    the file is unmapped once the last of them is dropped. For a caller that keeps parts of the
+    tensors (each rank's shards) and copies what it keeps (:func:`own_memory` copies the rest). A
+    file without a checksum record loads mapped too, with :func:`load_verified`'s warning, or read
+    whole where it cannot be mapped (a file system that cannot, torch's format before 1.6). Raises
+    as :func:`load_verified`.
+
+    Example:
+        >>> import tempfile, torch
+        >>> path = Path(tempfile.mkdtemp()) / "a.pt"
+        >>> with open(path, "wb") as f:
+        ...     save_with_checksum({"w": torch.arange(6.0)}, f)
+        >>> mapped = load_mapped(path, True)
+        >>> mapped["w"][4:].clone()   # reads these 8 bytes of the file only
+        tensor([4., 5.])
+        >>> del mapped                # the file is unmapped
+    """
+    intact = verify_file(path)
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except Exception as e:
+        fault = _damage(path)
+        if fault is None and _mappable(path):  # a whole zip torch maps: it refuses the content
+            raise
+        try:  # not mappable here, or torch's older format: read whole
+            loaded = torch.load(path, map_location="cpu", weights_only=weights_only)
+        except Exception:
+            if intact or fault is None:
+                raise
+            raise _unreadable(path, fault, e) from e
+    if not intact:
+        _warn_unverified(path)
+    return loaded
+
+
+def own_memory(loaded: Any) -> Any:
     """``loaded`` with every tensor it holds (in dicts, lists, tuples, sets and objects' attributes)
     moved from the file's mapped pages to memory of its own, one copy per storage (tensors that
     shared one still do: tied weights stay tied). A tensor left on the file's pages (an
@@ -255,7 +308,16 @@ def _own_memory(loaded: Any) -> Any:
     change, or end the process with SIGBUS, when the file is rewritten in place (``torch.save`` to
     the same path, a copy over it) while training runs on. Measured on 200 MB: the load then takes
     x1.3 the time of ``torch.load`` + ``load_state_dict`` without a checksum (x0.6-0.7 when the
-    tensors stayed on the mapped pages, x1.4 when torch read the file again after the hash)."""
+    tensors stayed on the mapped pages, x1.4 when torch read the file again after the hash).
+
+    Example:
+        >>> import torch
+        >>> w = torch.ones(3)
+        >>> before = w.data_ptr()
+        >>> state = own_memory({"w": w, "tied": w[1:]})  # the same tensors, in a copy of their storage
+        >>> state["w"].data_ptr() != before, state["tied"].data_ptr() == state["w"].data_ptr() + 4
+        (True, True)
+    """
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
 
@@ -375,10 +437,17 @@ def crc32_of(file: BinaryIO, length: int) -> int:
     except OSError:  # a file system that cannot map files (some FUSE ones): read them instead
         return _crc32_by_reading(file, length)
     with mapped:
-        if hasattr(mapped, "madvise"):
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
+        advise = getattr(mapped, "madvise", None)
+        if advise is not None:
+            advise(mmap.MADV_SEQUENTIAL)
+        done = advise and getattr(mmap, "MADV_DONTNEED", None)
+
+        def hashed(start: int, size: int) -> None:  # those pages out of this process's memory
+            if done and advise is not None:
+                advise(done, start, size)
+
         with memoryview(mapped) as view:
-            return _crc32_in_threads(view)
+            return _crc32_in_threads(view, hashed)
 
 
 def _crc32_by_reading(file: BinaryIO, length: int) -> int:
@@ -393,12 +462,20 @@ def _crc32_by_reading(file: BinaryIO, length: int) -> int:
     return crc
 
 
-def _crc32_in_threads(view: memoryview) -> int:
+def _crc32_in_threads(view: memoryview, hashed: Callable[[int, int], None]) -> int:
+    """The CRC-32 of ``view``, one thread per 32 MiB, each in steps of 4 MiB: ``hashed(start,
+    size)`` after each step (a mapped file's pages are then handed back: page cache, not the
+    process's resident memory, which the file would otherwise fill while it is hashed)."""
     starts = range(0, len(view), _SEGMENT)
 
     def segment(start: int) -> int:
-        with view[start : start + _SEGMENT] as part:
-            return zlib.crc32(part)
+        crc, end = 0, min(start + _SEGMENT, len(view))
+        for at in range(start, end, _STEP):
+            size = min(_STEP, end - at)
+            with view[at : at + size] as part:
+                crc = zlib.crc32(part, crc)
+            hashed(at, size)
+        return crc
 
     with ThreadPoolExecutor(max(1, min(4, len(starts), len(os.sched_getaffinity(0))))) as pool:
         crcs = list(pool.map(segment, starts))

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import bad_type, bad_value
 
-__all__ = ["init_module", "is_meta", "materialize", "original_dtypes"]
+__all__ = ["chunk_of", "init_module", "is_meta", "materialize", "original_dtypes"]
 
 
 @contextlib.contextmanager
@@ -222,15 +222,25 @@ def _reset_one(
         for (where, name), t in kept.items():
             whole = getattr(module, where)[name].detach()
             if isinstance(t, DTensor):
-                t.to_local().copy_(_chunk(whole, t))
+                t.to_local().copy_(chunk_of(whole, t))
             else:
                 t.copy_(whole)
             getattr(module, where)[name] = t
 
 
-def _chunk(whole: torch.Tensor, like: Any) -> torch.Tensor:
+def chunk_of(whole: torch.Tensor, like: Any) -> torch.Tensor:
     """This rank's part of ``whole`` as DTensor ``like`` places it: a view (no copy, which the
-    allocator may keep) for FSDP2's placements, ``Shard(dim)`` and ``Replicate()``."""
+    allocator may keep; of a file's mapped tensor, only this part's pages are read when it is
+    copied) for FSDP2's placements, ``Shard(dim)`` and ``Replicate()``.
+
+    Example:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from torch.distributed.tensor import Shard
+        >>> mesh = SimpleNamespace(get_coordinate=lambda: [1], size=lambda axis: 3)  # rank 1 of 3
+        >>> chunk_of(torch.arange(8), SimpleNamespace(placements=[Shard(0)], device_mesh=mesh))
+        tensor([3, 4, 5])
+    """
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     if not all(type(p) in (Shard, Replicate) for p in like.placements):  # e.g. _StridedShard: a copy

@@ -36,7 +36,7 @@ from ..errors import bad_type, bad_value
 from .checksums import load_verified, save_with_checksum, without_torchs_own_crc
 from .files import fsync_dir, remove_stale_temporaries, temporaries_of, temporary_beside, write_failed
 from .outcomes import on_every_rank, on_writer
-from .sharding import is_sharded
+from .sharding import is_sharded, is_sharded_optimizer
 
 __all__ = ["REST", "holds_sharded", "is_sharded_checkpoint", "load_sharded", "save_sharded"]
 
@@ -131,7 +131,7 @@ def _split(
     if is_sharded(value):
         entries[key] = get_model_state_dict(unwrap(value))
         return _PLACEHOLDER + key
-    if isinstance(value, torch.optim.Optimizer) and _is_sharded_optimizer(value):
+    if isinstance(value, torch.optim.Optimizer) and is_sharded_optimizer(value):
         entries[key] = get_optimizer_state_dict(_model_of(value, models, "save_checkpoint", key), value)
         return _PLACEHOLDER + key
     if isinstance(value, Mapping):
@@ -144,13 +144,6 @@ def _split(
 
 def _join(key: str, part: Any) -> str:
     return f"{key}.{part}" if key else str(part)
-
-
-def _is_sharded_optimizer(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` steps a sharded model's parameters (DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
 
 
 def _models_of(obj: Any) -> list[torch.nn.Module]:

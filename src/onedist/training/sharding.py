@@ -25,6 +25,7 @@ shard (:mod:`onedist.training.meta_init`).
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -33,7 +34,16 @@ import torch
 from ..errors import bad_type, bad_value
 from .versions import require_torch
 
-__all__ = ["SHARDINGS", "check_sharding", "full_state_dict", "is_sharded", "shard", "units_of"]
+__all__ = [
+    "SHARDINGS",
+    "check_sharding",
+    "full_state_dict",
+    "gather_state_dict",
+    "is_sharded",
+    "is_sharded_optimizer",
+    "shard",
+    "units_of",
+]
 
 #: what ``auto_model(sharding=...)`` accepts
 SHARDINGS = (None, "fsdp")
@@ -235,10 +245,26 @@ def is_sharded(module: Any) -> bool:
     return isinstance(module, torch.nn.Module) and hasattr(unwrap(module), "set_requires_gradient_sync")
 
 
+def is_sharded_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps a sharded model's parameters (DTensors).
+
+    Example:
+        >>> import torch
+        >>> is_sharded_optimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+        False
+    """
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(optimizer, torch.optim.Optimizer) and any(
+        isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]
+    )
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The whole model's ordinary state dict, on CPU, on rank 0 (an empty dict on the other ranks):
-    for exporting a model trained with ``sharding="fsdp"`` (gathered one tensor at a time), or any
-    other model (:func:`~onedist.unwrap`'s state). Every rank must call it.
+    for exporting a model trained with ``sharding="fsdp"`` (gathered one tensor at a time:
+    :func:`gather_state_dict`), or any other model (:func:`~onedist.unwrap`'s state). Every rank
+    must call it.
 
     Example:
         >>> import torch, onedist as od
@@ -251,13 +277,85 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
 
     if not isinstance(model, torch.nn.Module):
         raise bad_type("full_state_dict", "model", model, "a torch.nn.Module (the model auto_model returned)")
-    rank = current().rank
-    if not is_sharded(model):
-        if rank != 0:
-            return {}
-        return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    if is_sharded(model):
+        return gather_state_dict(model, 0)
+    if current().rank != 0:
+        return {}
+    return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only, on the CPU
-    state: dict[str, Any] = get_model_state_dict(unwrap(model), options=options)
-    return state if rank == 0 else {}
+
+def gather_state_dict(model: torch.nn.Module, dst: int) -> dict[str, Any]:
+    """The sharded ``model``'s whole state dict on global rank ``dst``, on the CPU, gathered one
+    tensor at a time (an empty dict on the other ranks): each sharded tensor is all-gathered into
+    one buffer per dtype, allocated once for the largest tensor, and ``dst`` copies it out (on the
+    CPU) before the next. ``dst`` holds the model once plus that buffer, the others the buffer.
+    Every rank must call it, in the same order.
+
+    Example:
+        >>> import torch
+        >>> gather_state_dict(torch.nn.Linear(2, 1), 0)   # one process: the state dict, on the CPU
+        OrderedDict(...)
+    """
+    from torch.distributed.tensor import DTensor
+
+    from ..context import current
+    from .wrappers import unwrap
+
+    keep = current().rank == dst
+    out: dict[str, Any] = OrderedDict()
+    state = unwrap(model).state_dict()
+    buffers = _gather_buffers([v for v in state.values() if isinstance(v, DTensor)])
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            whole = _gathered(value, buffers)
+            if keep:
+                out[key] = whole.to("cpu", copy=True)  # its own memory, its exact size
+            del whole
+        elif keep:
+            out[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def _row_sharded(t: Any) -> bool:
+    """Whether DTensor ``t`` is FSDP2's default: dim 0 sharded over a 1-D mesh."""
+    from torch.distributed.tensor import Shard
+
+    return (
+        t.device_mesh.ndim == 1
+        and type(t.placements[0]) is Shard
+        and t.placements[0].dim == 0
+        and t.dim() > 0
+    )
+
+
+def _gather_buffers(tensors: list[Any]) -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+    """One flat buffer per (dtype, device): the largest row-sharded tensor's padded shard (what
+    this rank sends) and the N padded shards (what it receives)."""
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for t in tensors:
+        if _row_sharded(t):
+            n = t.device_mesh.size()
+            per = -(-t.shape[0] // n) * (t.numel() // t.shape[0] if t.shape[0] else 0)
+            kind = (t.dtype, t.to_local().device)
+            sizes[kind] = max(sizes.get(kind, 0), per * (n + 1))
+    return {kind: torch.empty(size, dtype=kind[0], device=kind[1]) for kind, size in sizes.items()}
+
+
+def _gathered(t: Any, buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> torch.Tensor:
+    """The whole of DTensor ``t`` on every rank: a view of ``buffers`` (FSDP2's row shards, as
+    torch.chunk cuts them: each rank's padded to the first's rows), or DTensor's own gather."""
+    import torch.distributed as dist
+
+    if not _row_sharded(t):
+        whole: torch.Tensor = t.full_tensor().detach()
+        return whole.wait() if hasattr(whole, "wait") else whole  # funcol's async result
+    local = t.to_local().detach()
+    n, rows = t.device_mesh.size(), -(-t.shape[0] // t.device_mesh.size())
+    per = rows * (t.numel() // t.shape[0])
+    flat = buffers[t.dtype, local.device]
+    send, received = flat[:per], flat[per : per * (n + 1)]
+    send.view(rows, *t.shape[1:])[: local.shape[0]].copy_(local)
+    # all_gather_single: all_gather_into_tensor's name from torch 2.10 (the old one warns there)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(received, send, group=t.device_mesh.get_group())
+    return received.view(n * rows, *t.shape[1:])[: t.shape[0]]
