@@ -54,11 +54,25 @@ WIDEN_ARITH = {
 }
 
 
+#: (torch's reduce op, dtype) -> the MPI op found for it (looked up on every reduction)
+_FOUND: dict[tuple[Any, torch.dtype], Any] = {}
+
+
 def mpi_op(op: Any, dtype: torch.dtype) -> Any:
     """The MPI reduce op of torch's ``op`` for ``dtype`` (bool travels as uint8)."""
+    kind = getattr(op, "op", op)  # a ReduceOp (options) or its RedOpType
+    try:
+        return _FOUND[(kind, dtype)]
+    except (KeyError, TypeError):
+        pass
+    found = _find_mpi_op(kind, dtype)
+    _FOUND[(kind, dtype)] = found
+    return found
+
+
+def _find_mpi_op(kind: Any, dtype: torch.dtype) -> Any:
     MPI = mpi()
     R = dist.ReduceOp
-    kind = getattr(op, "op", op)  # a ReduceOp (options) or its RedOpType
     if kind == R.AVG:  # MPI has no average: a SUM, divided by the group size after it (_pygroup.averages)
         if not (dtype.is_floating_point or dtype.is_complex):
             raise MpiError(
