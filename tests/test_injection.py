@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import onedist as od
+from onedist import _injection as spec
 from onedist.failures import injection
 
 
@@ -21,15 +22,15 @@ def test_a_bad_injection_is_refused_naming_the_variable_and_what_is_allowed(text
     with pytest.raises(
         od.OnedistValueError, match=r"ONEDIST_INJECT_FAILURE=.* is not allowed; allowed: rank=R"
     ):
-        injection.parse(text)
+        spec.parse(text)
 
 
 def test_only_the_named_rank_on_the_named_attempt_gets_it():
-    env = {injection.ENV: "rank=1,step=3,restart=1"}
+    env = {spec.ENV: "rank=1,step=3,restart=1"}
     try:
         assert injection.install(0, 1, env) is None
         assert injection.install(1, 0, env) is None
-        assert injection.install(1, 1, env) == injection.Injection(1, 3, signal.SIGKILL, 1)
+        assert injection.install(1, 1, env) == spec.Injection(1, 3, signal.SIGKILL, 1)
         assert injection.install(1, 1, {}) is None  # unset: nothing (and the previous one removed)
     finally:
         injection.remove()
@@ -41,7 +42,7 @@ def test_the_signal_comes_right_after_the_named_optimizer_step_once(monkeypatch)
     received: list[int] = []
     steps_done: list[int] = []
     previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(len(steps_done)))
-    monkeypatch.setenv(injection.ENV, "rank=0,step=2,signal=SIGUSR1")
+    monkeypatch.setenv(spec.ENV, "rank=0,step=2,signal=SIGUSR1")
     try:
         od.initialize("gloo")
         model = torch.nn.Linear(2, 1)

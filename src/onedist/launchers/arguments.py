@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .._injection import ALLOWED as INJECTION_ALLOWED, ENV as INJECTION_ENV
 from .._net import LOOPBACK, is_loopback
 from ..errors import OnedistValueError
-from ..failures.injection import ALLOWED as INJECTION_ALLOWED, ENV as INJECTION_ENV
 
 __all__ = [
     "AGREED",

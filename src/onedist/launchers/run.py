@@ -42,10 +42,10 @@ import time
 from collections.abc import Callable
 from typing import IO, Any, Optional
 
+from .._injection import ENV as INJECTION_ENV
 from .._net import rendezvous_port
 from ..environments import detect_cluster, kubernetes_job
 from ..errors import OnedistValueError
-from ..failures.injection import ENV as INJECTION_ENV
 from .arguments import add_flags
 from .launcher import Launcher, restart_verdict, restarts_left
 from .nodes import Agents, AgentsError

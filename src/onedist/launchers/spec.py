@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
+from .._injection import parse as parse_injection
 from .._net import LOOPBACK, tcp_init_would_hang
 from ..errors import (
     BackendUnavailableError,
@@ -40,7 +41,6 @@ from ..errors import (
     bad_type,
     bad_value,
 )
-from ..failures.injection import parse as parse_injection
 from .arguments import (
     ARGUMENTS,
     ENDPOINT,
