@@ -192,6 +192,20 @@ def test_ctrl_c_on_the_terminal_ends_every_process_with_status_130(tmp_path):
     assert "launchers/bootstrap" not in err
 
 
+def test_the_onedist_run_page_shows_the_real_usage_and_a_row_for_every_flag(monkeypatch):
+    """docs/launchers/onedist-run.md's ``--help`` block is the parser's usage (at 80 columns), and
+    its table has a row for every declared flag: the flags come from one declaration, which a new
+    flag or a new order changes."""
+    from onedist.launchers.arguments import ARGUMENTS
+    from onedist.launchers.run import build_parser
+
+    monkeypatch.setenv("COLUMNS", "80")
+    page = (Path(__file__).parent.parent / "docs" / "launchers" / "onedist-run.md").read_text()
+    assert build_parser().format_usage() in page
+    missing = [a.flags for a in ARGUMENTS.values() if a.flags and not any(f"`{f}" in page for f in a.flags)]
+    assert not missing, missing
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
