@@ -30,7 +30,7 @@ import torch
 from torch.distributed.algorithms.join import Join
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from bench_training import _data, _mlp, interleaved_rates
+from bench_training import _data, _mlp, add_data_arguments, interleaved_rates
 
 import onedist as od
 
@@ -114,9 +114,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--backend", default="gloo", help="gloo or shm (CPU)")
     parser.add_argument("--k", type=int, default=4, help="micro-batches per optimizer step")
-    parser.add_argument("--samples", type=int, default=16384)
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=256)
+    add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=128, help="global micro-batch size")
     parser.add_argument("--steps", type=int, default=64, help="micro-batches per timed repetition")
     parser.add_argument("--reps", type=int, default=9)

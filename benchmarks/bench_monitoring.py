@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from bench_training import _data, _mlp, interleaved_rates
+from bench_training import _data, _mlp, add_data_arguments, interleaved_rates
 
 import onedist as od
 
@@ -82,9 +82,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--backend", default="gloo", help="gloo or shm (CPU)")
     parser.add_argument("--every", type=int, default=50, help="steps per Throughput window")
-    parser.add_argument("--samples", type=int, default=16384)
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=256)
+    add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
     parser.add_argument("--steps", type=int, default=200, help="steps per timed repetition")
     parser.add_argument("--reps", type=int, default=9)

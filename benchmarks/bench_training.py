@@ -79,6 +79,13 @@ def _stepper(
     return run
 
 
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that size :func:`_data` and :func:`_mlp` (shared by the training benchmarks)."""
+    parser.add_argument("--samples", type=int, default=16384)
+    parser.add_argument("--features", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
+
+
 def interleaved_rates(variants: dict[str, Callable[[int], None]], steps: int, reps: int) -> dict[str, float]:
     """Each variant's median rate (``steps`` per second) over ``reps`` repetitions, interleaved in a
     rotating order, every rank starting each one together."""
@@ -154,9 +161,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: one GPU per rank")
     parser.add_argument("--amp", action="store_true", help="float16 autocast + GradScaler (CUDA)")
-    parser.add_argument("--samples", type=int, default=16384)
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=256)
+    add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
     parser.add_argument("--steps", type=int, default=60, help="steps per timed repetition")
     parser.add_argument("--reps", type=int, default=7)
