@@ -217,3 +217,17 @@ def test_16_mixed_is_refused_with_horovod_where_cuda_allows_it():
     assert str(raised.value).startswith(
         "onedist.auto_model: precision='16-mixed' is not allowed; allowed: '32'"
     ) and "on device 'cuda' with backend 'horovod'" in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize(
+    ("backend", "bf16_true"),
+    [(None, True), ("gloo", True), ("shm", True), ("mpi", True), ("horovod", False), ("xla-tpu", False)],
+)
+def test_bf16_true_is_offered_where_it_was_built(backend, bf16_true):
+    """By the backends' real names (od.backend()'s): XLA's is "xla-tpu", and a refusal keyed on
+    "xla" once let bf16 parameters through XLA's optimizer path, which was never built."""
+    import torch
+
+    from onedist.training.precision import _allowed
+
+    assert ("bf16-true" in _allowed(torch.device("cpu"), backend)) is bf16_true

@@ -76,7 +76,7 @@ def check_precision(precision: Any, device: torch.device, backend: Optional[str]
 
 def _allowed(device: torch.device, backend: Optional[str]) -> tuple[str, ...]:
     # bfloat16 parameters through Horovod's and XLA's own optimizer wrappers: not built nor tested
-    true = ("bf16-true",) if backend not in ("horovod", "xla") else ()
+    true = ("bf16-true",) if backend not in ("horovod", "xla-tpu") else ()
     if device.type == "cuda":
         bf16 = ("bf16-mixed", *true) if torch.cuda.is_bf16_supported() else ()
         # the GradScaler with hvd.DistributedOptimizer needs its synchronize() first: not built
