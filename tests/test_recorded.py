@@ -151,3 +151,27 @@ def test_receives_from_any_source_are_never_waited_on_again():
     [t.join(timeout=30) for t in threads]
     assert not any(t.is_alive() for t in threads), "hung"
     assert got == [(1, [0.0, 0.0]), (1, [1.0, 1.0]), (1, [2.0, 2.0])], got
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # reduce_scatter_tensor: the name older torch has
+def test_a_waited_reduce_scatter_is_complete_and_coalesced_ones_run():
+    """gloo's reduce-scatter work never says it completed (torch 2.13): once waited on (torch's
+    synchronous call, FSDP2's backward) it counts as complete, where it looked pending forever and
+    an idle job printed a stall report after FSDP2 steps. Its coalesced form, which has no future
+    to collect, runs too."""
+    od.initialize("gloo", timeout=30)
+    log = dist.distributed_c10d._get_default_group().calls
+    out = torch.zeros(3)
+    dist.reduce_scatter_tensor(out, torch.ones(3))
+    dist.reduce_scatter(out, [torch.ones(3)])
+    assert log.waiting() == [] and out.tolist() == [1.0, 1.0, 1.0]
+    pending = dist.reduce_scatter_tensor(out, torch.ones(3), async_op=True)
+    outs = [torch.zeros(2), torch.zeros(3)]
+    with dist._coalescing_manager(async_ops=True) as coalesced:
+        for o in outs:
+            dist.reduce_scatter_tensor(o, torch.full_like(o, 2.0))
+    coalesced.wait()
+    assert [o.tolist() for o in outs] == [[2.0, 2.0], [2.0, 2.0, 2.0]]
+    assert [e.sig[0] for e in log.waiting()] == [9]  # the asynchronous one, not waited on yet
+    pending.wait()
+    assert log.waiting() == []

@@ -178,12 +178,12 @@ class RecordedGloo(NamedGroup):
     ) -> Any:
         opts = opts or _c10d.ReduceScatterOptions()
         sig = signature("reduce_scatter", outputs, opts)
-        return self._issue(sig, 0, self.inner.reduce_scatter, outputs, inputs, opts)
+        return self._issue(sig, 0, self.inner.reduce_scatter, outputs, inputs, opts, waited=True)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts or _c10d.ReduceScatterOptions()
         sig = signature("reduce_scatter_tensor", (output,), opts)
-        return self._issue(sig, 0, self.inner._reduce_scatter_base, output, input, opts)
+        return self._issue(sig, 0, self.inner._reduce_scatter_base, output, input, opts, waited=True)
 
     _reduce_scatter_base = reduce_scatter_single  # torch's name before 2.13
 
@@ -224,8 +224,9 @@ class RecordedGloo(NamedGroup):
         finally:
             blocking.done = True
 
-    def _issue(self, sig: tuple[int, ...], step: int, call: Any, *args: Any) -> Any:
-        """Start a collective on record (begun before it starts: see CallLog.begin)."""
+    def _issue(self, sig: tuple[int, ...], step: int, call: Any, *args: Any, waited: bool = False) -> Any:
+        """Start a collective on record (begun before it starts: see CallLog.begin). ``waited``:
+        gloo's work for it never says it completed, so it counts as complete once waited on."""
         log = self.calls
         entry = log.begin(sig, step)
         later = _waited_later(args[-1])
@@ -234,8 +235,10 @@ class RecordedGloo(NamedGroup):
         except BaseException:  # refused here (an argument error): it was never made
             log.abandon(entry)
             raise
+        if waited:
+            work = _CompleteOnceWaited(work, entry)
         log.started(entry, work)
-        return RecordedWork(work, entry) if later else work
+        return RecordedWork(work, entry) if later and not waited else work
 
     # ------------------------------------------------------------------ point-to-point
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
@@ -268,6 +271,24 @@ class RecordedGloo(NamedGroup):
     def shutdown(self) -> None:
         for group in (self.inner, *self.buckets):
             group.shutdown()
+
+
+class _CompleteOnceWaited(RecordedWork):
+    """gloo's reduce-scatter work (torch 2.13): ``is_completed()`` stays False even after its
+    ``wait()`` returned, and it has no future. Kept as it is, the call would look pending forever
+    (a false stall report once the ranks go idle). Waited on by torch's synchronous call, by
+    FSDP2, or by the caller of an asynchronous one, it is complete; one never waited on stays
+    pending, which is what it is to the program."""
+
+    done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        succeeded = super().wait(timeout)
+        self.done = True
+        return succeeded
+
+    def is_completed(self) -> bool:
+        return self.done or bool(self._work.is_completed())
 
 
 class _Blocking:
@@ -306,10 +327,25 @@ def _waited_later(opts: Any, depth: int = 3) -> bool:
 def _each(call: Any, outputs: Any, inputs: Any, opts: Any) -> Any:
     """A coalesced collective as its pairs in call order, one Work over them all (the gloo
     backend's own coalesced forms are not reachable from Python)."""
-    from .._pygroup import PyWork
+    return _AllOf([call(o, i, opts) for o, i in zip(outputs, inputs)])
 
-    works = [call(o, i, opts) for o, i in zip(outputs, inputs)]
-    return PyWork(torch.futures.collect_all([w.get_future() for w in works]))
+
+class _AllOf(_c10d.Work):  # type: ignore[misc]
+    """The work of several calls, waited on in order (gloo's reduce-scatter works have no future
+    to collect)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        return all([w.wait() if timeout is None else w.wait(timeout) for w in self._works])
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def get_future(self) -> Any:  # where every part has one (an all-gather's)
+        return torch.futures.collect_all([w.get_future() for w in self._works])
 
 
 def _random_int64() -> int:
