@@ -298,9 +298,12 @@ class Supervisor(Generic[W]):
         is true) stop the others. Returns the failures (empty: every worker succeeded)."""
         first: Optional[float] = None
         while True:
+            # which run, before their failures are read, and the wait on those same workers: one
+            # that ends after this line wakes the wait at once (waited on only if still running
+            # when the wait began, a rank killed in between was missed and the job hung)
+            running = self.running()
             seen = self.poll_failures()
             first = seen if first is None else first
-            running = self.running()
             if not running:
                 break
             grace = self._grace()
@@ -313,9 +316,9 @@ class Supervisor(Generic[W]):
                 self.stop()
                 break
             if first is not None:
-                self.wait(max(0.0, first + grace - time.monotonic()))
+                self.wait(max(0.0, first + grace - time.monotonic()), running)
             else:  # without a failure, only a signal to give up needs polling
-                self.wait(None if give_up is None else POLL_S)
+                self.wait(None if give_up is None else POLL_S, running)
         return self.failures()
 
     def interrupted(self) -> None:
