@@ -30,7 +30,7 @@ _AT_ONCE = 4  # launches running together: they mostly wait (the stall time), no
 pytestmark = pytest.mark.launcher
 
 MISMATCHES = ("ddp_skip", "ddp_extra", "ddp_unused", "ddp_uneven", "plain_alone", "async_alone",
-              "group_alone", "isend_unreceived", "ops")  # fmt: skip
+              "group_alone", "isend_unreceived", "isend_unwaited", "ops")  # fmt: skip
 
 
 def line(marker: str) -> str:
@@ -211,6 +211,18 @@ def test_a_send_nobody_receives_raises(request, backend, launcher):
 
 
 @pytest.mark.parametrize("backend, launcher", LAUNCHES)
+def test_a_send_that_completes_unreceived_raises_at_finalize(request, backend, launcher):
+    """Rank 1's small isend is never waited on nor received: nothing blocks (gloo and shm complete
+    it into the socket), and the job used to end 0 with the message lost. The sends and receives
+    compared at finalize name it; the job ends non-zero."""
+    result = _launches(request, backend, launcher)["isend_unwaited"]
+    assert result["rc"] != 0 and result["wall"] < LIMIT_S + 15, (result["rc"], result["wall"])
+    assert "CollectiveMismatchError" in {_raised_per_launcher(result["output"], r) for r in (0, 1)}
+    told = "rank 1 sent 1 message(s) to rank 0, which received 0 from it: its last send to rank 0, at "
+    assert f"{told}{UNSEEN}:{line('unwaited isend').split(':')[1]}, was never received" in result["output"]
+
+
+@pytest.mark.parametrize("backend, launcher", LAUNCHES)
 def test_different_reductions_that_complete_raise(request, backend, launcher):
     """SUM on rank 0, MAX on rank 1: gloo completes both (each reduces with its own op) and the
     ranks compute on; the calls on record differ, and both raise within seconds."""
@@ -276,6 +288,11 @@ MPI_CASES = {  # the lines the verdict names (both ranks' calls), and words it m
     "plain_alone": (("plain all_reduce", "plain barrier"), ()),
     "async_alone": (("async all_reduce", "async barrier"), ()),
     "ops": (("ops",), ("SUM", "MAX")),
+    # MPI completes the small send without its receive: the check at finalize finds it
+    "isend_unreceived": (
+        ("isend",),
+        ("rank 1 sent 1 message(s) to rank 0, which received 0", "never received"),
+    ),
 }
 
 
@@ -299,7 +316,9 @@ def test_mpi4py_calls_are_on_record_too(mpi_mpirun, case):
     assert result["rc"] != 0, result["output"][-3000:]
     assert result["wall"] < LIMIT_S + 15, result["wall"]  # mpirun's start included
     told = [r["message"] for r in result["ranks"] if r.get("error") == "CollectiveMismatchError"]
-    told += [part for part in result["output"].split("onedist: ")[1:] if "different" in part]
+    told += [
+        part for part in result["output"].split("onedist: ")[1:] if "different" in part or "never met" in part
+    ]
     assert told, result["output"][-3000:]
     verdict = told[0]
     for text in [*(line(m) for m in markers), *words]:

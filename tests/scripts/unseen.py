@@ -85,6 +85,10 @@ def scenario(name: str, out: dict) -> None:
         if rank == 1:
             dist.isend(t, 0).wait()  # unseen: isend
         od.barrier()  # unseen: isend barrier
+    elif name == "isend_unwaited":  # rank 1's small send is neither waited on nor received
+        if rank == 1:
+            dist.isend(t, 0)  # unseen: unwaited isend
+        od.barrier()
     elif name == "ops":  # SUM against MAX: gloo completes both, each with its own reduction
         od.all_reduce(t, op="SUM" if rank == 0 else "MAX")  # unseen: ops
         for _ in range(100):  # computing: nobody waits in a collective

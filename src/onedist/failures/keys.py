@@ -4,7 +4,8 @@ protocol :mod:`.stall` (the watcher's check) and :mod:`.last_call` (the check at
 A rank publishes what it is blocked in under ``BLOCKED_KEY`` (``"{}"``: nothing), the rank that
 finds a mismatch writes the verdict under ``VERDICT_KEY``, every rank that reads it leaves a
 receipt under ``READ_KEY``, and a rank done with its collectives says so under ``DONE_KEY`` (and
-under ``CHECKED_KEY`` once its check at finalize made its last store call).
+under ``CHECKED_KEY`` once its check at finalize made its last store call; its sends and
+receives under ``P2P_KEY`` just before).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "CHECKED_KEY",
     "DONE_KEY",
     "HISTORY_KEY",
+    "P2P_KEY",
     "READ_KEY",
     "RECEIPT_WAIT_S",
     "VERDICT_KEY",
@@ -30,6 +32,8 @@ READ_KEY = "onedist/stall-verdict-read/{}"
 DONE_KEY = "onedist/done/{}"
 #: a rank through with the check at finalize: it calls the store no more
 CHECKED_KEY = "onedist/checked/{}"
+#: a rank's sends and receives on the default group, per peer, published at finalize (.p2p_counts)
+P2P_KEY = "onedist/p2p/{}"
 #: a rank's last calls on a recorded group (the group's log key, the rank), see .history
 HISTORY_KEY = "onedist/calls/{}/{}"
 #: how long the rank that hosts the store waits for the others' receipts before it raises (its

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 from ..state import world
 from .channel import FAILED_COUNT, rank_and_world, server_gone, side_store
 from .keys import BLOCKED_KEY, CHECKED_KEY, DONE_KEY, RECEIPT_WAIT_S, await_receipts
+from .p2p_counts import p2p_verdict, publish_counts
 from .stall import HINT, RETURNED_EARLY, stall_seconds, write_verdict
 
 __all__ = ["check_at_finalize", "last_call_verdict"]
@@ -42,20 +44,30 @@ def check_at_finalize() -> Optional[str]:
             return None
         log = world.backend.call_log()
         if log is not None:  # every call of the default group is on record, numbered by its log
-            started = max((e.started for e in log.recent() if e.peer < 0), default=0.0)
-            return last_call_verdict(store, rank, world_size, log.seq, started, "recorded")
+            # (shm's log numbers no collectives: its own check compares them; its sends count)
+            started = max((e.started for e in log.recent() if e.peer < 0), default=time.monotonic())
+            publish_counts(store, rank, log)  # before this rank says it is done: see .p2p_counts
+            return last_call_verdict(store, rank, world_size, log.seq, started, "recorded", p2p_verdict)
         return last_call_verdict(store, rank, world_size, world.world_calls, world.last_started)
     except Exception:  # the store's host left: the job is ending anyway
         return None
 
 
 def last_call_verdict(
-    store: Any, rank: int, world_size: int, last_seq: int, last_started: float, domain: str = "onedist"
+    store: Any,
+    rank: int,
+    world_size: int,
+    last_seq: int,
+    last_started: float,
+    domain: str = "onedist",
+    once_all_done: Optional[Callable[[Any, int, int], Optional[str]]] = None,
 ) -> Optional[str]:
     """Mark this rank done after call ``last_seq`` of the default group (begun at monotonic
-    ``last_started``) and return the mismatch report when a peer is still blocked in it or earlier."""
+    ``last_started``) and return the mismatch report when a peer is still blocked in it or earlier;
+    once every peer is done, ``once_all_done(store, rank, world_size)``'s report (before rank 0
+    may leave: the store is still there)."""
     after = stall_seconds()
-    if after <= 0 or last_seq <= 0 or world_size <= 1:
+    if after <= 0 or world_size <= 1 or (last_seq <= 0 and once_all_done is None):
         return None
     store.set(DONE_KEY.format(rank), str(last_seq))
     peers = [r for r in range(world_size) if r != rank]
@@ -66,8 +78,9 @@ def last_call_verdict(
     while True:
         blocked = _blocked_behind(store, peers, last_seq, domain)
         if blocked is None:  # every peer is done
+            verdict = once_all_done(store, rank, world_size) if once_all_done is not None else None
             _leave(store, rank, peers)
-            return None
+            return verdict
         if int(store.add(FAILED_COUNT, 0)) > failed_before:
             return None  # one failed (its error is what the job reports)
         now = time.monotonic()

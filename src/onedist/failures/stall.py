@@ -39,7 +39,7 @@ from typing import Any, Optional
 from ..backends.recorded.calls import SEND
 from ..state import world
 from .channel import server_gone
-from .keys import BLOCKED_KEY, DONE_KEY, READ_KEY, RECEIPT_WAIT_S, VERDICT_KEY, await_receipts
+from .keys import BLOCKED_KEY, DONE_KEY, P2P_KEY, READ_KEY, RECEIPT_WAIT_S, VERDICT_KEY, await_receipts
 from .logged import LoggedCall, first_difference, main_thread_idle, p2p_deadlock, waiting_call
 from .torch_calls import TorchCall, torch_call
 
@@ -246,7 +246,8 @@ def forget_stalls(store: Any, rank: int) -> None:
     global _known
     _known = None
     store.set(BLOCKED_KEY.format(rank), "{}")
-    for key in (READ_KEY.format(rank), DONE_KEY.format(rank)) + ((VERDICT_KEY,) if rank == 0 else ()):
+    mine = (READ_KEY.format(rank), DONE_KEY.format(rank), P2P_KEY.format(rank))
+    for key in mine + ((VERDICT_KEY,) if rank == 0 else ()):
         store.delete_key(key)
 
 

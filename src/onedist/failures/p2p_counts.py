@@ -1,0 +1,84 @@
+"""The point-to-point check at ``finalize``: every send received, every receive matched.
+
+A send nobody receives does not always block its sender: MPI delivers a small message eagerly
+(the send completes into the receiver's buffer at once), and a small ``isend`` on gloo completes
+once its bytes are in the socket. The job would end 0 with the message lost. The default group's
+call log counts each rank's sends to and receives from every peer
+(:meth:`~onedist.backends.recorded.calls.CallLog.record_p2p`); at ``finalize`` each rank publishes
+its counts before it says it is done, and once every peer is done it compares them all. A pair
+whose counts differ (more sends from A to B than B received, receives from any source aside, or a
+receive posted that no send matched) is a mismatch naming both ranks, the counts and the line of
+the last send. Every rank reads the same counts, so each raises the same verdict.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from ..backends.recorded.calls import SEND
+from .keys import P2P_KEY
+
+__all__ = ["p2p_verdict", "publish_counts"]
+
+_ANY = "-1"  # a receive from any source (its peer in the log)
+
+
+def publish_counts(store: Any, rank: int, log: Any) -> None:
+    """This rank's sends and receives on the default group, per peer, and each last send's line."""
+    last_send = {str(e.peer): e.site for e in log.recent() if e.peer >= 0 and e.sig[0] == SEND}
+    counts = {"sent": log.sent, "received": log.received, "last_send": last_send}
+    store.set(P2P_KEY.format(rank), json.dumps(counts))
+
+
+def p2p_verdict(store: Any, rank: int, world_size: int) -> Optional[str]:
+    """The mismatch report of the sends and receives every rank published, or None (all matched,
+    or a rank published nothing: it left before its check, or records no calls)."""
+    counts: dict[int, dict[str, Any]] = {}
+    for r in range(world_size):
+        key = P2P_KEY.format(r)
+        if not store.check([key]):
+            return None
+        counts[r] = json.loads(store.get(key))
+    lines = [line for receiver in range(world_size) for line in _unmatched(counts, receiver)]
+    if not lines:
+        return None
+    return "\n".join(
+        [
+            f"onedist: sends and receives that never met (found at finalize by rank {rank}; a small send "
+            "completes without its receive on MPI and gloo, so nothing blocked):",
+            *lines,
+            "HINT: every send needs the receive of the same peer (and every receive a send); "
+            "an isend or irecv must be waited on before the program ends",
+        ]
+    )
+
+
+def _unmatched(counts: dict[int, dict[str, Any]], receiver: int) -> list[str]:
+    """The lines naming each peer whose sends to ``receiver`` and its receives differ."""
+    received = counts[receiver]["received"]
+    from_any = int(received.get(_ANY, 0))
+    missing: dict[int, tuple[int, int]] = {}  # sender -> (sent, received)
+    lines: list[str] = []
+    for sender, theirs in counts.items():
+        if sender == receiver:
+            continue
+        sent = int(theirs["sent"].get(str(receiver), 0))
+        got = int(received.get(str(sender), 0))
+        if got > sent:
+            lines.append(
+                f"  rank {receiver} received {got} message(s) from rank {sender}, which sent {sent}: "
+                "a receive that no send matched"
+            )
+        elif sent > got:
+            missing[sender] = (sent, got)
+    if sum(sent - got for sent, got in missing.values()) <= from_any:  # any-source receives took them
+        return lines
+    for sender, (sent, got) in missing.items():
+        site = counts[sender]["last_send"].get(str(receiver), "<unknown>")
+        lines.append(
+            f"  rank {sender} sent {sent} message(s) to rank {receiver}, which received {got} from it"
+            f"{f' (and {from_any} from any source)' if from_any else ''}: its last send to rank "
+            f"{receiver}, at {site}, was never received"
+        )
+    return lines
