@@ -9,9 +9,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +164,29 @@ def test_the_loggers_hold_every_step_logged_before_another_rank_failed(tmp_path)
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("sum")] == list(zip(range(1, 6), sums))
+
+
+def test_a_job_ended_by_sigterm_closes_its_loggers_first(tmp_path):
+    """A preempted job (SIGTERM to every process, as SLURM sends it): each rank prints where it was
+    and ends by the signal, without Python's exit handlers, which used to lose what a logger buffers
+    until it is closed (here one that writes only then, as Lightning's CSVLogger buffers until
+    save). onedist closes the loggers first: steps 1-5 are in its file."""
+    proc = subprocess.Popen(
+        [*onedist_command("-n", "2"), SCRIPT, str(tmp_path), "gloo", "preempted"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "waiting").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and "rank 0 got SIGTERM" in err, err[-3000:]
+    sums = [float(sum(range(6 * s, 6 * s + 6))) for s in range(5)]
+    assert json.loads((tmp_path / "buffered.json").read_text()) == [[s, v] for s, v in zip(range(1, 6), sums)]
 
 
 class _Terminal(io.StringIO):

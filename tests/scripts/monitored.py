@@ -4,6 +4,13 @@ od.log_metrics to a CSV file, the same under ``python`` (serial) and ``onedist r
     python monitored.py OUT_DIR none          # one process
     onedist run -n 3 monitored.py OUT_DIR shm
     onedist run -n 2 monitored.py OUT_DIR gloo fail   # rank 1 raises at step 6
+    onedist run -n 2 monitored.py OUT_DIR gloo preempted   # waits after step 5 for a SIGTERM
+
+In ``preempted`` every rank waits after step 5 (``OUT_DIR/waiting`` says so) until the job is
+ended by SIGTERM, as a scheduler preempting it would (SLURM signals every task): onedist prints
+where each rank was and ends it by the signal, without Python's exit handlers. A logger that
+buffers until it is saved or closed (as Lightning's CSVLogger does) joins the others and writes
+``buffered.json`` only then.
 
 The loggers are not closed by the script: the exit of the process closes them (after a failure
 of another rank too). A TensorBoard logger joins the CSV one when tensorboard is installed.
@@ -26,16 +33,35 @@ from torch.utils.data import TensorDataset
 import onedist as od
 
 
-def main(local_rank: int, out_dir: str, fail: bool = False) -> None:
+class Buffered:
+    """A logger that keeps its rows in memory until it is saved or closed."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.rows = path, []
+
+    def log_metrics(self, metrics: dict, step: int) -> None:
+        self.rows.append([step, metrics["sum"]])
+
+    def close(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self.rows, f)
+
+
+def main(local_rank: int, out_dir: str, mode: str = "") -> None:
     loader = od.auto_dataloader(TensorDataset(torch.arange(60.0)), batch_size=6, shuffle=False)
     throughput = od.Throughput(every=5)
     windows = []
-    od.loggers(od.CSVLogger(out_dir), *([od.TensorBoardLogger(out_dir)] if find_spec("tensorboard") else []))
+    targets = [od.CSVLogger(out_dir), *([od.TensorBoardLogger(out_dir)] if find_spec("tensorboard") else [])]
+    od.loggers(*targets, *([Buffered(f"{out_dir}/buffered.json")] if mode == "preempted" else []))
     bar = od.progress(loader, desc="train", unit="batch", every_s=0.2)
     start = time.perf_counter()
     for step, (x,) in enumerate(bar, 1):
-        if fail and step == 6 and od.get_rank() == 1:
+        if mode == "fail" and step == 6 and od.get_rank() == 1:
             raise RuntimeError("rank 1 fails at step 6")
+        if mode == "preempted" and step == 6:
+            open(f"{out_dir}/waiting", "w").close()
+            while True:  # until the SIGTERM
+                time.sleep(0.05)
         time.sleep(0.05)
         metrics = {"sum": x.sum(), "count": len(x), "largest": x.max()}
         logged = od.log_metrics(metrics, step, reduce={"sum": "sum", "count": "sum", "largest": "max"})
@@ -51,4 +77,4 @@ def main(local_rank: int, out_dir: str, fail: bool = False) -> None:
 if __name__ == "__main__":
     backend = None if sys.argv[2] == "none" else sys.argv[2]
     with od.Parallel(backend=backend) as parallel:
-        parallel.run(main, sys.argv[1], sys.argv[3:] == ["fail"])
+        parallel.run(main, sys.argv[1], *sys.argv[3:])

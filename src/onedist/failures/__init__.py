@@ -16,6 +16,7 @@ every collective (:mod:`onedist.collectives.guard`) uses its explanations.
 from __future__ import annotations
 
 from .channel import publish_failure
+from .forced_exit import on_forced_exit
 from .hooks import install, let_failed_rank_exit_first, report_and_release, uninstall
 from .last_call import check_at_finalize
 from .stderr import release_stderr, without_store_noise
@@ -25,6 +26,7 @@ __all__ = [
     "check_at_finalize",
     "install",
     "let_failed_rank_exit_first",
+    "on_forced_exit",
     "publish_failure",
     "release_stderr",
     "report_and_release",

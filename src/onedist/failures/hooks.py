@@ -12,6 +12,7 @@ from typing import Any, Optional
 from ..errors import RemoteRankError, format_user_traceback
 from ..state import world
 from .channel import publish_failure, rank_and_world
+from .forced_exit import run_forced_exit_callbacks
 from .stderr import release_stderr
 
 
@@ -90,6 +91,7 @@ def _exit_without_mpi_finalize() -> None:
             return
     except Exception:
         return
+    run_forced_exit_callbacks()
     sys.stdout.flush()
     sys.stderr.flush()
     release_stderr()

@@ -28,6 +28,7 @@ import time
 from types import FrameType
 from typing import Any, Optional
 
+from .forced_exit import run_forced_exit_callbacks
 from .stall_report import format_state, rank_state
 
 __all__ = ["SignalPipe"]
@@ -140,6 +141,7 @@ def _die_by(signum: int) -> None:
     """End the process by ``signum`` with its default action (the exit status launchers expect),
     from any thread: libc's ``signal`` resets it where Python's would refuse outside the main thread."""
     try:
+        run_forced_exit_callbacks()
         sys.stderr.flush()
         libc: Any = ctypes.CDLL(None)
         libc.signal(signum, ctypes.c_void_p(0))  # SIG_DFL

@@ -13,6 +13,7 @@ from ..errors import CollectiveMismatchError, OnedistError, RemoteRankError
 from ..state import world
 from .channel import FAILED_COUNT, ServerProbe, failed_reports, publish_failure, rank_and_world, side_store
 from .explain import explain, known_cause
+from .forced_exit import run_forced_exit_callbacks
 from .history import HistoryCheck
 from .hooks import wait_until_gone
 from .logged import LoggedCall
@@ -233,6 +234,7 @@ def _end_main_thread(
 
 def _exit_with(message: str, rank: int) -> None:
     try:
+        run_forced_exit_callbacks()
         release_stderr()
         sys.stderr.write(message + f"\n(rank {rank} was blocked outside Python; ending it)\n")
         sys.stderr.flush()

@@ -11,7 +11,11 @@ Nothing is lost when the job ends early: a CSV row is flushed as it is written; 
 writer flushes every ``flush_s`` seconds; every logger is flushed and closed at the end of a
 ``with od.loggers(...):`` block, when ``od.loggers`` replaces them, and at the exit of the
 process, which is how a rank leaves when another rank failed (onedist raises
-:class:`~onedist.RemoteRankError` in it, and the exception ends the process normally).
+:class:`~onedist.RemoteRankError` in it, and the exception ends the process normally). Where
+onedist ends the process without its exit handlers instead (its main thread blocked inside a
+collective after another rank failed, SIGTERM from a launcher stopping the job, an uncaught error
+under MPI), the loggers are flushed and closed first
+(:func:`~onedist.failures.forced_exit.on_forced_exit`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from types import TracebackType
 from typing import IO, Any, Optional, Protocol, Union, runtime_checkable
 
 from ..errors import CollectiveMismatchError, OnedistRuntimeError, bad_type, bad_value
+from ..failures import on_forced_exit
 
 __all__ = ["CSVLogger", "Loggers", "MetricLogger", "TensorBoardLogger", "log_metrics", "loggers"]
 
@@ -232,6 +237,11 @@ def _close_at_exit() -> None:
         _active.current.close("failed" if hasattr(sys, "last_value") else "success")
 
 
+def _close_at_forced_exit() -> None:
+    if _active.current is not None:
+        _active.current.close("failed")
+
+
 def loggers(*targets: MetricLogger) -> Loggers:
     """Send what :func:`onedist.log_metrics` logs to ``targets`` from now on (the previous
     loggers, if any, are flushed and closed). Call it on every rank; only the main process writes.
@@ -266,6 +276,7 @@ def loggers(*targets: MetricLogger) -> Loggers:
         _active.current.close()
     if not _active.hooked:
         atexit.register(_close_at_exit)
+        on_forced_exit(_close_at_forced_exit)
         _active.hooked = True
     _active.current = Loggers(targets)
     return _active.current
