@@ -109,28 +109,36 @@ def _serial(out_dir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[str
     return lines, (out_dir / "metrics.csv").read_text()
 
 
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node")
+SHM_OR_GLOO = "shm" if supported() else "gloo"
+
+
 @pytest.mark.parametrize(
-    "n, backend", [(2, "gloo"), (3, "shm" if supported() else "gloo")], ids=["gloo-ws2", "ws3"]
+    "n, backend, launcher",
+    [(2, "gloo", "onedist run"), (3, SHM_OR_GLOO, "onedist run"), (2, "gloo", "torchrun")],
+    ids=["gloo-ws2", "ws3", "torchrun-gloo-ws2"],
 )
-def test_one_progress_stream_with_the_global_count_and_the_csv_of_a_serial_run(n, backend, tmp_path, capsys):
+def test_one_progress_stream_with_the_global_count_and_the_csv_of_a_serial_run(
+    n, backend, launcher, tmp_path, capsys
+):
+    """Under onedist run and torchrun (srun: tests/test_slurm.py), the same script writes the serial
+    run's CSV, and its progress is one stream, rank 0's (onedist run prefixes each rank's lines)."""
     serial_lines, serial_csv = _serial(tmp_path / "serial", capsys)
     assert serial_lines and all(line.startswith("train: ") for line in serial_lines)
     assert serial_lines[-1].startswith("train: 10/10 batch 100% | ")
     out_dir = tmp_path / backend
+    start = [*TORCHRUN, str(n)] if launcher == "torchrun" else onedist_command("-n", str(n))
     proc = subprocess.run(
-        [*onedist_command("-n", str(n)), SCRIPT, str(out_dir), backend],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean_env(),
+        [*start, SCRIPT, str(out_dir), backend], capture_output=True, text=True, timeout=120, env=clean_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert (out_dir / "metrics.csv").read_text() == serial_csv  # the same values at any world size
     assert result["windows"] == [30, 30]  # Throughput: every rank's samples of 5 global batches
     # one stream, rank 0's, whose count is every rank's batches and whose rate is all ranks'
+    prefix = "[rank0]: " if launcher == "onedist run" else ""
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "train: " in line]
-    assert lines and all(line.startswith("[rank0]: train: ") for line in lines), lines
+    assert lines and all(line.startswith(f"{prefix}train: ") for line in lines), lines
     counts = [int(m.group(1)) for m in (re.search(r"train: (\d+)/", line) for line in lines) if m]
     assert counts == sorted(counts) and counts[-1] == 10 * n, lines
     last = re.search(r"train: (\d+)/(\d+) batch 100% \| ([\d.]+) batch/s", lines[-1])

@@ -67,6 +67,28 @@ def test_srun(slurm, via, n, tmp_path):
     check_agree(tmp_path, n)
 
 
+def test_srun_monitored_loop_writes_the_serial_runs_csv_with_one_progress_stream(slurm, tmp_path):
+    """od.progress, od.Throughput and od.log_metrics under srun -n 2 (tests/scripts/monitored.py):
+    the CSV equals the serial run's, and only task 0 prints progress (srun --label names each
+    line's task)."""
+    monitored = str(Path(__file__).parent / "scripts" / "monitored.py")
+    serial, launched = tmp_path / "serial", tmp_path / "srun"
+    done = subprocess.run([sys.executable, monitored, str(serial), "none"], capture_output=True, env=slurm)
+    assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.run(
+        ["srun", "-N1", "-n2", "--overcommit", "--label", sys.executable, monitored, str(launched), "gloo"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=slurm,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (launched / "metrics.csv").read_text() == (serial / "metrics.csv").read_text()
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "train: " in line]
+    assert lines and all(line.startswith("0: train: ") for line in lines), lines
+    assert lines[-1].startswith("0: train: 20/20 batch 100% | "), lines[-1]
+
+
 def test_sbatch(slurm, tmp_path):
     job = tmp_path / "job.sh"
     job.write_text(
