@@ -6,12 +6,16 @@ torch.distributed.checkpoint's own save and load; and the speed of the candidate
     python benchmarks/bench_checkpoint.py                  # 200 MB, 7 repetitions, sharded on 2 ranks
     python benchmarks/bench_checkpoint.py --mb 50 --reps 5 --no-sharded
 
-Rows (medians of --reps repetitions, interleaved in a rotating order; ratio: onedist / without):
-  hashes        GB/s of each candidate on the same bytes in memory (xxhash's when installed), and
-                onedist's crc32_of of the file (a memory map, one thread per 32 MiB)
+Rows: with checksum / without, the median, the fastest and the median CPU time (of rank 0 for the
+sharded rows) of --reps repetitions interleaved in a rotating order, and the three ratios:
+  hashes        GB/s of each candidate on the same bytes in memory (xxhash's and ISA-L's when
+                installed), and onedist's crc32_of of the file (a memory map, one thread per 32 MiB)
   save          od.save_checkpoint of {"model": model} against torch.save to a temporary file,
                 fsync, rename (onedist's write before checksums; torch computes its own zip CRCs)
   load          od.load_checkpoint(path, {"model": model}) against torch.load + load_state_dict
+  ... zlib      the same with zlib's CRC-32 (what runs where isal is not installed)
+  ... no check  onedist's load with every step but the CRC-32 (the same reads into memory of its
+                own, the same unpickling): with checksum / this is what the check itself costs
   A/A           the save without checksum against itself: the noise floor
   sharded       od.save_checkpoint / od.load_checkpoint of an FSDP model on 2 gloo ranks (each rank
                 its shards, checksummed) against DCP's save / load of the same state dict
@@ -21,6 +25,7 @@ The files go to a temporary folder under --dir (default: the system's temporary 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -30,7 +35,7 @@ import tempfile
 import time
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import onedist as od
+from onedist.training import checksums, shard_checksums
 from onedist.training.checksums import crc32_of
 from onedist.training.files import fsync_dir
 
@@ -55,21 +61,29 @@ def layers(mb: int) -> torch.nn.Module:
     return model
 
 
+Timing = tuple[float, float, float]  # seconds: the median, the fastest, the median CPU time
+
+
 def interleaved_seconds(
     variants: dict[str, Callable[[], None]], reps: int, sync: Callable[[], None]
-) -> dict[str, float]:
-    """Each variant's median seconds over ``reps`` runs, interleaved in a rotating order."""
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+) -> dict[str, Timing]:
+    """Each variant's median and fastest seconds over ``reps`` runs, interleaved in a rotating
+    order, and its median CPU seconds (of this process, all its threads): on a machine whose other
+    work takes the cores, the fastest and the CPU time move least."""
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     names = list(variants)
     for rep in range(reps):
         shift = rep % len(names)
         for name in names[shift:] + names[:shift]:
             sync()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             variants[name]()
             sync()
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(v) for name, v in samples.items()}
+            samples[name].append((time.perf_counter() - start, time.process_time() - cpu))
+    return {
+        name: (statistics.median(w for w, _ in v), min(w for w, _ in v), statistics.median(c for _, c in v))
+        for name, v in samples.items()
+    }
 
 
 # ============================================================================ hashes
@@ -90,6 +104,8 @@ def hash_speeds(mb: int, folder: Path) -> dict[str, float]:
         candidates["xxhash.xxh3_64"] = lambda: xxhash.xxh3_64(data).digest()
     except ImportError:
         pass
+    if checksums.CRC32_BY == "isal":
+        candidates["isal crc32"] = lambda: checksums.crc32(data)
     path = folder / "hash-input"
     path.write_bytes(data)
     file = open(path, "rb")  # noqa: SIM115  # closed below, after the timing
@@ -121,20 +137,30 @@ def plain_save(state: Any, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def one_file(mb: int, reps: int, folder: Path) -> dict[str, float]:
+def one_file(mb: int, reps: int, folder: Path) -> dict[str, Any]:
     model = layers(mb)
     plain, aa, checked = folder / "plain.pt", folder / "plain-again.pt", folder / "checked.pt"
+
+    def od_save(path: Path = checked) -> None:
+        od.save_checkpoint({"model": model}, path)
+
+    def od_load() -> None:
+        od.load_checkpoint(checked, {"model": model}, map_location="cpu")
+
     save_variants: dict[str, Callable[[], None]] = {
         "plain": lambda: plain_save({"model": model.state_dict()}, plain),
         "A/A": lambda: plain_save({"model": model.state_dict()}, aa),
-        "onedist": lambda: od.save_checkpoint({"model": model}, checked),
+        "onedist": od_save,
+        "onedist zlib": lambda: with_zlib(lambda: od_save(folder / "checked-zlib.pt")),
     }
     saves = interleaved_seconds(save_variants, reps, lambda: None)
     load_variants: dict[str, Callable[[], None]] = {
         "plain": lambda: model.load_state_dict(
             torch.load(plain, map_location="cpu", weights_only=True)["model"]
         ),
-        "onedist": lambda: od.load_checkpoint(checked, {"model": model}, map_location="cpu") and None,
+        "onedist": od_load,
+        "onedist zlib": lambda: with_zlib(od_load),
+        "onedist no check": lambda: without_check(od_load),
     }
     loads = interleaved_seconds(load_variants, reps, lambda: None)
     size = checked.stat().st_size
@@ -145,8 +171,41 @@ def one_file(mb: int, reps: int, folder: Path) -> dict[str, float]:
     }
 
 
+def with_zlib(run: Callable[[], None]) -> None:
+    """``run()`` with zlib's CRC-32, as where isal is not installed."""
+    fastest = checksums.crc32
+    checksums.crc32 = zlib.crc32
+    try:
+        run()
+    finally:
+        checksums.crc32 = fastest
+
+
+def without_check(run: Callable[[], None]) -> None:
+    """``run()`` (a load) with every step of onedist's but the CRC-32 and its comparison: the same
+    reads into memory of its own (of each file a share for a sharded one), the same unpickling."""
+    with _unchecked():
+        run()
+
+
+@contextlib.contextmanager
+def _unchecked() -> Iterator[None]:
+    def unchecked(path: Path, crc_of: Callable[[Any, int], int]) -> bool:
+        with open(path, "rb") as f:
+            crc_of(f, os.fstat(f.fileno()).st_size - checksums.RECORD_SIZE)
+        return True
+
+    saved = checksums._check, checksums.crc32, shard_checksums.verify_shards
+    checksums._check, checksums.crc32 = unchecked, lambda data, value=0: value
+    shard_checksums.verify_shards = lambda directory: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        checksums._check, checksums.crc32, shard_checksums.verify_shards = saved
+
+
 # ============================================================================ sharded, 2 ranks
-def sharded(local_rank: int, mb: int, reps: int, folder: str) -> dict[str, float]:
+def sharded(local_rank: int, mb: int, reps: int, folder: str) -> dict[str, Timing]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -167,9 +226,14 @@ def sharded(local_rank: int, mb: int, reps: int, folder: str) -> dict[str, float
         "save onedist": lambda: od.save_checkpoint({"model": model}, ours),
     }
     seconds = interleaved_seconds(variants, reps, od.barrier)
+
+    def od_load() -> None:
+        od.load_checkpoint(ours, {"model": model})
+
     loads: dict[str, Callable[[], None]] = {
         "load plain": dcp_load,
-        "load onedist": lambda: od.load_checkpoint(ours, {"model": model}) and None,
+        "load onedist": od_load,
+        "load onedist no check": lambda: without_check(od_load),
     }
     seconds.update(interleaved_seconds(loads, reps, od.barrier))
     return seconds
@@ -191,13 +255,17 @@ def main() -> None:
     try:
         print(
             f"onedist {od.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs; {args.mb} MB "
-            f"checkpoints in {folder}; medians of {args.reps} interleaved repetitions"
+            f"checkpoints in {folder}; {args.reps} interleaved repetitions; CRC-32 by "
+            f"{checksums.CRC32_BY}; load average {os.getloadavg()[0]:.1f}"
         )
         speeds = hash_speeds(args.mb, folder)
         print("  hashes (GB/s): " + ", ".join(f"{name} {gbs:.2f}" for name, gbs in speeds.items()))
         got = one_file(args.mb, args.reps, folder)
         _row("save", got["save onedist"], got["save plain"], f"{got['bytes'] / 1e6:.0f} MB, one file")
+        _row("... zlib", got["save onedist zlib"], got["save plain"], "zlib's CRC-32, as without isal")
         _row("load", got["load onedist"], got["load plain"], "into the live model")
+        _row("... zlib", got["load onedist zlib"], got["load plain"], "zlib's CRC-32, as without isal")
+        _row("... no check", got["load onedist"], got["load onedist no check"], "onedist's load without it")
         _row("A/A", got["save A/A"], got["save plain"], "the plain save against itself")
         if not args.no_sharded:
             out = od.spawn("gloo", sharded, args=(args.mb, args.reps, str(folder)), nproc_per_node=2)[0]
@@ -208,14 +276,18 @@ def main() -> None:
                     out[f"{kind} plain"],
                     "2 gloo ranks, FSDP2, vs DCP",
                 )
+            _row(
+                "... no check", out["load onedist"], out["load onedist no check"], "onedist's load without it"
+            )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _row(name: str, onedist: float, plain: float, what: str) -> None:
+def _row(name: str, onedist: Timing, plain: Timing, what: str) -> None:
+    ratios = "/".join(f"{a / b:.2f}" for a, b in zip(onedist, plain))
     print(
-        f"  {name:13s} with checksum {onedist * 1e3:7.1f} ms, without {plain * 1e3:7.1f} ms: "
-        f"x{onedist / plain:.2f}  ({what})"
+        f"  {name:14s} {onedist[0] * 1e3:6.1f} / {plain[0] * 1e3:6.1f} ms, fastest {onedist[1] * 1e3:6.1f} / "
+        f"{plain[1] * 1e3:6.1f}, CPU {onedist[2] * 1e3:6.1f} / {plain[2] * 1e3:6.1f}: x{ratios}  ({what})"
     )
 
 

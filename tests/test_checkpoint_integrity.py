@@ -58,6 +58,89 @@ def test_a_checkpoint_ends_with_the_crc32_of_its_bytes_and_plain_torch_load_read
     assert torch.equal(torch.load(path, weights_only=True)["weight"], torch.arange(6.0))
 
 
+def test_isals_crc32_is_zlibs_so_files_written_with_either_verify_with_the_other():
+    isal_zlib = pytest.importorskip("isal.isal_zlib", reason="isal (ISA-L's CRC-32) is not installed")
+    data = random.Random(1).randbytes((5 << 20) + 77)
+    for value in (0, 1, 0xFFFFFFFF, zlib.crc32(b"before")):
+        for size in (0, 1, 15, 16, 4095, len(data)):
+            assert isal_zlib.crc32(data[:size], value) == zlib.crc32(data[:size], value), (value, size)
+    assert checksums.CRC32_BY == "isal" and checksums.crc32 is isal_zlib.crc32
+
+
+# ---------------------------------------------------------------- the load that copies as it hashes
+PART = checksums._PART
+
+
+def _tensor_file(tmp_path: Path) -> tuple[Path, list[int], dict[str, torch.Tensor]]:
+    """A checkpoint whose first tensor spans three of the load's 256 KiB parts (the last one 12
+    bytes), with a view of it, an empty tensor, a small one and another dtype; the offsets to
+    damage: at either side of the first tensor and of its parts' borders, in its middle, at either
+    end of the small one."""
+    weight = torch.arange((2 * PART + 12) // 4, dtype=torch.float32)
+    state = {"weight": weight, "view": weight[5:9], "empty": torch.zeros(0), "steps": torch.arange(3),
+             "half": torch.ones(7, dtype=torch.bfloat16)}  # fmt: skip
+    path = tmp_path / "tensors.pt"
+    od.save_checkpoint(state, path)
+    data = path.read_bytes()[:-RECORD_SIZE]
+    start, size = checks_integrity._member_offset(data, "data/0")
+    small, small_size = checks_integrity._member_offset(data, "data/2")  # "steps"
+    assert size == weight.numel() * 4 and small_size == 3 * 8
+    at = [start - 1, start, start + PART - 1, start + PART, start + size // 2, start + size - 1, start + size]
+    return path, [*at, small, small + small_size - 1], state
+
+
+@pytest.mark.parametrize("paired", [True, False], ids=["onto-the-copies", "copied-after"])
+@pytest.mark.parametrize("crc", ["fastest", "zlib"])
+def test_a_bit_flipped_at_the_start_middle_or_end_of_a_tensor_is_found_by_the_load_that_copies_it(
+    tmp_path, monkeypatch, crc, paired
+):
+    """The CPU load reads each large tensor's bytes into memory of its own and hashes them there,
+    part by part, the bytes between them apart (small tensors with them): a bit flipped in any
+    part, at either side of a part's border, just before or after the tensor or in a small one is
+    found, naming the file; also with zlib's CRC-32 (no isal), and when the tensors cannot be
+    paired with their bytes (each storage copied after the check). An intact file loads its exact
+    values onto those copies, tied views still tied."""
+    monkeypatch.setattr(checksums, "_COPIES_FROM", 0)  # the file is small: copy as it hashes all the same
+    if crc == "zlib":
+        monkeypatch.setattr(checksums, "crc32", zlib.crc32)
+    if not paired:
+        monkeypatch.setattr(checksums, "_tensor_members", lambda file, length: [])
+    path, offsets, state = _tensor_file(tmp_path)
+    plain_clone = torch.UntypedStorage.clone
+
+    def clone(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        small = storage.nbytes() < checksums._COPIED  # hashed with the bytes around it, copied after
+        assert not paired or small, "a tensor's bytes were copied again after the check"
+        return plain_clone(storage)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.UntypedStorage, "clone", clone)
+        loaded = od.load_checkpoint(path, map_location="cpu")
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in state.items())
+    assert loaded["view"].untyped_storage().data_ptr() == loaded["weight"].untyped_storage().data_ptr()
+    intact = path.read_bytes()
+    for at in offsets:
+        damaged = bytearray(intact)
+        damaged[at] ^= 0x01
+        path.write_bytes(damaged)
+        with pytest.raises(od.CheckpointCorruptError, match="the CRC-32 of its") as e:
+            od.load_checkpoint(path, map_location="cpu")
+        assert list(e.value.faults) == [str(path)], at
+
+
+def test_a_load_onto_another_device_than_the_cpu_hashes_the_file_before_it_loads(tmp_path):
+    """A map_location torch resolves per storage (here a dict) takes the pass over the file, then
+    the mapped load: a flipped bit in the middle of the tensor is found as well."""
+    path, offsets, state = _tensor_file(tmp_path)
+    loaded = od.load_checkpoint(path, map_location={"cpu": "cpu"})
+    assert torch.equal(loaded["weight"], state["weight"])
+    damaged = bytearray(path.read_bytes())
+    damaged[offsets[4]] ^= 0x80  # the middle of the first tensor
+    path.write_bytes(damaged)
+    with pytest.raises(od.CheckpointCorruptError, match="the CRC-32 of its"):
+        od.load_checkpoint(path, map_location={"cpu": "cpu"})
+
+
 # ---------------------------------------------------------------- damaged files
 @pytest.mark.parametrize("kind", checks_integrity.DAMAGES)
 def test_a_damaged_newest_step_is_refused_and_resume_falls_back_to_the_previous(kind, tmp_path):
@@ -148,20 +231,29 @@ def test_a_file_without_a_checksum_loads_with_a_warning_that_it_cannot_be_verifi
     assert list(e.value.faults) == [str(old)] and isinstance(e.value, RuntimeError)
 
 
-def test_loaded_tensors_own_their_memory_when_the_file_is_rewritten_in_place(tmp_path):
-    """The file is read through a memory map (the pages hashed are the pages loaded), but nothing
-    loaded stays on it: rewriting the file in place afterwards (torch.save to the same path, a copy
-    over it) neither changes the loaded values nor ends the process with SIGBUS. Tied tensors stay
-    tied; the mapping is gone once the load returns."""
+@pytest.mark.parametrize("copied_as_hashed", [True, False], ids=["copied-as-hashed", "hashed-then-copied"])
+def test_loaded_tensors_own_their_memory_when_the_file_is_rewritten_in_place(
+    tmp_path, monkeypatch, copied_as_hashed
+):
+    """The file is read through a memory map (the pages hashed are the pages loaded, or the tensors
+    read into their copies as they are hashed), but nothing loaded stays on it: rewriting the file
+    in place afterwards (torch.save to the same path, a copy over it) neither changes the loaded
+    values nor ends the process with SIGBUS. Tied tensors stay tied; the mapping is gone once the
+    load returns."""
+    if copied_as_hashed:
+        monkeypatch.setattr(checksums, "_COPIES_FROM", 0)  # as for a file of 64 MiB or more
     path = tmp_path / "mapped.pt"
-    weight = torch.arange(1000.0)
-    od.save_checkpoint({"weight": weight, "tied": weight, "items": [weight[:10]]}, path)
+    weight = torch.arange(100_000.0)  # 400 kB: copied as it is hashed, the small ones after
+    od.save_checkpoint(
+        {"weight": weight, "tied": weight, "items": [weight[:10]], "bias": torch.ones(3)}, path
+    )
     checkpoint = od.load_checkpoint(path)
     with open("/proc/self/maps") as maps:
         assert str(path) not in maps.read()
     with open(path, "wb") as f:  # in place: the same inode, truncated, then other bytes
         f.write(b"\0" * 100)
-    assert torch.equal(checkpoint["weight"], torch.arange(1000.0))
+    assert torch.equal(checkpoint["weight"], torch.arange(100_000.0))
+    assert torch.equal(checkpoint["bias"], torch.ones(3))
     assert (
         checkpoint["tied"].untyped_storage().data_ptr() == checkpoint["weight"].untyped_storage().data_ptr()
     )

@@ -9,9 +9,12 @@ torch reads a byte of them.
 * :func:`verify_file` reads the file once (a memory map, hashed in threads) and compares: True when
   the CRC-32 matches, False when the file has no record (an older onedist's, or another tool's),
   :class:`~onedist.CheckpointCorruptError` naming the file and the mismatch otherwise.
-* :func:`load_verified` is ``torch.load`` of a file once it is verified, from the same memory
-  (``mmap=True``: the pages hashed are the pages read), each storage then copied once into memory of
-  its own (:func:`own_memory` says why). A file without a record
+* :func:`load_verified` is ``torch.load`` of a file once it is verified. On the CPU (a file of
+  64 MiB or more), the hash pass is also the copy: each tensor's bytes are read into memory of its
+  own and hashed while still in the cache (:class:`HashedCopies`), the rest of the file is hashed
+  between them, and only a file whose CRC-32 matches is unpickled (``mmap=True``, its tensors then
+  moved onto the copies). Elsewhere (a GPU, a smaller file) the file is hashed, then loaded mapped
+  and each storage copied once (:func:`own_memory` says why). A file without a record
   loads as before, with a warning; when torch cannot read it and it is not a whole zip archive,
   it is damaged: CheckpointCorruptError, not torch's "failed finding central directory".
 * :func:`load_mapped` is the same load with the tensors left on the file's mapped pages, for a
@@ -21,19 +24,24 @@ torch reads a byte of them.
 The hash pass maps the file and hands each 4 MiB back to the page cache once hashed
 (``MADV_DONTNEED``): a process's resident memory grows by a few MiB during it, not by the file.
 
-Why zlib's CRC-32: on 200 MB it ran at 2.3 GB/s here, zlib.adler32 at 1.8, hashlib's sha256 and
-sha1 at 1.2, blake2b at 1.05, md5 at 0.8 (``benchmarks/bench_checkpoint.py`` prints them); every
-Python has it; it catches every burst of up to 32 flipped bits and misses other damage with a
-chance of 2^-32. It guards against bad disks and torn copies, not against forged files.
+Why CRC-32: on 200 MB in memory zlib.crc32 ran at 2.3 GB/s here, zlib.adler32 at 1.8, hashlib's
+sha256 and sha1 at 1.2, blake2b at 1.05, md5 at 0.8 (``benchmarks/bench_checkpoint.py`` prints
+them); every Python has it; it catches every burst of up to 32 flipped bits and misses other damage
+with a chance of 2^-32. It guards against bad disks and torn copies, not against forged files.
+ISA-L's CRC-32 (``isal``, a dependency where it has wheels: Linux x86_64 and aarch64) is the same
+function at 12-13 GB/s from memory and 90 GB/s from the cache (carry-less multiplication); without
+it, zlib's is used (:data:`CRC32_BY` says which). Files written with either verify with the other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
 import re
+import sys
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -46,9 +54,12 @@ import torch
 from ..errors import CheckpointCorruptError
 
 __all__ = [
+    "CRC32_BY",
     "RECORD_SIZE",
     "Crc32Writer",
+    "HashedCopies",
     "corrupt",
+    "crc32",
     "crc32_combine",
     "crc32_of",
     "load_mapped",
@@ -65,11 +76,37 @@ _RECORD = re.compile(rb"\nonedist checksum: crc32 ([0-9a-f]{8}) of ([0-9a-f]{16}
 _MAGIC = b"onedist checksum:"
 _ZIP_END = b"PK\x05\x06"  # a zip's end record: 22 bytes when it has no comment (torch writes none)
 _ZIP_END_SIZE = 22
-# one thread hashes each 32 MiB: zlib.crc32 lets go of the GIL, so the threads run at once
+_TENSOR_MEMBER = re.compile(r"(?:.*/)?data/\d+")  # torch's zip: one member per storage
+# one thread hashes each 32 MiB: both CRC-32s let go of the GIL, so the threads run at once
 _SEGMENT = 32 << 20
 # ... in steps of 4 MiB, each handed back to the page cache once hashed
 _STEP = 4 << 20
 _POLY = 0xEDB88320  # CRC-32's polynomial, bit-reversed (zlib's)
+# a checked load reads each tensor's bytes in parts of 256 KiB, each hashed while still in the
+# cache: +4 ms on 200 MB with ISA-L's CRC-32, against +15 ms for a pass over them afterwards
+_PART = 256 << 10
+# ... the tensors of this size or more: a smaller one is hashed with the bytes around it and copied
+# after the check (on 3000 tensors of 16 KiB, reading each into its own memory cost 6 us a tensor)
+_COPIED = _PART
+# ... in a file of 64 MiB or more: reading the zip's directory costs 3.6 us a member (11 ms for 3000
+# tensors of 16 KiB: x1.12 the CPU time of the load before), more than hashing as it copies saves
+# on a small file (0.055 ms a MB); a smaller file is hashed, then loaded mapped and copied
+_COPIES_FROM = 64 << 20
+
+
+def _fastest_crc32() -> tuple[Callable[..., int], str]:
+    """ISA-L's CRC-32 where ``isal`` is installed, else zlib's: the same function (zlib's polynomial,
+    initial value and final XOR), so either verifies what the other wrote."""
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        return zlib.crc32, "zlib"
+    return isal_zlib.crc32, "isal"
+
+
+#: ``crc32(data, value=0)``: zlib.crc32's result, computed by ISA-L's where it is installed; which
+#: one is :data:`CRC32_BY` ("isal" or "zlib")
+crc32, CRC32_BY = _fastest_crc32()
 
 
 def _record(crc: int, size: int) -> bytes:
@@ -106,7 +143,7 @@ class Crc32Writer:
         except OSError as e:
             self.error = e
             raise
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         self.size += memoryview(data).nbytes
         return written
 
@@ -149,8 +186,8 @@ def save_with_checksum(state: Any, file: BinaryIO) -> None:
 @contextlib.contextmanager
 def without_torchs_own_crc() -> Iterator[None]:
     """torch.save computes a CRC-32 of each zip entry that torch.load never checks; onedist's covers
-    every byte. Measured on 200 MB: torch's took 130 ms of a 310 ms save, zlib's 90 ms; without
-    torch's the save with onedist's checksum takes x0.9 the time of torch's own save
+    every byte. Measured on 200 MB: torch's took 130 ms of a 310 ms save, zlib's 90 ms, ISA-L's 15;
+    without torch's the save with onedist's checksum takes less time than torch's own save
     (benchmarks/bench_checkpoint.py). An older torch without the switch computes both.
 
     Example:
@@ -220,9 +257,10 @@ def _check(path: Path, crc_of: Callable[[BinaryIO, int], int]) -> bool:
 
 
 def load_verified(path: Path, location: Any, weights_only: bool) -> Any:
-    """``torch.load`` of ``path`` once :func:`verify_file` found it intact; a file without a
-    checksum record is loaded as it is, with a warning on rank 0. Raises CheckpointCorruptError
-    for a damaged file, and torch's own error for an intact one torch refuses (``weights_only``).
+    """``torch.load`` of ``path`` once its bytes matched its checksum record, every tensor in memory
+    of its own; a file without a checksum record is loaded as it is, with a warning on rank 0.
+    Raises CheckpointCorruptError for a damaged file, and torch's own error for an intact one
+    torch refuses (``weights_only``). Nothing is unpickled before every byte was checked.
 
     Example:
         >>> import tempfile, torch
@@ -232,15 +270,17 @@ def load_verified(path: Path, location: Any, weights_only: bool) -> Any:
         >>> load_verified(path, "cpu", True)["w"]
         tensor([1., 1.])
     """
-    if verify_file(path):
+    copies = HashedCopies() if _is_cpu(location) and _size(path) >= _COPIES_FROM else None
+    if _check(path, copies or crc32_of):
         try:
-            # mapped: the pages just hashed are the pages torch reads; then one copy per storage
+            # mapped: torch reads the pickle only; the tensors then go onto the verified copies
+            # (on a GPU, torch copies them there from the pages just hashed)
             loaded = torch.load(path, map_location=location, weights_only=weights_only, mmap=True)
         except (RuntimeError, OSError):
             if _mappable(path):  # torch's own error, not the file system's
                 raise
             return torch.load(path, map_location=location, weights_only=weights_only)
-        return own_memory(loaded)
+        return copies.adopt(loaded) if copies is not None else own_memory(loaded)
     try:
         state = torch.load(path, map_location=location, weights_only=weights_only)
     except Exception as e:
@@ -250,6 +290,23 @@ def load_verified(path: Path, location: Any, weights_only: bool) -> Any:
         raise _unreadable(path, fault, e) from e
     _warn_unverified(path)
     return state
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # _check says why
+        return 0
+
+
+def _is_cpu(location: Any) -> bool:
+    """Whether ``map_location`` puts every tensor on the CPU (a dict or a function: not known)."""
+    if not isinstance(location, (str, torch.device)):
+        return False
+    try:
+        return torch.device(location).type == "cpu"
+    except RuntimeError:  # not a device: torch.load says so
+        return False
 
 
 def _unreadable(path: Path, fault: str, error: BaseException) -> CheckpointCorruptError:
@@ -306,9 +363,10 @@ def own_memory(loaded: Any) -> Any:
     shared one still do: tied weights stay tied). A tensor left on the file's pages (an
     optimizer's state, which its ``load_state_dict`` keeps as it is, the returned values) would
     change, or end the process with SIGBUS, when the file is rewritten in place (``torch.save`` to
-    the same path, a copy over it) while training runs on. Measured on 200 MB: the load then takes
-    x1.3 the time of ``torch.load`` + ``load_state_dict`` without a checksum (x0.6-0.7 when the
-    tensors stayed on the mapped pages, x1.4 when torch read the file again after the hash).
+    the same path, a copy over it) while training runs on. Measured on 200 MB with zlib's CRC-32
+    after a separate hash pass: the load took x1.3 the time of ``torch.load`` + ``load_state_dict``
+    without a checksum (x0.6-0.7 with the tensors left on the mapped pages, x1.4 when torch read the
+    file again after the hash); a load onto the CPU now copies as it hashes (:class:`HashedCopies`).
 
     Example:
         >>> import torch
@@ -318,6 +376,11 @@ def own_memory(loaded: Any) -> Any:
         >>> state["w"].data_ptr() != before, state["tied"].data_ptr() == state["w"].data_ptr() + 4
         (True, True)
     """
+    return _move(_cpu_tensors(loaded), loaded, {})
+
+
+def _cpu_tensors(loaded: Any) -> list[torch.Tensor]:
+    """The tensors on the CPU in ``loaded``, in its dicts, lists, tuples, sets and objects."""
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
 
@@ -339,15 +402,123 @@ def own_memory(loaded: Any) -> Any:
             visit(item)
 
     visit(loaded)
-    copies: dict[int, Any] = {}
+    return tensors
+
+
+def _move(tensors: list[torch.Tensor], loaded: Any, onto: dict[int, Any]) -> Any:
+    """Each of ``tensors`` onto ``onto[its storage's address]``, or a copy of its storage (made once
+    per storage), in place; ``loaded``."""
     with torch.no_grad():
         for t in tensors:
             storage = t.untyped_storage()
-            own = copies.get(storage.data_ptr())
+            own = onto.get(storage.data_ptr())
             if own is None:
-                own = copies[storage.data_ptr()] = storage.clone()  # type: ignore[no-untyped-call]
+                own = onto[storage.data_ptr()] = storage.clone()  # type: ignore[no-untyped-call]
             t.set_(own, t.storage_offset(), t.size(), t.stride())
     return loaded
+
+
+class HashedCopies:
+    """The hash pass of a load onto the CPU, which is also its copy: the bytes of each tensor of
+    256 KiB or more (a ``data/<n>`` member of torch's zip) are read into memory of their own, each
+    256 KiB hashed while still in the cache; the bytes between them (zip headers, the pickle,
+    smaller tensors) are hashed as they come. So the file is read once; :meth:`adopt` then moves
+    the tensors torch unpickled onto these copies, and copies the small ones. A ``crc_of`` for
+    :func:`_check`: every byte is hashed, in the file's order, by the same CRC-32 as the record's.
+
+    Example:
+        >>> import tempfile, torch
+        >>> path = Path(tempfile.mkdtemp()) / "a.pt"
+        >>> with open(path, "wb") as f:
+        ...     save_with_checksum({"w": torch.arange(2.0**16), "b": torch.ones(2)}, f)
+        >>> copies = HashedCopies()
+        >>> _check(path, copies), [storage.nbytes() for storage in copies.storages.values()]
+        (True, [262144])
+        >>> copies.adopt(torch.load(path, weights_only=True, mmap=True))["w"][-2:]
+        tensor([65534., 65535.])
+    """
+
+    def __init__(self) -> None:
+        self.storages: dict[int, torch.UntypedStorage] = {}  # by the file offset of its bytes
+
+    def __call__(self, file: BinaryIO, length: int) -> int:
+        fd, crc, at = file.fileno(), 0, 0
+        for start, size in _tensor_members(file, length):
+            crc = _read_hashed(fd, at, start - at, crc)
+            own = torch.empty(size, dtype=torch.uint8).untyped_storage()
+            # its memory as a buffer for os.preadv and the CRC (kept alive by self.storages)
+            into = memoryview((ctypes.c_ubyte * size).from_address(own.data_ptr()))
+            crc = _read_hashed(fd, start, size, crc, into)
+            self.storages[start] = own
+            at = start + size
+        return _read_hashed(fd, at, length - at, crc)
+
+    def adopt(self, loaded: Any) -> Any:
+        """``loaded`` (``torch.load(mmap=True)`` of the file just hashed) with each tensor moved onto
+        the copy of its bytes, the smaller ones onto copies made now, as :func:`own_memory` does;
+        when they do not pair up (a layout this does not know), every storage is copied now."""
+        tensors = _cpu_tensors(loaded)
+        sizes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        addresses = sorted(at for at, size in sizes.items() if size >= _COPIED)
+        offsets = sorted(self.storages)
+        # torch maps the whole file once: each storage lies at the mapping's start + its offset
+        pairs = list(zip(addresses, offsets))
+        paired = len(addresses) == len(offsets) and all(
+            a - o == addresses[0] - offsets[0] and sizes[a] == self.storages[o].nbytes() for a, o in pairs
+        )
+        return _move(tensors, loaded, {a: self.storages[o] for a, o in pairs} if paired else {})
+
+
+def _tensor_members(file: BinaryIO, length: int) -> list[tuple[int, int]]:
+    """Where the bytes of each tensor storage of 256 KiB or more in torch's zip ``file`` start, and
+    how many, in the file's order and within its first ``length`` bytes; none when its zip cannot
+    be read (it is then hashed whole, and found damaged) or holds another byte order's (torch
+    swaps those)."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            members = sorted(archive.infolist(), key=lambda m: m.header_offset)
+    except Exception:  # whatever a damaged zip raises: its bytes are hashed all the same
+        return []
+    spans: list[tuple[int, int]] = []
+    for m in members:
+        tensor = _TENSOR_MEMBER.fullmatch(m.filename) and m.file_size >= _COPIED
+        if not (tensor or m.filename.endswith("/byteorder")) or m.compress_type != zipfile.ZIP_STORED:
+            continue
+        start = _data_offset(file.fileno(), m)
+        if start is None:
+            continue
+        saved_as = os.pread(file.fileno(), m.file_size, start) if m.filename.endswith("/byteorder") else None
+        if saved_as not in (None, sys.byteorder.encode()):
+            return []
+        end = spans[-1][0] + spans[-1][1] if spans else 0  # where the previous one's bytes end
+        if tensor and m.file_size <= length - start and end <= start:
+            spans.append((start, m.file_size))
+    return spans
+
+
+def _data_offset(fd: int, member: zipfile.ZipInfo) -> Optional[int]:
+    """Where ``member``'s bytes start: after its local header (30 bytes, its name, an extra field
+    that torch uses to align them). None when no local header is there."""
+    header = os.pread(fd, 30, member.header_offset)
+    if len(header) < 30 or not header.startswith(b"PK\x03\x04"):
+        return None
+    name_length, extra_length = (int.from_bytes(header[at : at + 2], "little") for at in (26, 28))
+    return member.header_offset + 30 + name_length + extra_length
+
+
+def _read_hashed(fd: int, start: int, size: int, crc: int, into: Optional[memoryview] = None) -> int:
+    """``crc`` extended by the CRC-32 of the ``size`` bytes of ``fd`` at ``start``: read into
+    ``into`` (or a buffer of one part) a part at a time, each hashed while still in the cache."""
+    view = (into if into is not None else memoryview(bytearray(min(_PART, size)))).cast("B")
+    done = 0
+    while done < size:
+        part = view[done : done + _PART] if into is not None else view[: min(_PART, size - done)]
+        got = os.preadv(fd, [part], start + done)
+        if got == 0:
+            raise ValueError(f"the file ended {size - done} bytes early")
+        crc = crc32(part[:got], crc)
+        done += got
+    return crc
 
 
 def _mappable(path: Path) -> bool:
@@ -457,7 +628,7 @@ def _crc32_by_reading(file: BinaryIO, length: int) -> int:
         chunk = file.read(min(_SEGMENT, length))
         if not chunk:
             raise ValueError(f"the file ended {length} bytes early")
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         length -= len(chunk)
     return crc
 
@@ -473,7 +644,7 @@ def _crc32_in_threads(view: memoryview, hashed: Callable[[int, int], None]) -> i
         for at in range(start, end, _STEP):
             size = min(_STEP, end - at)
             with view[at : at + size] as part:
-                crc = zlib.crc32(part, crc)
+                crc = crc32(part, crc)
             hashed(at, size)
         return crc
 
