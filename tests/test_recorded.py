@@ -175,3 +175,19 @@ def test_a_waited_reduce_scatter_is_complete_and_coalesced_ones_run():
     assert [e.sig[0] for e in log.waiting()] == [9]  # the asynchronous one, not waited on yet
     pending.wait()
     assert log.waiting() == []
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_reduce_scatter_is_waited_on_once_and_its_output_left_alone_after():
+    """gloo's reduce-scatter copies its chunk into the output inside wait(): the failure watcher,
+    which asks a completed call whether it failed, must not wait on it again. It did, and copied
+    the sum back over FSDP2's gradients after they were divided (3 gloo ranks with clipping trained
+    differently from DDP in 1 run of 2)."""
+    od.initialize("gloo", timeout=30)
+    log = dist.distributed_c10d._get_default_group().calls
+    out = torch.zeros(3)
+    dist.reduce_scatter_tensor(out, torch.full((3,), 4.0))
+    out.div_(2)  # what FSDP2 does with it next
+    dist.all_reduce(torch.ones(1))  # lets the reduce-scatter go as the last completed call
+    log.waiting()  # the watcher's look: whether the completed calls succeeded
+    assert out.tolist() == [2.0, 2.0, 2.0]

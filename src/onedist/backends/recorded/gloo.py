@@ -274,15 +274,20 @@ class RecordedGloo(NamedGroup):
 
 
 class _CompleteOnceWaited(RecordedWork):
-    """gloo's reduce-scatter work (torch 2.13): ``is_completed()`` stays False even after its
-    ``wait()`` returned, and it has no future. Kept as it is, the call would look pending forever
-    (a false stall report once the ranks go idle). Waited on by torch's synchronous call, by
-    FSDP2, or by the caller of an asynchronous one, it is complete; one never waited on stays
-    pending, which is what it is to the program."""
+    """gloo's reduce-scatter work (torch 2.13): an all_reduce of a copy of the input, whose
+    ``wait()`` waits for it and then copies this rank's chunk into the output; ``is_completed()``
+    stays False and it has no future. Kept as it is, the call would look pending forever (a false
+    stall report once the ranks go idle). Waited on by torch's synchronous call, by FSDP2, or by
+    the caller of an asynchronous one, it is complete; one never waited on stays pending, which is
+    what it is to the program. It is waited on once only: a second ``wait()`` (the failure
+    watcher asking whether it succeeded) would copy the chunk again, over an output the program
+    has since divided, accumulated into or reused."""
 
     done = False
 
     def wait(self, timeout: Any = None) -> bool:
+        if self.done:
+            return True
         succeeded = super().wait(timeout)
         self.done = True
         return succeeded
