@@ -133,6 +133,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name is imported on fir
         Join as Join,
         join as join,
     )
+    from .training.live_steps import Step as Step, steps as steps
     from .training.loggers import (
         CSVLogger as CSVLogger,
         TensorBoardLogger as TensorBoardLogger,
@@ -243,6 +244,8 @@ _LAZY = {
     "Window": "training.accumulation",
     "accumulate": "training.accumulation",
     "no_sync": "training.accumulation",
+    "steps": "training.live_steps",
+    "Step": "training.live_steps",
     "Join": "training.join",
     "join": "training.join",
     "init_module": "training.meta_init",

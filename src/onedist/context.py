@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import failures
+from ._recovery import generation
 from .backends import Backend, SerialBackend, announce_init_failure, available_backends, class_for_backend
 from .errors import BackendUnavailableError, CollectiveMismatchError, OnedistRuntimeError, bad_type, bad_value
 from .failures import injection
@@ -42,6 +43,7 @@ __all__ = [
     "initialize",
     "is_main_process",
     "model_name",
+    "regrouped",
     "set_local_rank",
     "show_config",
     "sync",
@@ -87,6 +89,17 @@ def sync(temporary: bool = False) -> None:
         'serial'
     """
     current()
+
+
+def regrouped() -> None:
+    """The default group's connections were made again (live recovery, ``onedist.training.live_steps``):
+    the ranks count their collectives afresh, as after :func:`initialize`.
+
+    Example:
+        >>> regrouped()
+    """
+    world.world_calls, world.group_calls = 0, {}
+    world.routes = {}
 
 
 def resolve_backend_name(name: Any, nnodes: Optional[int] = None, nprocs: Optional[int] = None) -> str:
@@ -220,7 +233,8 @@ def initialize(
     if world.backend.world_size > 1:
         failures.install()  # an uncaught exception here is reported to the other ranks
         failures.start_watch()  # and a failure of another rank ends this one, even outside collectives
-    injection.install(world.backend.rank, restart_count())  # ONEDIST_INJECT_FAILURE, when set
+    if not generation(os.environ):  # a live recovery's replacement: injected once already
+        injection.install(world.backend.rank, restart_count())  # ONEDIST_INJECT_FAILURE, when set
 
 
 def _create(

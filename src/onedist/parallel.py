@@ -24,6 +24,7 @@ from .launchers.spec import (
     check_no_spawn_args,
     check_parallel_args,
     check_parallel_kwargs,
+    check_recovery,
     check_serial_args,
     port_number,
 )
@@ -87,7 +88,9 @@ class Parallel:
             ``max_restarts``: an int >= 0 (default 0), how many times the workers are all started
             again after one fails (spawn mode, one node, not with "subprocess"; see :func:`spawn`).
             Under an external launcher, that launcher's restarts apply (``onedist run
-            --max-restarts N``, ``torchrun --max-restarts N``) and this one is not used.
+            --max-restarts N``, ``torchrun --max-restarts N``) and this one is not used. And
+            ``recovery``: "restart" (default) or, under ``onedist run --recovery live`` only,
+            "live" (see :func:`onedist.steps`); spawn mode refuses "live".
 
     Example:
         >>> import onedist as od
@@ -153,6 +156,7 @@ class Parallel:
         self.init_method = init_method
         self.spawn_kwargs = spawn_kwargs
         launcher = detect_cluster(os.environ)
+        check_recovery("Parallel", spawn_kwargs.get("recovery", "restart"), launched=launcher is not None)
         hosts_rank0 = (node_rank or 0) == 0 and (launcher is None or launcher.rank == 0)
         check_parallel_args(backend, init_method, self._named(SPAWN_ARGS), hosts_rank0)
         self._initialized_here = False

@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from .._injection import ALLOWED as INJECTION_ALLOWED, ENV as INJECTION_ENV
 from .._net import LOOPBACK, is_loopback
+from .._recovery import ALLOWED as RECOVERY_ALLOWED, LIVE, MODES as RECOVERY_MODES
 from ..errors import OnedistValueError
 
 __all__ = [
@@ -35,12 +36,14 @@ __all__ = [
     "at_least_one",
     "from_keywords",
     "in_port_range",
+    "live_without_restarts",
     "needed_with_nodes",
     "node_rank_below",
     "not_allowed",
     "not_negative",
     "own_launcher_violation",
     "parallel_arguments",
+    "recovery_mode",
 ]
 
 
@@ -69,6 +72,17 @@ def needed_with_nodes(nnodes: int, value: Any) -> bool:
     """``master_addr`` and ``master_port`` on several nodes: every node must be given the same one,
     so None (pick one here) is refused."""
     return nnodes > 1 and value is None
+
+
+def recovery_mode(value: Any) -> bool:
+    """``recovery``: one of the modes (:data:`onedist._recovery.MODES`)."""
+    return isinstance(value, str) and value in RECOVERY_MODES
+
+
+def live_without_restarts(recovery: str, max_restarts: int) -> bool:
+    """``recovery="live"`` replaces a dead rank at most ``max_restarts`` times: 0 would replace
+    none, so it is refused (``max_restarts`` is an int >= 0 by its own rule)."""
+    return recovery == LIVE and not max_restarts
 
 
 def own_launcher_violation(backend: str, values: Mapping[str, Any]) -> Optional[tuple[str, str]]:
@@ -246,6 +260,13 @@ LAUNCH_ARGUMENTS: tuple[Argument, ...] = (
              flags=("--max-restarts", "--max_restarts"), variable="PET_MAX_RESTARTS", run_default=0,
              flag_allowed="an int >= 0", from_text=_int, cli_type=int,
              help="restart the workers (of every node) up to N times after a failure"),
+    Argument("recovery", "str", "restart", parallel="spawn_kwargs", allowed=RECOVERY_ALLOWED,
+             rule=recovery_mode, ties=(live_without_restarts,), flags=("--recovery",),
+             run_default="restart",
+             help="what a failed worker costs: 'restart' (every worker started again, --max-restarts) or "
+             "'live' (the survivors keep running; the dead rank alone is started again and gets the state "
+             "from a survivor; at most --max-restarts times; needs the loop under od.steps and --backend "
+             "gloo)"),
 )  # fmt: skip
 
 #: ``onedist run``'s other torchrun flags (a script's launch has them, a function's has not)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -44,15 +45,17 @@ from typing import IO, Any, Optional
 
 from .._injection import ENV as INJECTION_ENV
 from .._net import rendezvous_port
+from .._recovery import ENV as RECOVERY_ENV, GENERATION_ENV, LIVE
 from ..environments import detect_cluster, kubernetes_job
 from ..errors import OnedistValueError
 from .arguments import add_flags
 from .launcher import Launcher, restart_verdict, restarts_left
 from .nodes import Agents, AgentsError
 from .pet import apply_pet_defaults, ignored_variables
+from .replacement import LiveRecovery
 from .report import Failure, failure_report
 from .spec import RunSpec, check_run_nproc_against, check_run_values, run_command
-from .supervisor import PopenWorker, Supervisor
+from .supervisor import TERM_S, PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
 __all__ = ["RunLauncher", "build_parser", "main", "split_at_target"]
@@ -163,6 +166,8 @@ def _base_env(spec: RunSpec) -> dict[str, str]:
         env["ONEDIST_BACKEND"] = spec.backend
     if spec.inject_failure:
         env[INJECTION_ENV] = spec.inject_failure
+    if spec.recovery == LIVE:
+        env[RECOVERY_ENV] = LIVE
     return env
 
 
@@ -170,43 +175,98 @@ def _start_workers(
     spec: RunSpec, port: int, tmpdir: str, supervisor: Supervisor[PopenWorker], attempt: int = 0
 ) -> None:
     """Start the workers of this node, each added to ``supervisor`` as it starts."""
+    for local_rank in range(spec.nproc_per_node):
+        supervisor.workers.append(_start_worker(spec, local_rank, port, tmpdir, attempt))
+
+
+def _start_worker(
+    spec: RunSpec,
+    local_rank: int,
+    port: int,
+    tmpdir: str,
+    attempt: int,
+    extra: Optional[dict[str, str]] = None,
+    spare: Optional[subprocess.Popen[bytes]] = None,
+) -> PopenWorker:
+    """Start local rank ``local_rank`` (``extra``: more variables, a live replacement's; ``spare``:
+    a started :mod:`.standby` process that becomes this rank, instead of a new process)."""
+    nproc = spec.nproc_per_node
+    rank = spec.node_rank * nproc + local_rank
+    tag = f"-g{extra[GENERATION_ENV]}" if extra and GENERATION_ENV in extra else ""
+    error_file = os.path.join(tmpdir, f"error-{rank}{tag}.json")
+    env = {
+        **_base_env(spec),
+        **torchrun_env(local_rank, nproc, spec.node_rank, spec.nnodes, spec.master_addr, port),
+        **_agent_env(attempt, spec.max_restarts, spec.role),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(spec.world_size),
+        "ONEDIST_ERROR_FILE": error_file,
+        # where torch's @record writes (onedist's bootstrap reports the error itself)
+        "TORCHELASTIC_ERROR_FILE": os.path.join(tmpdir, f"torchelastic-error-{rank}{tag}.json"),
+        **(extra or {}),
+    }
+    if spare is not None:
+        assert spare.stdin is not None
+        spare.stdin.write(json.dumps(env).encode() + b"\n")  # it runs the script as this rank now
+        spare.stdin.close()
+        return PopenWorker(rank, local_rank, spare, error_file, early=False)
+    # its report counts once it ended: until then it may still be printing its traceback
+    return PopenWorker(rank, local_rank, _popen("bootstrap", spec, env), error_file, early=False)
+
+
+def _popen(entry: str, spec: RunSpec, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """A worker process: ``python -m onedist.launchers.<entry>`` running the script."""
     if not _LIBC:
         _LIBC.append(ctypes.CDLL(None))
-    base_env = _base_env(spec)
-    cmd = [sys.executable, "-m", "onedist.launchers.bootstrap", *spec.command]
-    nproc = spec.nproc_per_node
-    for local_rank in range(nproc):
-        rank = spec.node_rank * nproc + local_rank
-        error_file = os.path.join(tmpdir, f"error-{rank}.json")
-        env = {
-            **base_env,
-            **torchrun_env(local_rank, nproc, spec.node_rank, spec.nnodes, spec.master_addr, port),
-            **_agent_env(attempt, spec.max_restarts, spec.role),
-            "ROLE_RANK": str(rank),
-            "ROLE_WORLD_SIZE": str(spec.world_size),
-            "ONEDIST_ERROR_FILE": error_file,
-            # where torch's @record writes (onedist's bootstrap reports the error itself)
-            "TORCHELASTIC_ERROR_FILE": os.path.join(tmpdir, f"torchelastic-error-{rank}.json"),
-        }
-        popen = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only: it forwards once
-            preexec_fn=_die_with_launcher,
-        )
-        # its report counts once it ended: until then it may still be printing its traceback
-        supervisor.workers.append(PopenWorker(rank, local_rank, popen, error_file, early=False))
+    return subprocess.Popen(
+        [sys.executable, "-m", f"onedist.launchers.{entry}", *spec.command],
+        env=env,
+        stdin=subprocess.PIPE if entry == "standby" else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only: it forwards once
+        preexec_fn=_die_with_launcher,
+    )
+
+
+class _Replacements:
+    """``--recovery live``'s workers of one attempt: a spare (:mod:`.standby`) kept warm once the
+    group is ready, which becomes the dead rank (a new process when there is none)."""
+
+    def __init__(self, spec: RunSpec, port: int, tmpdir: str, attempt: int, start_pumps: Any) -> None:
+        self.spec, self.port, self.tmpdir, self.attempt = spec, port, tmpdir, attempt
+        self.start_pumps = start_pumps
+        self.spares: list[subprocess.Popen[bytes]] = []
+
+    def warm(self) -> None:
+        if not self.spares:
+            self.spares.append(_popen("standby", self.spec, _base_env(self.spec)))
+
+    def replace(self, dead: PopenWorker, extra: dict[str, str]) -> PopenWorker:
+        spare = self.spares.pop() if self.spares else None
+        new = _start_worker(self.spec, dead.local_rank, self.port, self.tmpdir, self.attempt, extra, spare)
+        self.start_pumps([new])
+        return new
+
+    def close(self) -> None:
+        """End the spares left (their input closed: they exit without running anything)."""
+        for spare in self.spares:
+            if spare.stdin is not None:
+                spare.stdin.close()
+            try:
+                spare.wait(TERM_S)
+            except subprocess.TimeoutExpired:
+                spare.kill()
+                spare.wait()
+        self.spares.clear()
 
 
 def _start_pumps(
-    supervisor: Supervisor[PopenWorker], no_prefix: bool, show: Optional[set[int]]
+    workers: list[PopenWorker], no_prefix: bool, show: Optional[set[int]], lock: threading.Lock
 ) -> list[threading.Thread]:
     """One thread per output stream of each worker, copying its lines here with the rank prefix."""
-    lock = threading.Lock()
     pumps = []
-    for w in supervisor.workers:
+    for w in workers:
         visible = show is None or w.rank in show
         prefix = b"" if no_prefix else f"[rank{w.rank}]: ".encode()
         for stream, out in ((w.popen.stdout, sys.stdout.buffer), (w.popen.stderr, sys.stderr.buffer)):
@@ -234,12 +294,15 @@ class RunLauncher(Launcher):
         self.supervisor = Supervisor[PopenWorker]()
         self.agents: Optional[Agents] = None
         self.code = 0
+        #: the workers replaced alone (``--recovery live``), over every attempt
+        self.replaced: list[PopenWorker] = []
 
     def attempt(self, number: int) -> list[Failure]:
         self.supervisor = Supervisor()
         self.code, failures = _attempt(
-            self.spec, number, self.supervisor, self.received, self.agents, self.show, self.no_prefix
-        )
+            self.spec, number, self.supervisor, self.received, self.agents, self.show, self.no_prefix,
+            self.replaced,
+        )  # fmt: skip
         return failures
 
     def restart(self, number: int, failures: list[Failure]) -> Optional[list[Failure]]:
@@ -253,7 +316,9 @@ class RunLauncher(Launcher):
             return verdict.failures
         # a signal to the launcher ends the job: only a worker's own failure is restarted
         signalled = bool(self.received)
-        action = restart_verdict(number, self.max_restarts, failed=self.code != 0, signalled=signalled)
+        # each rank replaced alone (--recovery live) was one of the restarts
+        used = number + len(self.replaced)
+        action = restart_verdict(used, self.max_restarts, failed=self.code != 0, signalled=signalled)
         return failures if action == "restart" else None
 
     def finish(self, failures: list[Failure]) -> list[Any]:
@@ -301,6 +366,7 @@ def _attempt(
     agents: Optional[Agents] = None,
     show: Optional[set[int]] = None,
     no_prefix: bool = False,
+    replaced: Optional[list[PopenWorker]] = None,
 ) -> tuple[int, list[Failure]]:
     """Start this node's workers once (attempt ``attempt``) and watch them: the exit status, and
     the failures. ``show``: the ranks whose output is shown (None: all); ``no_prefix``: without
@@ -317,18 +383,29 @@ def _attempt(
         peers = lambda: agents.should_stop(  # noqa: E731
             attempt, any(w.failure is not None for w in supervisor.workers), bool(received)
         )
+    lock = threading.Lock()
+    spares: Optional[_Replacements] = None
     try:
         if not received:
             _start_workers(spec, port, tmpdir, supervisor, attempt)
-            pumps = _start_pumps(supervisor, no_prefix, show)
+            pumps = _start_pumps(supervisor.workers, no_prefix, show, lock)
         if store_sock is not None:  # after the last fork: the store runs threads of its own
             stores.append(_agent_store(store_sock, spec.master_addr, spec.world_size))
             store_sock = None
         last = not restarts_left(attempt, spec.max_restarts)
-        return _wait(supervisor, pumps, received, failures, report=last, peers=peers), failures
+        live = None
+        if spec.recovery == LIVE and stores:
+            more = lambda ws: pumps.extend(_start_pumps(ws, no_prefix, show, lock))  # noqa: E731
+            spares = _Replacements(spec, port, tmpdir, attempt, more)
+            done = [] if replaced is None else replaced
+            live = LiveRecovery(stores[0], spec.world_size, (attempt, spec.max_restarts), spares.replace,
+                                done, lambda: bool(received), spares.warm)  # fmt: skip
+        return _wait(supervisor, pumps, received, failures, report=last, peers=peers, live=live), failures
     finally:
         if store_sock is not None:
             store_sock.close()
+        if spares is not None:
+            spares.close()
         supervisor.stop()
         stores.clear()  # its server stops here, after the workers
         for t in pumps:
@@ -400,6 +477,7 @@ def _wait(
     failures_out: list[Failure],
     report: bool = True,
     peers: Optional[Callable[[], bool]] = None,
+    live: Optional[LiveRecovery] = None,
 ) -> int:
     """Watch the workers (5 s after a forwarded signal, stop those left; at once when ``peers()``
     says another node stopped); the exit status. The failures go to ``failures_out``; their
@@ -413,7 +491,7 @@ def _wait(
             signalled_at.append(time.monotonic())
         return bool(signalled_at) and time.monotonic() >= signalled_at[0] + 5.0
 
-    failures = supervisor.watch(give_up)
+    failures = supervisor.watch(give_up) if live is None else live.watch(supervisor, give_up)
     failures_out.extend(failures)
     for t in pumps:  # let the output of every worker drain before the summary
         t.join(timeout=1.0)

@@ -42,6 +42,7 @@ def spawn(
     start_method: str = "spawn",
     hosts: Optional[str] = None,
     max_restarts: int = 0,
+    recovery: str = "restart",
 ) -> list[Any]:
     """Start ``nproc_per_node`` workers on this node, each running ``fn(local_rank, *args, **kwargs_dict)``.
 
@@ -76,6 +77,8 @@ def spawn(
             (the same ``master_port`` when one is given) with the attempt in
             ``TORCHELASTIC_RESTART_COUNT`` (:func:`onedist.restart_count`); an int >= 0, 0 on
             several nodes (use ``onedist run --max-restarts``). Ctrl-C is never restarted.
+        recovery: "restart" (the default: what ``max_restarts`` says). "live" (a dead rank replaced
+            alone, the others kept) is ``onedist run --recovery live``'s, and refused here.
 
     Returns:
         Each local rank's return value, in local-rank order (values that cannot be pickled come

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from .._injection import parse as parse_injection
 from .._net import LOOPBACK, tcp_init_would_hang
+from .._recovery import LIVE, SUPPORTED_BACKENDS as SUPPORTED_RECOVERY_BACKENDS
 from ..errors import (
     BackendUnavailableError,
     LaunchArgumentError,
@@ -48,12 +49,14 @@ from .arguments import (
     SHAPE,
     at_least_one,
     in_port_range,
+    live_without_restarts,
     needed_with_nodes,
     node_rank_below,
     not_allowed,
     not_negative,
     own_launcher_violation,
     parallel_arguments,
+    recovery_mode,
 )
 from .pet import flag_or_variable
 
@@ -65,6 +68,7 @@ __all__ = [
     "available_start_methods",
     "check_against_launcher",
     "check_max_restarts",
+    "check_recovery",
     "check_no_spawn_args",
     "check_parallel_args",
     "check_parallel_kwargs",
@@ -115,6 +119,7 @@ class LaunchSpec:
     start_method: str = "spawn"
     hosts: Optional[str] = None
     max_restarts: int = 0
+    recovery: str = "restart"
 
     @classmethod
     def build(cls, given: Mapping[str, Any], *, caller: str = "spawn") -> LaunchSpec:
@@ -136,6 +141,7 @@ class LaunchSpec:
         _check_start(values, caller)
         restarts = values["max_restarts"]
         check_max_restarts("spawn", restarts, nnodes=values["nnodes"], start_method=values["start_method"])
+        check_recovery("spawn", values["recovery"])
         from ..context import backend_class, check_timeout, resolve_backend_name
 
         name = resolve_backend_name(values["backend"], values["nnodes"], values["nproc_per_node"])
@@ -247,6 +253,28 @@ def _check_start(values: Mapping[str, Any], caller: str) -> None:
             f"None with backend {backend!r}",
             hint="hosts is horovod.run's host list, for backend 'horovod'; other backends run "
             "spawn once per node, with nnodes, node_rank and master_addr",
+        )
+
+
+def check_recovery(func: str, value: Any, launched: bool = False) -> None:
+    """``recovery`` of ``spawn`` / ``Parallel``: a mode's name; ``"live"`` is ``onedist run``'s
+    (its launcher hosts the store the replacement joins, and runs a script the replacement runs
+    again), refused for the workers spawn would start (``launched``: a launcher started this
+    process, and ``Parallel`` only initialises: its recovery applies)."""
+    allowed = ARGUMENTS["recovery"].allowed
+    if not isinstance(value, str):
+        raise bad_type(func, "recovery", value, allowed)
+    if not recovery_mode(value):
+        raise bad_value(func, "recovery", value, allowed)
+    if value == LIVE and not launched:
+        raise bad_value(
+            func,
+            "recovery",
+            value,
+            "'restart' here; 'live' is supported under `onedist run` only (its launcher hosts the store "
+            "a replacement joins and starts the script again for one rank)",
+            hint="start the script with `onedist run -n N --backend gloo --max-restarts K --recovery live "
+            "train.py`, its loop under od.steps",
         )
 
 
@@ -549,6 +577,7 @@ class RunSpec:
     backend: Optional[str] = None
     role: str = "default"
     inject_failure: Optional[str] = None
+    recovery: str = "restart"
 
     @classmethod
     def build(cls, args: argparse.Namespace, nproc: int) -> RunSpec:
@@ -573,6 +602,7 @@ class RunSpec:
             (('-m', 'pkg.train', '--lr', '0.1'), 'node0', 29400, 8, 3)
         """
         _check_run_nodes(args)
+        _check_run_recovery(args, nproc)
         _check_run_backend(args.backend, args.nnodes, nproc)
         # each field that is a declared argument takes its flag's value
         flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name in ARGUMENTS}
@@ -624,6 +654,10 @@ def check_run_values(args: argparse.Namespace) -> int:
         raise _run_error(args, "rdzv_backend", args.rdzv_backend, ARGUMENTS["rdzv_backend"].flag_text)
     if args.inject_failure is not None:
         parse_injection(args.inject_failure, "--inject-failure")  # its error names the flag
+    if args.recovery is None:  # no PET_* variable: torchrun has no such flag
+        args.recovery = ARGUMENTS["recovery"].run_default
+    if not recovery_mode(args.recovery):
+        raise _run_error(args, "recovery", args.recovery, ARGUMENTS["recovery"].flag_text)
     return nproc
 
 
@@ -698,6 +732,35 @@ def check_run_nproc_against(nproc: int, env: Any) -> None:
         raise OnedistValueError(
             f"--nproc-per-node={nproc} disagrees with the {env.name} launcher that started this "
             f"process ({env.nproc_per_node} per node); it started the workers already: drop the flag"
+        )
+
+
+def _check_run_recovery(args: argparse.Namespace, nproc: int) -> None:
+    """``--recovery live`` with what it needs: restarts left to replace a rank with, one node, and
+    a backend whose group can be made again (gloo); refused before any worker starts."""
+    if args.recovery != LIVE:
+        return
+    if live_without_restarts(args.recovery, args.max_restarts):
+        restarts = flag_or_variable(args, "max_restarts")
+        raise OnedistValueError(
+            f"--recovery=live replaces a dead rank at most --max-restarts times: {restarts}="
+            f"{args.max_restarts} is not allowed with it; allowed: an int >= 1"
+        )
+    if args.nnodes != 1:
+        raise OnedistValueError(
+            f"--recovery=live is not allowed with {flag_or_variable(args, 'nnodes')}={args.nnodes}; "
+            "allowed: 1 (one node: its launcher starts the replacement)"
+        )
+    from ..context import resolve_backend_name
+
+    name = resolve_backend_name(args.backend or "auto", args.nnodes, nproc)
+    if name not in SUPPORTED_RECOVERY_BACKENDS:
+        raise OnedistValueError(
+            f"--recovery=live is not allowed with backend {name!r}"
+            f"{'' if args.backend else ' (what --backend auto resolves to here)'}; allowed: "
+            f"{', '.join(repr(b) for b in SUPPORTED_RECOVERY_BACKENDS)} (a group made again with a "
+            "replacement on the same store; shm, nccl, mpi, horovod and xla-tpu are not)\n"
+            "HINT: pass --backend gloo"
         )
 
 

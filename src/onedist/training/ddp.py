@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional
@@ -16,6 +17,7 @@ from typing import Any, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .._recovery import generation
 from ..errors import bad_value
 
 __all__ = ["COMM_HOOKS", "averager_for", "check_options", "wrap_ddp"]
@@ -172,6 +174,10 @@ def wrap_ddp(
     if device.type == "cuda":
         ddp_kwargs["device_ids"] = [device.index]
         ddp_kwargs["output_device"] = device.index
+    if generation(os.environ) and "init_sync" not in ddp_kwargs:
+        # a live recovery's replacement: the survivors are not in DDP's constructor, and the
+        # state comes from one of them (onedist.training.live_state)
+        ddp_kwargs["init_sync"] = False
     wrapped = DistributedDataParallel(model, **ddp_kwargs)
 
     hook_name = ours.get("comm_hook")

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..._recovery import generation, group_prefix
 from .._connections import socket_fds
 from .._pygroup import NamedGroup
 from . import steps
@@ -93,16 +94,29 @@ class RecordedGloo(NamedGroup):
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, ranks: tuple[int, ...]) -> None:
         super().__init__(rank, size)
+        self._made = (store, timeout, ranks)
+        self._connect(group_prefix(generation(os.environ)))
+        steps.install()
+        _LIVE.add(self)
+
+    def _connect(self, prefix: str) -> None:
+        store, timeout, ranks = self._made
+        rank, size = self.rank(), self.size()
         before = socket_fds()
         #: the group that moves the data
-        self.inner = _gloo(store, rank, size, timeout, "data/")
+        self.inner = _gloo(store, rank, size, timeout, prefix + "data/")
         #: the groups of DDP's gradient buckets, by the parity of their step (:mod:`.steps`)
-        self.buckets = tuple(_gloo(store, rank, size, timeout, f"steps-{k}/") for k in (0, 1))
+        self.buckets = tuple(_gloo(store, rank, size, timeout, f"{prefix}steps-{k}/") for k in (0, 1))
         #: the sockets gloo connected for it (the backend shuts them down to break a pending call)
         self.fds = socket_fds() - before
         self.calls = CallLog(rank, ranks, self._agreed_nonce())
-        steps.install()
-        _LIVE.add(self)
+
+    def rejoin(self, number: int) -> None:
+        """Make this group's connections again, as generation ``number`` of a live recovery
+        (:mod:`onedist._recovery`): the same group object (DDP and the collectives keep it), new
+        gloo groups under the generation's prefix of the same store, a new call log. Every member
+        of the new generation calls it (a replacement's constructor does the same)."""
+        self._connect(group_prefix(number))
 
     def getBackendName(self) -> str:
         return NAME
