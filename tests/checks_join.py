@@ -255,10 +255,13 @@ def check_each_collective_over_the_ranks_still_in_their_loops() -> int:
 _PRIMITIVES = ("all_reduce_", "reduce_", "broadcast_", "all_gather_into_", "all_gather_uneven_", "barrier_")
 
 
-def check_even_loop_sends_one_step_check_per_forward_and_nothing_at_the_end() -> dict[str, Any]:
+def check_even_loop_sends_one_step_check_per_forward_and_nothing_at_the_end(
+    sharding: Any = None, uneven: bool = False
+) -> dict[str, Any]:
     """Every collective onedist's backend makes in an even loop inside od.join (DDP's gradient
-    all_reduce goes through torch's process group, not these): one all_reduce of world_size + 4
-    int64s per forward pass, and at the end only the finished ranks' last step check."""
+    all_reduce and FSDP2's gathers go through torch's process group, not these): one all_reduce of
+    world_size + 4 int64s per forward pass, and at the end only the finished ranks' last step check.
+    ``uneven``: rank r has 2 + r batches instead of 5 (see test_join.py for what a sharded model adds)."""
     from onedist.context import current
 
     backend = current()
@@ -276,11 +279,11 @@ def check_even_loop_sends_one_step_check_per_forward_and_nothing_at_the_end() ->
     for name in _PRIMITIVES:
         setattr(backend, name, recorded(name))  # on the instance: del restores the class's
     try:
-        model = od.auto_model(_net(False))
+        model = od.auto_model(_net(False), sharding=sharding)
         optimizer = _optimizer(model)
         before = len(calls)
         with od.join(model, optimizer):
-            for x, y in batches_of(od.get_rank(), count=5):
+            for x, y in batches_of(od.get_rank(), count=2 + od.get_rank() if uneven else 5):
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 optimizer.step()
@@ -319,15 +322,22 @@ def check_buffers_come_from_the_lowest_rank_in_its_loop() -> list[int]:
     return [len(s) for s in starts]
 
 
-def check_sharded_model_and_zero_optimizer_raise_at_the_start() -> None:
-    """A sharded model and a ZeroRedundancyOptimizer are refused when the block is made, naming them."""
+def check_sharded_model_without_its_optimizer_and_zero_optimizer_raise_at_the_start() -> None:
+    """A sharded model without its optimizer or with od.SyncBatchNorm, and a
+    ZeroRedundancyOptimizer, are refused when the block is made, naming them."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     sharded = od.auto_model(_net(False), sharding="fsdp")
+    normed = od.auto_model(od.convert_sync_batchnorm(_net(True)), sharding="fsdp")
     model = od.auto_model(_net(False))
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
     cases = [
-        ((sharded,), "objects[0] is a sharded model"),
+        (
+            (sharded,),
+            "models[0] is a sharded model (auto_model(sharding='fsdp')), given without its optimizer",
+        ),
+        ((sharded, _optimizer(model)), "given without its optimizer; allowed: the sharded model with every"),
+        ((normed, _optimizer(normed)), "models[0] is a sharded model with od.SyncBatchNorm ('1')"),
         ((model, zero), "objects[1] is a ZeroRedundancyOptimizer"),
     ]
     for objects, words in cases:
@@ -337,6 +347,8 @@ def check_sharded_model_and_zero_optimizer_raise_at_the_start() -> None:
             assert words in str(e), (words, str(e))
         else:
             raise AssertionError(f"od.join accepted {words}")
+    with od.join(sharded, _optimizer(sharded)):  # with its optimizer: accepted
+        pass
 
 
 def check_checkpoint_inside_the_block_once_rank_0_has_left(tmpdir: str) -> dict[str, Any]:
@@ -382,3 +394,157 @@ def check_debug_mode_names_a_collective_made_before_the_step_check() -> dict[str
         od.set_debug(False)
     assert od.all_reduce(1) == od.get_world_size()  # the group is whole again
     return {"message": message}
+
+
+# ---------------------------------------------------------------------------- a sharded model
+class _Blocks(torch.nn.Module):
+    """Two residual blocks in a ModuleList (two FSDP2 units, then the root) and a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(3, 6)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(2)
+        )
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.head = torch.nn.Linear(6, 1)
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.rand(p.shape, generator=g) - 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+def _whole(t: Any) -> torch.Tensor:
+    """A tensor, or a DTensor's whole value (a collective: every rank calls it)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def _uneven_adamw_run(sharding: Any, divide_by_world: bool, accumulate: int, empty: bool) -> dict[str, Any]:
+    """Rank r with 10 + 3r batches, AdamW with an LR that falls every step, a metric all_reduce
+    every step; with ``accumulate`` > 1, od.no_sync for all but every accumulate-th batch; with
+    ``empty``, rank 0 without a batch, rank r with 2 + r, and an evaluation forward pass (eval
+    mode, no gradients) before every other training step. Returns the whole weights, buffers and
+    AdamW state after od.join, by name, and the learning rate."""
+    rank = od.get_rank()
+    model = od.auto_model(_Blocks(), sharding=sharding)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    steps, seen = 0, 0
+    with od.join(model, optimizer, scheduler, divide_by_initial_world_size=divide_by_world):
+        for i, (x, y) in enumerate(
+            batches_of(rank, count=2 + rank if rank else 0) if empty else batches_of(rank)
+        ):
+            if empty and i % 2:
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+            last = (i + 1) % accumulate == 0
+            with _nothing() if last else od.no_sync(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+            if last:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            seen += od.all_reduce(len(x))
+            steps += 1
+    inner = od.unwrap(model)
+    names = {id(p): n for n, p in inner.named_parameters()}
+    state = {}
+    for p in optimizer.param_groups[0]["params"]:
+        held = optimizer.state[p]
+        state[names[id(p)]] = [_whole(held["exp_avg"]), _whole(held["exp_avg_sq"]), float(held["step"])]
+    return {
+        "steps": steps,
+        "seen": seen,
+        "weights": {n: _whole(p) for n, p in inner.named_parameters()},
+        "buffers": {n: b.detach().cpu().clone() for n, b in inner.named_buffers()},
+        "state": state,
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def check_sharded_uneven_loop_equals_ddp_join(
+    divide_by_world: bool, accumulate: int, empty: bool = False
+) -> dict[str, Any]:
+    """The same uneven loop under DDP + od.join and under sharding='fsdp' + od.join: the same
+    weights, buffers, AdamW state and learning rate on every rank (within 1e-6)."""
+    ddp = _uneven_adamw_run(None, divide_by_world, accumulate, empty)
+    start = time.perf_counter()
+    fsdp = _uneven_adamw_run("fsdp", divide_by_world, accumulate, empty)
+    seconds = time.perf_counter() - start
+    assert (fsdp["steps"], fsdp["seen"]) == (ddp["steps"], ddp["seen"]), (fsdp["steps"], ddp["steps"])
+    diffs = {}
+    # DDP skips its buffer broadcast in the forward pass after a no_sync one, FSDP2's sharding
+    # broadcasts rank 0's in each training forward pass (docs/training.md): the same without od.join
+    for part in ("weights", "buffers") if accumulate == 1 else ("weights",):
+        diffs[part] = max(float((fsdp[part][k] - ddp[part][k]).abs().max()) for k in ddp[part])
+    diffs["state"] = max(
+        float((a - b).abs().max())
+        for k in ddp["state"]
+        for a, b in zip(fsdp["state"][k][:2], ddp["state"][k][:2])
+    )
+    assert all(fsdp["state"][k][2] == ddp["state"][k][2] for k in ddp["state"]), (fsdp["state"], ddp["state"])
+    assert fsdp["lr"] == ddp["lr"], (fsdp["lr"], ddp["lr"])
+    assert max(diffs.values()) <= 1e-6, diffs
+    moved = max(
+        float((ddp["weights"][k] - w).abs().max())
+        for k, w in _Blocks().state_dict().items()
+        if k in ddp["weights"]
+    )
+    return {
+        "steps": fsdp["steps"],
+        "diffs": diffs,
+        "moved": moved,
+        "seconds": seconds,
+        "adam_steps": ddp["state"]["head.weight"][2],
+    }
+
+
+def check_clipping_a_sharded_model_inside_join() -> dict[str, Any]:
+    """Rank r has 2 + 2r batches; od.clip_grad_norm_ at every step: every rank, in its loop or
+    not, clips its shards with the same total norm, and the whole gradient's norm after clipping
+    is min(total, max_norm) (up to torch's 1e-6 in the divisor; from each rank's shards, recorded
+    inside torch's clip_grads_with_norm_). The model ends with a dropout: a finished rank's shadow
+    steps leave its generator as it was."""
+    rank, max_norm = od.get_rank(), 0.05
+    model = od.auto_model(torch.nn.Sequential(_Blocks(), torch.nn.Dropout(0.5)), sharding="fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    clip = torch.nn.utils.clip_grads_with_norm_
+    records: list[tuple[float, float]] = []
+
+    def recorded(params: Any, limit: float, total: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        clip(params, limit, total, *args, **kwargs)
+        records.append((float(total), sum(float(p.grad.to_local().double().pow(2).sum()) for p in params)))
+
+    torch.nn.utils.clip_grads_with_norm_ = recorded
+    steps = 0
+    try:
+        with od.join(model, optimizer):
+            for x, y in batches_of(rank, count=2 + 2 * rank):
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                od.clip_grad_norm_(model, max_norm=max_norm)
+                optimizer.step()
+                steps += 1
+            generator = torch.random.get_rng_state()
+        assert torch.equal(generator, torch.random.get_rng_state())  # no draw in the shadow steps
+    finally:
+        torch.nn.utils.clip_grads_with_norm_ = clip
+    gathered = od.all_gather_object(records)
+    assert len({len(g) for g in gathered}) == 1, [len(g) for g in gathered]  # every rank clipped every step
+    for step in range(len(records)):
+        totals = {g[step][0] for g in gathered}
+        assert len(totals) == 1, (step, totals)
+        after = sum(g[step][1] for g in gathered) ** 0.5
+        total = totals.pop()
+        expected = total * min(1.0, max_norm / (total + 1e-6))  # clip_grads_with_norm_'s coefficient
+        assert abs(after - expected) <= 1e-5 * expected, (step, after, expected)
+    return {"steps": steps, "clipped": len(records)}

@@ -150,17 +150,20 @@ def check_sharding_arguments() -> None:
 
 
 def check_sharding_is_refused_where_torch_distributed_does_not_train() -> None:
-    """Horovod and XLA: sharding="fsdp" raises at once, naming the backends that shard, and
+    """Horovod and XLA: sharding="fsdp" (and "hsdp") raises at once, naming the backends that shard, and
     od.clip_grad_norm_ (their gradients are averaged inside the step) raises too; so do a model
     built under od.init_module(empty_init=True), activation_checkpointing and "bf16-true"."""
     backend = od.backend()
-    try:
-        od.auto_model(Net(), sharding="fsdp")
-    except od.OnedistValueError as e:
-        assert f"sharding='fsdp' is not allowed; allowed: None with backend {backend!r}" in str(e), e
-        assert "gloo, nccl, shm, mpi" in str(e), e
-    else:
-        raise AssertionError(f"sharding='fsdp' did not raise on {backend}")
+    for sharding in ("fsdp", "hsdp"):
+        try:
+            od.auto_model(Net(), sharding=sharding)
+        except od.OnedistValueError as e:
+            assert f"sharding={sharding!r} is not allowed; allowed: None with backend {backend!r}" in str(
+                e
+            ), e
+            assert "gloo, nccl, shm, mpi" in str(e), e
+        else:
+            raise AssertionError(f"sharding={sharding!r} did not raise on {backend}")
     with od.init_module(empty_init=True):
         meta = Net()
     refusals = [  # issue 52's options: built for torch.distributed and one process
@@ -549,3 +552,32 @@ def check_a_rank_with_one_forward_pass_more_waits_in_its_all_gather() -> dict[st
     assert waited >= 1.5, waited
     assert any("all_gather" in name for name in stack), stack
     return {"waited": waited, "in": [name for name in stack if "all_gather" in name]}
+
+
+def check_hsdp_trains_like_ddp() -> dict[str, Any]:
+    """sharding="hsdp": AdamW, 20 steps, float32: DDP's weights (relative difference <= 1e-5, as
+    "fsdp"); each parameter is sharded over this node's ranks and replicated across the nodes (a
+    2-D mesh (nnodes, nproc_per_node), on one node the world's 1-D mesh: "fsdp"'s, the same
+    weights bit for bit); this rank holds <= 1/nproc_per_node of DDP's bytes, + 10 %."""
+    ddp, _, ddp_bytes, _ = _train(None, False)
+    hsdp, _, hsdp_bytes, kind = _train("hsdp", False)
+    nnodes, nproc = od.get_nnodes(), od.get_nproc_per_node()
+    probe = od.auto_model(Net(), sharding="hsdp")
+    weight = probe.blocks[0].linear.weight
+    mesh = list(weight.device_mesh.shape)
+    placements = [type(p).__name__ for p in weight.placements]
+    if nnodes > 1:
+        assert mesh == [nnodes, nproc] and placements == ["Replicate", "Shard"], (mesh, placements)
+        # this rank's copy of its shard is its node's neighbour's: the same rows on every node
+        rows = od.all_gather_object(weight.to_local().tolist())
+        assert all(rows[r] == rows[r % nproc] for r in range(len(rows))), rows
+        assert rows[0] != rows[1], "the ranks of a node hold different rows"
+    else:
+        assert mesh == [od.get_world_size()] and placements == ["Shard"], (mesh, placements)
+        fsdp, _, _, _ = _train("fsdp", False)
+        assert torch.equal(hsdp, fsdp), float((hsdp - fsdp).abs().max())
+    diff = float((hsdp - ddp).norm() / ddp.norm())
+    assert diff <= 1e-5, diff
+    assert kind == "FSDPNet", kind
+    assert hsdp_bytes <= ddp_bytes / nproc * 1.1, (hsdp_bytes, ddp_bytes, nproc)
+    return {"mesh": mesh, "relative_difference": diff, "bytes": hsdp_bytes, "ddp_bytes": ddp_bytes}

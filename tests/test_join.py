@@ -132,13 +132,29 @@ def test_digits_uneven_ends_with_identical_parameters(launcher):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_an_even_loop_makes_one_step_check_per_forward_and_sends_nothing_at_its_end(n):
+@pytest.mark.parametrize("sharding", [None, "fsdp"], ids=["ddp", "fsdp"])
+def test_an_even_loop_makes_one_step_check_per_forward_and_sends_nothing_at_its_end(n, sharding):
     out = Runner(n, "gloo")(
-        checks_join.check_even_loop_sends_one_step_check_per_forward_and_nothing_at_the_end
+        checks_join.check_even_loop_sends_one_step_check_per_forward_and_nothing_at_the_end, sharding
     )
     step_check = ("all_reduce_", n + 4, "torch.int64")
     # the end: the ranks' last step check, answered with zeros; no parameters, buffers or states
     assert all(o == {"in_loop": [step_check] * 5, "at_end": [step_check]} for o in out), out
+
+
+def test_a_sharded_model_adds_one_broadcast_per_step_check_once_a_rank_has_left():
+    """Rank r with 2 + r steps on 3 ranks: the checks of steps 3 and 4 (rank 0, then rank 1 out)
+    and the last one are each followed by the optimizer steps' broadcast_object (one 4 KiB
+    broadcast); at the end, one more for the optimizer's hyperparameters."""
+    out = Runner(3, "gloo")(
+        checks_join.check_even_loop_sends_one_step_check_per_forward_and_nothing_at_the_end, "fsdp", True
+    )
+    names = [{k: [f"{c[0]}{c[1]}" for c in v] for k, v in o.items()} for o in out]
+    check, sent = "all_reduce_7", "broadcast_4096"
+    assert names[2] == {"in_loop": [check, check, check, sent, check, sent], "at_end": [check, sent, sent]}, (
+        names
+    )
+    assert names[0] == {"in_loop": [check, check], "at_end": [check, sent] * 3 + [sent]}, names
 
 
 def test_buffers_come_from_the_lowest_rank_still_in_its_loop():
@@ -148,8 +164,38 @@ def test_buffers_come_from_the_lowest_rank_still_in_its_loop():
     )
 
 
-def test_a_sharded_model_and_a_zero_redundancy_optimizer_are_refused_at_the_start():
-    Runner(2, "gloo")(checks_join.check_sharded_model_and_zero_optimizer_raise_at_the_start)
+def test_a_sharded_model_without_its_optimizer_and_a_zero_redundancy_optimizer_are_refused():
+    Runner(2, "gloo")(
+        checks_join.check_sharded_model_without_its_optimizer_and_zero_optimizer_raise_at_the_start
+    )
+
+
+@pytest.mark.parametrize("backend, n", WORLDS, ids=[f"{b}-ws{n}" for b, n in WORLDS])
+@pytest.mark.parametrize(
+    "divide_by_world, accumulate", [(True, 1), (False, 2)], ids=["by-world", "by-ranks-in-loop-no-sync"]
+)
+def test_a_sharded_model_ends_with_ddp_joins_weights_and_adamw_state(backend, n, divide_by_world, accumulate):
+    """sharding='fsdp': the finished ranks' shadow steps and mirrored AdamW steps (an LR scheduler
+    stepping every step) give the weights, buffers and AdamW state of DDP + od.join."""
+    out = Runner(n, backend)(
+        checks_join.check_sharded_uneven_loop_equals_ddp_join, divide_by_world, accumulate
+    )
+    assert [o["steps"] for o in out] == [10 + 3 * r for r in range(n)], out
+    assert all(max(o["diffs"].values()) <= 1e-6 and o["moved"] > 0.01 for o in out), out
+
+
+@pytest.mark.parametrize("backend", ["gloo"] + (["shm"] if shm_supported() else []))
+def test_a_finished_rank_clips_its_shards_with_the_others(backend):
+    out = Runner(3, backend)(checks_join.check_clipping_a_sharded_model_inside_join)
+    assert out == [{"steps": 2 + 2 * r, "clipped": 6} for r in range(3)], out
+
+
+@pytest.mark.parametrize("backend", ["gloo"] + (["shm"] if shm_supported() else []))
+def test_a_sharded_model_with_a_rank_without_batches_and_evaluation_passes_equals_ddp_join(backend):
+    """Rank 0 has no batch (it repeats rank 1's first), rank r 2 + r; an evaluation forward pass
+    (eval mode, no gradients) before every other training step."""
+    out = Runner(3, backend)(checks_join.check_sharded_uneven_loop_equals_ddp_join, True, 1, True)
+    assert [o["steps"] for o in out] == [0, 3, 4], out
 
 
 def test_a_checkpoint_inside_the_block_raises_once_rank_0_has_left(tmp_path):

@@ -74,12 +74,13 @@ def auto_model(
             the loss, :func:`auto_optim`'s optimizer unscales and skips inf/NaN steps; state stays
             float32) or ``"bf16-true"`` (parameters, gradients and optimizer state bfloat16;
             inputs cast to bfloat16). Outputs come back float32; what the device cannot do raises.
-        sharding: None (default: DDP) or ``"fsdp"``: FSDP2 (``fully_shard``) over the world, each
+        sharding: None (default: DDP), ``"fsdp"``: FSDP2 (``fully_shard``) over the world, each
             rank holding 1/N of the parameters, gradients and optimizer state; units: the blocks
             of every ``nn.ModuleList``, then the root. Its keyword arguments: ``policy`` (a set of
             module classes, or a function ``(module) -> bool``, choosing the units),
             ``reshard_after_forward``, ``mesh`` (a DeviceMesh), ``cpu_offload`` (FSDP2's
-            ``CPUOffloadPolicy`` on CUDA; nothing on the CPU). torch.distributed backends only
+            ``CPUOffloadPolicy`` on CUDA; nothing on the CPU). ``"hsdp"``: the same, sharded in
+            each node, replicated across nodes (one node: ``"fsdp"``). torch.distributed backends only
             (gloo, nccl, shm, mpi); with one process the model is returned as is.
         activation_checkpointing: None (default); True (the blocks ``sharding`` makes units), a
             module class (or a set of them) or a function ``(module) -> bool``: those blocks
@@ -115,7 +116,7 @@ def auto_model(
     dtypes = _prepare(model, b.device(), precision, checkpointing, meta, kwargs.get("policy"))
     if sharded and b.world_size > 1:
         init = (lambda m, dev, group: materialize(m, dev, init_weights, dtypes, group)) if meta else None
-        model = shard(model, precision, kwargs, b.device(), init)
+        model = shard(model, precision, kwargs, b.device(), init, sharding=str(sharding))
         return apply_precision(model, precision, b.device()) if precision == "bf16-true" else model
     if meta:
         materialize(model, b.device(), init_weights, dtypes)

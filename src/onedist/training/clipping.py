@@ -16,6 +16,8 @@ import torch
 
 from ..errors import bad_type, bad_value
 from . import precision
+from .join_sharded import clip_in_join
+from .sharding import is_sharded
 
 __all__ = ["clip_grad_norm_"]
 
@@ -64,6 +66,9 @@ def clip_grad_norm_(
             "before it would clip each rank's own gradients",
         )
     _unscale(optimizer)
+    joined = clip_in_join(model, max_norm, norm_type) if is_sharded(model) else None
+    if joined is not None:  # inside od.join once a rank has left: the finished ranks clip too
+        return joined
     params = [p for p in model.parameters() if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
     full = getattr(total, "full_tensor", None)  # a DTensor: the shards' norm, reduced over the ranks

@@ -16,7 +16,10 @@ rank also answers the collectives the loop makes itself:
   batches); a call that needs a finished rank raises :class:`~onedist.JoinedRankError` on every rank;
 * when every rank has left, the finished ranks take the last one's parameters, buffers and the
   state of each optimizer (or other object with ``state_dict``) given to :func:`join`, since they
-  stopped stepping; when no rank left early, nothing is sent.
+  stopped stepping; when no rank left early, nothing is sent;
+* a sharded model (FSDP2) needs its finished ranks' shards in every step: they keep stepping in
+  the shadow of the others (:mod:`onedist.training.join_sharded`), and keep their shards of the
+  parameters and of the optimizer's state at the end.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ from ..collectives.joined import JoinedRanks
 from ..context import current
 from ..errors import JoinedRankError, OnedistRuntimeError, OnedistValueError, bad_type
 from ..state import world
+from .join_sharded import (
+    CLIP_NORM,
+    ShardedRanks,
+    ShardedSteps,
+    check_sharded,
+    gradient_sync,
+    sharded_hyperparameters,
+)
+from .sharding import is_sharded
 
 __all__ = ["SAVE_STATE", "Join", "gather_rank_states", "join"]
 
@@ -47,7 +59,9 @@ def join(*objects: Any, divide_by_initial_world_size: bool = True) -> Join:
 
     Put the training loop inside ``with od.join(model, optimizer):``. A rank that runs out of
     batches leaves its loop and waits at the end of the block, answering what the others still do:
-    DDP's gradient reduction (with zeros, as ``torch.distributed.algorithms.Join``), and onedist's
+    DDP's gradient reduction (with zeros, as ``torch.distributed.algorithms.Join``), a sharded
+    model's gathers and gradient reductions (a shadow step on its last batch, with zero
+    gradients, and the others' optimizer steps on its shards), and onedist's
     ``all_reduce`` (over the ranks still in their loops: a SUM of theirs, a MEAN of theirs),
     ``all_gather`` (their values only), ``barrier``, ``broadcast`` from a rank in its loop and
     :class:`~onedist.SyncBatchNorm`. The block ends on every rank when the last one leaves its loop.
@@ -58,10 +72,11 @@ def join(*objects: Any, divide_by_initial_world_size: bool = True) -> Join:
 
     Args:
         *objects: the models whose forward passes start the steps (what :func:`~onedist.auto_model`
-            returned: DDP or a plain module), then optimizers, LR schedulers, gradient scalers:
-            anything with ``state_dict``/``load_state_dict``. After a rank left early, every rank
-            ends with the state of the last rank to leave for each of them (a finished rank's
-            optimizer missed the others' last steps).
+            returned: DDP, sharded or a plain module), then optimizers, LR schedulers, gradient
+            scalers: anything with ``state_dict``/``load_state_dict``. After a rank left early,
+            every rank ends with the state of the last rank to leave for each of them (a finished
+            rank's optimizer missed the others' last steps); a sharded model's optimizer keeps
+            each rank's shards, which every rank stepped (give every optimizer of its parameters).
         divide_by_initial_world_size: DDP's gradients are divided by the world size (True, as in
             torch's Join: a finished rank counts as a zero gradient), or by the number of ranks
             still in their loops (False: the mean over them).
@@ -71,8 +86,8 @@ def join(*objects: Any, divide_by_initial_world_size: bool = True) -> Join:
         loops (as of the last step check).
 
     Raises:
-        OnedistValueError: no model given, a sharded (FSDP) model, or a backend that cannot narrow
-            its groups (Horovod, XLA).
+        OnedistValueError: no model given, a sharded (FSDP) model without its optimizer or with
+            od.SyncBatchNorm, or a backend that cannot narrow its groups (Horovod, XLA).
         JoinedRankError: a collective needs a rank that has left its loop (on every rank).
 
     Example:
@@ -120,7 +135,14 @@ class Join:
                 "onedist.join: needs the model (the module whose forward pass starts each step), got "
                 f"{[type(o).__name__ for o in objects]}\nHINT: with od.join(model, optimizer): ..."
             )
+        check_sharded(self._models, self._states)
         self._ddps = [_ddp_of(m) for m in self._models]
+        shards = any(is_sharded(m) for m in self._models)
+        self._steps = (
+            ShardedSteps(self._models, self._states, divide_by_initial_world_size, _to_every_rank)
+            if shards
+            else None
+        )
         self._divide_by_world = divide_by_initial_world_size
         self._ranks: Optional[JoinedRanks] = None
         self._hooks: list[Any] = []
@@ -149,25 +171,37 @@ class Join:
                 "Horovod and XLA cannot)\nHINT: give every rank the same number of batches there "
                 "(auto_dataloader pads the last one; drop_last=True drops it)"
             )
-        self._ranks = JoinedRanks(b)
+        self._ranks = JoinedRanks(b) if self._steps is None else ShardedRanks(b, self._steps)
         world.join = self._ranks
         for i, model in enumerate(self._models):
-            self._hooks.append(model.register_forward_pre_hook(self._step_hook(i), prepend=True))
+            hook = self._step_hook(i)
+            self._hooks.append(model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True))
+        if self._steps is not None:
+            self._steps.enter()
         return self
 
     def _step_hook(self, index: int) -> Any:
-        def step(module: torch.nn.Module, args: Any) -> None:
-            self._start_step(index)
+        def step(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            self._start_step(index, args, kwargs)
 
         return step
 
-    def _start_step(self, index: int) -> None:
+    def _start_step(self, index: int, args: Any, kwargs: Any) -> None:
         """One step of this rank's loop begins with model ``index``'s forward pass."""
         ranks = self._ranks
         assert ranks is not None
         ddp = self._ddps[index]
         grad = torch.is_grad_enabled()
-        sync = ddp is not None and grad and ddp.require_backward_grad_sync
+        if self._steps is not None:  # a sharded model in the block: each step check is read at once
+            self._steps.record(index, args, kwargs)
+            ranks.settle()
+            before = ranks.active
+            sync = grad and (
+                gradient_sync(self._models[index]) if self._steps.sharded[index] else sync_of(ddp)
+            )
+            ranks.announce(index + 1, sync, grad, wait=True)
+            self._steps.after_check(ranks, before, index, self._models[index].training)
+        sync = grad and sync_of(ddp)
         buffers = (
             self._buffer_sync[index]
             and ddp is not None
@@ -175,7 +209,8 @@ class Join:
             and len(ddp.modules_buffers) > 0
         )
         divisor = sync and not self._divide_by_world
-        ranks.announce(index + 1, sync, grad, wait=buffers or divisor)
+        if self._steps is None:
+            ranks.announce(index + 1, sync, grad, wait=buffers or divisor)
         if ddp is None:
             return
         if buffers:  # DDP broadcasts them from rank 0: from the lowest rank in its loop instead
@@ -208,20 +243,36 @@ class Join:
     def _answer_until_all_left(self, ranks: JoinedRanks, error: Optional[JoinedRankError]) -> None:
         """Answer the step checks of the ranks still in their loops until every rank has left
         (``error``: this rank left raising it; the others raise it from their next step check)."""
-        check = ranks.answer(error)
-        while check.active:
-            if check.model >= SAVE_STATE:  # a step checkpoint: this rank's state to the writer
+        steps = self._steps
+        if steps is not None:
+            steps.leave()
+        while True:
+            ranks.settle(raise_refusal=False)
+            before = ranks.active
+            check = ranks.answer(error)
+            if check.model >= CLIP_NORM and check.active and steps is not None and ranks.refused is None:
+                steps.clip(ranks, check.model - CLIP_NORM, None)  # od.clip_grad_norm_ of a sharded model
+                continue
+            if check.model >= SAVE_STATE and check.active:  # a step checkpoint: state to the writer
                 from .run_state import rank_state
 
                 _gather_from_every_rank(rank_state(self._models[0], None), check.model - SAVE_STATE, ranks)
-                check = ranks.answer(error)
                 continue
-            ddp = self._ddps[check.model - 1] if check.model else None
+            training = False
+            if steps is not None and ranks.refused is None:  # the others' optimizer steps, made here
+                training = steps.after_check(ranks, before, check.model - 1, None)
+            if not check.active:
+                return
+            index = check.model - 1
+            ddp = self._ddps[index] if check.model else None
             if ddp is not None:
                 _match_ddp_step(ddp, check.grad, check.sync)
-            check = ranks.answer(error)
+            elif steps is not None and check.model and steps.sharded[index] and ranks.refused is None:
+                steps.shadow(index, check, training)
 
     def _restore(self) -> None:
+        if self._steps is not None:
+            self._steps.exit()
         for ddp, synced in zip(self._ddps, self._buffer_sync):
             if ddp is not None:
                 ddp.broadcast_buffers = synced
@@ -234,9 +285,17 @@ class Join:
         stepping when they left)."""
         from ..collectives import broadcast_object
 
-        for model in self._models:
-            _broadcast_tensors([*model.parameters(), *model.buffers()], src, None)
+        for model in self._models:  # a sharded model's shards: each rank stepped its own
+            _broadcast_tensors(
+                [*([] if is_sharded(model) else model.parameters()), *model.buffers()], src, None
+            )
         for obj in self._states:
+            mine = sharded_hyperparameters(obj)  # its shards' state is each rank's own
+            if mine is not None:  # the last rank's hyperparameters (what its scheduler set last)
+                groups = broadcast_object(mine, src=src)
+                for group, values in zip(obj.param_groups, groups):
+                    group.update(values)
+                continue
             state = broadcast_object(obj.state_dict() if current().rank == src else None, src=src)
             if current().rank != src:
                 obj.load_state_dict(state)
@@ -266,6 +325,18 @@ def gather_rank_states(state: Any, dst: int) -> list[Any]:
     return _gather_from_every_rank(state, dst, ranks)
 
 
+def _to_every_rank(value: Any, src: int) -> Any:
+    """Rank ``src``'s ``value`` on every rank of the default group (one broadcast_object), past the
+    narrowing to the ranks in their loops."""
+    from ..collectives import broadcast_object
+
+    ranks, world.join = world.join, None
+    try:
+        return broadcast_object(value, src=src)
+    finally:
+        world.join = ranks
+
+
 def _gather_from_every_rank(state: Any, dst: int, ranks: JoinedRanks) -> list[Any]:
     """One gather on the whole default group, past the narrowing to the ranks in their loops."""
     from ..collectives import gather
@@ -281,13 +352,6 @@ def _gather_from_every_rank(state: Any, dst: int, ranks: JoinedRanks) -> list[An
 def _check_object(index: int, obj: Any) -> None:
     arg = f"objects[{index}]"
     if isinstance(obj, torch.nn.Module):
-        from .sharding import is_sharded
-
-        if is_sharded(obj):
-            raise OnedistValueError(
-                f"onedist.join: {arg} is a sharded model (auto_model(sharding='fsdp')); od.join supports "
-                "DDP and plain models (a finished rank would have to gather its shards every step)"
-            )
         return
     if type(obj).__name__ == "ZeroRedundancyOptimizer":
         raise OnedistValueError(
@@ -310,6 +374,11 @@ def _ddp_of(model: torch.nn.Module) -> Optional[DistributedDataParallel]:
             return module
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+def sync_of(ddp: Optional[DistributedDataParallel]) -> bool:
+    """Whether DDP's next backward pass reduces gradients (no DDP: False)."""
+    return ddp is not None and bool(ddp.require_backward_grad_sync)
 
 
 def _match_ddp_step(ddp: DistributedDataParallel, grad: bool, sync: bool) -> None:

@@ -11,6 +11,11 @@ is the policy's:
 * ``policy=``: a set of module classes (every instance is a unit), or a function
   ``(module) -> bool`` asked for every submodule.
 
+``sharding="hsdp"`` shards within each node and replicates across nodes (FSDP2 over a 2-D
+DeviceMesh of ``(nnodes, nproc_per_node)`` built from the launcher's layout: the gradients are
+reduce-scattered within a node, then all-reduced between the nodes' copies of each shard); on one
+node it is ``"fsdp"`` (one replica).
+
 Works where torch.distributed runs the training (gloo, nccl, shm, mpi); with one process there is
 nothing to shard and the model is returned as DDP would be (itself). ``precision="bf16-mixed"``
 becomes FSDP2's mixed-precision policy (parameters gathered in bfloat16, gradients reduced in
@@ -37,6 +42,7 @@ from .versions import require_torch
 __all__ = [
     "SHARDINGS",
     "check_sharding",
+    "hsdp_shape",
     "full_state_dict",
     "gather_state_dict",
     "is_sharded",
@@ -46,8 +52,8 @@ __all__ = [
 ]
 
 #: what ``auto_model(sharding=...)`` accepts
-SHARDINGS = (None, "fsdp")
-#: auto_model's keyword arguments with ``sharding="fsdp"``
+SHARDINGS = (None, "fsdp", "hsdp")
+#: auto_model's keyword arguments with ``sharding="fsdp"`` (or ``"hsdp"``)
 _FSDP_OPTIONS = ("policy", "reshard_after_forward", "mesh", "cpu_offload")
 _warned_offload = False  # cpu_offload=True on the CPU: said once per process
 
@@ -57,7 +63,7 @@ def check_sharding(
 ) -> Optional[str]:
     """``sharding`` checked against the backend, the precision and the other options."""
     if sharding is not None and not isinstance(sharding, str):
-        raise bad_type("auto_model", "sharding", sharding, "None or 'fsdp'")
+        raise bad_type("auto_model", "sharding", sharding, "None, 'fsdp' or 'hsdp'")
     if sharding in (None, "none"):
         return None
     if sharding not in SHARDINGS:
@@ -75,7 +81,7 @@ def check_sharding(
             "auto_model",
             "precision",
             precision,
-            "'32', 'bf16-mixed' or 'bf16-true' with sharding='fsdp'",
+            f"'32', 'bf16-mixed' or 'bf16-true' with sharding={sharding!r}",
             hint=None,
         )
     if sync_bn:
@@ -83,15 +89,17 @@ def check_sharding(
             "auto_model",
             "sync_bn",
             sync_bn,
-            "False with sharding='fsdp'",
+            f"False with sharding={sharding!r}",
             hint="od.convert_sync_batchnorm(model) before auto_model gives onedist's SyncBatchNorm",
         )
     for name, value in options.items():
         if name not in _FSDP_OPTIONS:
-            raise bad_value("auto_model", name, value, "with sharding='fsdp': " + ", ".join(_FSDP_OPTIONS))
+            raise bad_value(
+                "auto_model", name, value, f"with sharding={sharding!r}: " + ", ".join(_FSDP_OPTIONS)
+            )
     if not isinstance(options.get("cpu_offload", False), bool):
         raise bad_type("auto_model", "cpu_offload", options["cpu_offload"], "a bool")
-    return "fsdp"
+    return str(sharding)
 
 
 def shard(
@@ -100,13 +108,17 @@ def shard(
     options: dict[str, Any],
     device: torch.device,
     materialize: Optional[Callable[[torch.nn.Module, torch.device, Any], None]] = None,
+    sharding: str = "fsdp",
 ) -> torch.nn.Module:
-    """FSDP2 units of ``model`` (the policy's, then the root) over the world's mesh. A meta model
-    is sharded as it is, then ``materialize(model, device, group)`` allocates (and initialises)
-    each rank's shards; any other model starts from rank 0's weights."""
+    """FSDP2 units of ``model`` (the policy's, then the root) over the world's mesh (``"hsdp"``:
+    the 2-D mesh of nodes and their ranks). A meta model is sharded as it is, then
+    ``materialize(model, device, group)`` allocates (and initialises) each rank's shards; any other
+    model starts from rank 0's weights."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = options.get("mesh") or _world_mesh(device)
+    mesh = options.get("mesh") or (_hsdp_mesh(device) if sharding == "hsdp" else _world_mesh(device))
+    whole = mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD  # every rank of the mesh
     kwargs: dict[str, Any] = {"mesh": mesh}
     if "reshard_after_forward" in options:
         kwargs["reshard_after_forward"] = options["reshard_after_forward"]
@@ -127,16 +139,15 @@ def shard(
         fully_shard(unit, **kwargs)
     fully_shard(model, **root_kwargs)
     if materialize is not None and "offload_policy" in kwargs:  # the shards live on the CPU
-        materialize(model, torch.device("cpu"), mesh.get_group())
+        materialize(model, torch.device("cpu"), whole)
         for module in model.modules():  # the buffers (not sharded, not offloaded) on the GPU
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
     elif materialize is not None:
-        materialize(model, device, mesh.get_group())
+        materialize(model, device, whole)
     if any(True for _ in model.buffers()):
-        group = mesh.get_group()
-        model.register_forward_pre_hook(lambda module, args: _buffers_from_rank_0(module, group))
+        model.register_forward_pre_hook(lambda module, args: _buffers_from_rank_0(module, whole))
     return model
 
 
@@ -163,18 +174,25 @@ def _buffers_from_rank_0(model: torch.nn.Module, group: Any) -> None:
     """Before a training forward, rank 0's buffers on every rank, as DDP does by default
     (broadcast_buffers=True). FSDP2 leaves buffers alone: BatchNorm's running statistics would drift
     apart per rank, evaluation would differ per rank, and a sharded checkpoint, which keeps one
-    copy of a replicated tensor (rank 0's), would not give a resumed rank its own back."""
+    copy of a replicated tensor (rank 0's), would not give a resumed rank its own back. Inside
+    od.join once a rank has left its loop: from the lowest rank still in its loop, as DDP's."""
     import torch.distributed as dist
+
+    from ..collectives.joined import JoinedRanks
+    from ..state import world
 
     if not (model.training and torch.is_grad_enabled()):
         return
+    ranks = world.join if isinstance(world.join, JoinedRanks) else None
+    # a finished rank's shadow step (od.join) takes the same source
+    src = dist.get_group_rank(group, ranks.active[0]) if ranks is not None and ranks.left else 0
     kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for buffer in model.buffers():
         kinds.setdefault((buffer.dtype, buffer.device), []).append(buffer)
     with torch.no_grad():
         for buffers in kinds.values():  # one broadcast per dtype, as DDP coalesces them
             flat = torch.cat([b.reshape(-1) for b in buffers])
-            dist.broadcast(flat, group=group, group_src=0)
+            dist.broadcast(flat, group=group, group_src=src)
             for b, part in zip(buffers, torch.split(flat, [b.numel() for b in buffers])):
                 b.copy_(part.view_as(b))
 
@@ -196,6 +214,52 @@ def _world_mesh(device: torch.device) -> Any:
     world = dist.group.WORLD
     assert world is not None  # world size > 1: initialize made the default group
     return DeviceMesh.from_group(world, device.type)
+
+
+def hsdp_shape(layouts: list[tuple[int, int, int, int]]) -> tuple[int, int]:
+    """``(nnodes, nproc_per_node)``: the shape of ``sharding="hsdp"``'s mesh, from every rank's
+    ``(rank, node_rank, local_rank, nproc_per_node)``; raises unless the ranks are laid out node by
+    node, the same number on each (rank = node_rank * nproc_per_node + local_rank).
+
+    Example:
+        >>> hsdp_shape([(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 2), (3, 1, 1, 2)])
+        (2, 2)
+    """
+    per_node = {layout[3] for layout in layouts}
+    nproc = per_node.pop() if len(per_node) == 1 else 0
+    nnodes = len(layouts) // nproc if nproc else 0
+    if not nproc or any(rank != node * nproc + local for rank, node, local, _ in layouts):
+        nodes: dict[int, list[int]] = {}
+        for rank, node, _, _ in layouts:
+            nodes.setdefault(node, []).append(rank)
+        raise bad_value(
+            "auto_model",
+            "sharding",
+            "hsdp",
+            "'fsdp' (or 'hsdp' with the same number of ranks on every node, numbered node by "
+            "node: rank = node_rank * nproc_per_node + local_rank); here the nodes hold ranks "
+            f"{list(nodes.values())}",
+            hint="start as many processes on every node (onedist run -n N, torchrun --nproc-per-node N)",
+        )
+    return nnodes, nproc
+
+
+def _hsdp_mesh(device: torch.device) -> Any:
+    """The 2-D mesh of ``sharding="hsdp"``: a row per node (replicated between the rows, sharded
+    along each); on one node the world's 1-D mesh (one replica: ``"fsdp"``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..collectives import all_gather_object
+    from ..context import current
+
+    b = current()
+    layout = b.layout()
+    nnodes, nproc = hsdp_shape(
+        all_gather_object((b.rank, layout.node_rank, layout.local_rank, layout.nproc_per_node))
+    )
+    if nnodes == 1:
+        return _world_mesh(device)
+    return init_device_mesh(device.type, (nnodes, nproc), mesh_dim_names=("replicate", "shard"))
 
 
 def _float32_batch_norms(

@@ -1,0 +1,30 @@
+"""checks_sharding's hsdp check under a real launcher on several nodes: ``onedist run --nnodes 2
+-n 2 ... hsdp_vs_ddp.py BACKEND`` on each node. Prints ``RESULT`` and a JSON list (rank 0): what
+each rank's check returned."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: checks_sharding
+
+import checks_sharding
+import onedist as od
+
+
+def hsdp(local_rank: int) -> Any:
+    return od.all_gather_object({"node": od.hostname(), **checks_sharding.check_hsdp_trains_like_ddp()})
+
+
+def main() -> None:
+    with od.Parallel(backend=sys.argv[1]) as parallel:
+        result = parallel.run(hsdp)
+    if os.environ.get("RANK", "0") == "0":  # one line (onedist run prefixes it)
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

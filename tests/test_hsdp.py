@@ -1,0 +1,58 @@
+"""sharding="hsdp": sharded within a node, replicated across nodes. Two network-namespace hosts of
+2 ranks each under `onedist run` (test_netns.py's hosts: every byte between the nodes crosses a
+veth), one node in a gloo pool, and the layout check."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+import checks_sharding
+from conftest import Runner
+from onedist.training.sharding import hsdp_shape
+from run_helpers import onedist_command, outputs
+from test_netns import hosts, needs_netns  # noqa: F401  (the module-scoped fixture)
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "hsdp_vs_ddp.py")
+
+
+@needs_netns
+@pytest.mark.launcher
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_hsdp_on_two_hosts_trains_like_ddp(hosts, backend):  # noqa: F811
+    cmd = ["--nnodes", "2", "-n", "2", "--master-addr", "nodeA", "--master-port", str(29541 + len(backend))]
+    procs = [
+        hosts(node, [*onedist_command(*cmd, "--node-rank", str(k)), SCRIPT, backend])
+        for k, node in enumerate(("nodeA", "nodeB"))
+    ]
+    outs = outputs(procs, timeout=240)
+    assert all(p.returncode == 0 for p in procs), outs
+    result = json.loads(outs[0][0].split("RESULT ", 1)[1].splitlines()[0])
+    assert [r["node"] for r in result] == ["nodeA", "nodeA", "nodeB", "nodeB"], result
+    assert all(r["mesh"] == [2, 2] and r["relative_difference"] <= 1e-5 for r in result), result
+
+
+def test_hsdp_on_one_node_is_fsdp():
+    out = Runner(2, "gloo")(checks_sharding.check_hsdp_trains_like_ddp)
+    assert all(o["mesh"] == [2] for o in out), out
+
+
+def test_hsdp_needs_the_same_number_of_ranks_on_every_node_numbered_node_by_node():
+    assert hsdp_shape([(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 2), (3, 1, 1, 2)]) == (2, 2)
+    assert hsdp_shape([(r, 0, r, 3) for r in range(3)]) == (1, 3)
+    uneven = [(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 1)]  # srun -N2 -n3
+    interleaved = [(0, 0, 0, 2), (1, 1, 0, 2), (2, 0, 1, 2), (3, 1, 1, 2)]
+    for layouts, nodes in [(uneven, "[[0, 1], [2]]"), (interleaved, "[[0, 2], [1, 3]]")]:
+        with pytest.raises(ValueError) as raised:
+            hsdp_shape(layouts)
+        message = str(raised.value)
+        assert "sharding='hsdp' is not allowed; allowed: 'fsdp' (or 'hsdp' with the same number" in message
+        assert f"here the nodes hold ranks {nodes}" in message, message
+        assert "HINT: start as many processes on every node" in message, message
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
