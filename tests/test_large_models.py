@@ -95,7 +95,7 @@ def test_options_horovod_and_xla_cannot_carry_are_refused_naming_what_is_support
         with pytest.raises(od.OnedistValueError) as raised:
             od.auto_model(**kwargs)
         assert text in str(raised.value) and "gloo, nccl, shm, mpi" in str(raised.value), raised.value
-    for name in ("horovod", "xla"):
+    for name in ("horovod", "xla-tpu"):  # the backends' names, od.backend()'s
         with pytest.raises(
             od.OnedistValueError,
             match=r"precision='bf16-true' is not allowed; allowed: '32', 'bf16-mixed' on",
