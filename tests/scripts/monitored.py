@@ -10,7 +10,7 @@ In ``preempted`` every rank waits after step 5 (``OUT_DIR/waiting`` says so) unt
 ended by SIGTERM, as a scheduler preempting it would (SLURM signals every task): onedist prints
 where each rank was and ends it by the signal, without Python's exit handlers. A logger that
 buffers until it is saved or closed (as Lightning's CSVLogger does) joins the others and writes
-``buffered.json`` only then.
+``buffered-<rank>.json`` only then (the main process is the one that logs).
 
 The loggers are not closed by the script: the exit of the process closes them (after a failure
 of another rank too). A TensorBoard logger joins the CSV one when tensorboard is installed.
@@ -52,7 +52,9 @@ def main(local_rank: int, out_dir: str, mode: str = "") -> None:
     throughput = od.Throughput(every=5)
     windows = []
     targets = [od.CSVLogger(out_dir), *([od.TensorBoardLogger(out_dir)] if find_spec("tensorboard") else [])]
-    od.loggers(*targets, *([Buffered(f"{out_dir}/buffered.json")] if mode == "preempted" else []))
+    if mode == "preempted":
+        targets.append(Buffered(f"{out_dir}/buffered-{od.get_rank()}.json"))
+    od.loggers(*targets)
     bar = od.progress(loader, desc="train", unit="batch", every_s=0.2)
     start = time.perf_counter()
     for step, (x,) in enumerate(bar, 1):
