@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 from ..backends.recorded import calls as recorded_log
@@ -141,8 +142,10 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
                 _end_main_thread(stop, main_ident, error, verdict, rank, break_after_peers_read)
                 return
             check.let_peers_read()  # a peer in a plain call hears the verdict before the break
+            still_there = functools.partial(_still_in, world.call)
             if not _break_pending(stop):
-                _end_main_thread(stop, main_ident, _mismatch_error_class(verdict), verdict, rank)
+                error = _mismatch_error_class(verdict)
+                _end_main_thread(stop, main_ident, error, verdict, rank, still_there=still_there)
                 return
 
 
@@ -208,6 +211,12 @@ def _break_pending(stop: Any) -> bool:
     return world.call is not blocked
 
 
+def _still_in(call: Any) -> bool:
+    """Whether the main thread is still in ``call``: once it left (its guard raised the verdict),
+    the verdict raised into it again would land in the program's own except clause."""
+    return world.call is call
+
+
 def _end_main_thread(
     stop: Any,
     main_ident: int,
@@ -216,12 +225,16 @@ def _end_main_thread(
     rank: int,
     then: Any = None,
     before_exit: Any = None,
+    still_there: Optional[Callable[[], bool]] = None,
 ) -> None:
     """Raise ``error`` in the main thread (after which ``then()`` may break the call it waits in);
     end the process if it is still blocked outside Python after the grace period (after
-    ``before_exit()``)."""
+    ``before_exit()``). Nothing at all when ``still_there()`` says the main thread left the call
+    the error is about."""
     import ctypes
 
+    if still_there is not None and not still_there():
+        return
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main_ident), ctypes.py_object(error))
     if then is not None:
         then()
