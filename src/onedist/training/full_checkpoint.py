@@ -18,6 +18,7 @@ sharded model written as one file, never the whole model twice on a rank.
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -67,14 +68,18 @@ def load_into_shards(
             "a device (a str or torch.device) when `to` holds a sharded model: its shards are "
             "copied onto the model's device, the other values onto map_location",
         )
+    loaded = _load(to, read, torch.device(location), load_into, name)
+    gc.collect()  # a reference cycle that reaches a mapped tensor would keep the file mapped
+    return loaded
+
+
+def _load(to: Any, read: Callable[[], Any], device: torch.device, load_into: Any, name: str) -> Any:
     failed = f"onedist.load_checkpoint: rank {{}} could not load {name!r}"
     mapped = on_every_rank(read, failed.format)
     # every check before any copy: a load that fails changes no live object
     plan = on_every_rank(lambda: _plan(to, mapped, name), (failed + " into `to`").format)
     # what it returns holds nothing of the file: the mapping goes with this frame
-    return on_every_rank(
-        lambda: _fill(to, mapped, plan, torch.device(location), load_into), (failed + " into `to`").format
-    )
+    return on_every_rank(lambda: _fill(to, mapped, plan, device, load_into), (failed + " into `to`").format)
 
 
 def _plan(to: Any, mapped: Any, name: str) -> dict[Path_, tuple[torch.nn.Module, dict[str, Any], Any]]:
