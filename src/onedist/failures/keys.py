@@ -19,6 +19,7 @@ __all__ = [
     "DONE_KEY",
     "HISTORY_KEY",
     "P2P_KEY",
+    "P2P_RANKS_KEY",
     "READ_KEY",
     "RECEIPT_WAIT_S",
     "VERDICT_KEY",
@@ -34,6 +35,8 @@ DONE_KEY = "onedist/done/{}"
 CHECKED_KEY = "onedist/checked/{}"
 #: a rank's sends and receives on the default group, per peer, published at finalize (.p2p_counts)
 P2P_KEY = "onedist/p2p/{}"
+#: how many ranks made any send or receive (.p2p_counts reads the counts only when not zero)
+P2P_RANKS_KEY = "onedist/p2p-ranks"
 #: a rank's last calls on a recorded group (the group's log key, the rank), see .history
 HISTORY_KEY = "onedist/calls/{}/{}"
 #: how long the rank that hosts the store waits for the others' receipts before it raises (its

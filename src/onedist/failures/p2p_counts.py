@@ -9,6 +9,12 @@ its counts before it says it is done, and once every peer is done it compares th
 whose counts differ (more sends from A to B than B received, receives from any source aside, or a
 receive posted that no send matched) is a mismatch naming both ranks, the counts and the line of
 the last send. Every rank reads the same counts, so each raises the same verdict.
+
+Reading every rank's counts costs each rank world-size store requests (rank 0's store serves
+world size squared), so a rank that made any send or receive also adds 1 to ``P2P_RANKS_KEY``
+before it says it is done, and the counts are read only when that counter is not zero: a job
+without point-to-point calls reads one key at exit. The counter is never reset: a stale count
+left by an earlier group on the same store only costs the full read, never a missed check.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import json
 from typing import Any, Optional
 
 from ..backends.recorded.calls import SEND
-from .keys import P2P_KEY
+from .keys import P2P_KEY, P2P_RANKS_KEY
 
 __all__ = ["p2p_verdict", "publish_counts"]
 
@@ -29,11 +35,15 @@ def publish_counts(store: Any, rank: int, log: Any) -> None:
     last_send = {str(e.peer): e.site for e in log.recent() if e.peer >= 0 and e.sig[0] == SEND}
     counts = {"sent": log.sent, "received": log.received, "last_send": last_send}
     store.set(P2P_KEY.format(rank), json.dumps(counts))
+    if log.sent or log.received:
+        store.add(P2P_RANKS_KEY, 1)
 
 
 def p2p_verdict(store: Any, rank: int, world_size: int) -> Optional[str]:
     """The mismatch report of the sends and receives every rank published, or None (all matched,
     or a rank published nothing: it left before its check, or records no calls)."""
+    if int(store.add(P2P_RANKS_KEY, 0)) == 0:  # nobody sent or received anything
+        return None
     counts: dict[int, dict[str, Any]] = {}
     for r in range(world_size):
         key = P2P_KEY.format(r)
