@@ -9,16 +9,16 @@ completes, its ``Work``. Point-to-point calls are counted per peer instead (rank
 is B's k-th receive from A). Nothing is communicated here: the failure watcher reads the logs once a
 second (:mod:`onedist.failures.stall`, :mod:`onedist.failures.history`).
 
-Cost on the calling thread: one frame walk to the user's line, a tuple, a hash and two deque
-appends (~2-3 us); a completed call's ``Work`` (and so its tensors) is let go at the next call on
-the group, or by the watcher within a second.
+Cost on the calling thread: a short frame walk to the user's line, a tuple, a hash and two deque
+appends, no lock (~2 us when its caches are warm; after the previous call's wait they are cold,
+and it costs more: docs/performance.md has the measured ratios). A completed call's ``Work`` (and
+so its tensors) is let go at the next call on the group.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 import weakref
 from collections import deque
@@ -104,6 +104,10 @@ class Entry(NamedTuple):
     text: str = ""  # how to describe it, where the signature cannot (shm's calls)
 
 
+#: an Entry from all its fields: a NamedTuple's own constructor costs ~0.3 us more a call
+_entry = tuple.__new__
+
+
 def signature(
     kind: str, tensors: Any = (), op: Any = None, root: int = -1, sized: bool = True
 ) -> tuple[int, ...]:
@@ -125,11 +129,16 @@ def _op_code(op: Any) -> int:
     if op is None:
         return -1
     op = getattr(op, "reduceOp", op)  # options -> ReduceOp (getattr's default: no exception raised)
+    if op.__class__ is _REDUCE_OP and op == _SUM:  # type: ignore[comparison-overlap]
+        return 0  # the common case: C++'s comparison costs ~0.1 us, reading .op and its int() ~1 us
     op = getattr(op, "op", op)  # ReduceOp -> RedOpType
     try:
         return int(op)
     except (TypeError, ValueError):
         return 99
+
+
+_REDUCE_OP, _SUM = dist.ReduceOp, dist.ReduceOp.SUM
 
 
 def describe(sig: tuple[int, ...], step: int = 0) -> str:
@@ -162,6 +171,16 @@ def user_site(frame: Optional[FrameType]) -> str:
             return f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
+
+
+def _frame_of_callers_caller() -> Optional[FrameType]:
+    """The frame that called the group's method that called :meth:`CallLog.begin` (its callers
+    are a group's ``_issue`` or :meth:`CallLog.record`, and a group method: onedist's frames, not
+    walked). Each frame walked is made into an object first (Python 3.11), a cost on every call."""
+    try:
+        return sys._getframe(4)
+    except ValueError:  # the group's method was called from C++ (DDP's backward): no Python caller
+        return None
 
 
 #: code object -> whether its frames are torch's or onedist's (asked once per code: the walk is on
@@ -202,7 +221,6 @@ class CallLog:
         self.failed = False
         self._last_done: Any = None  # the last collective's work let go of by the caller (see _prune)
         self._before = (0, 0)  # seq and chain before the last call begun (see abandon)
-        self.lock = threading.Lock()  # the watcher's pruning against the caller's
         _LOGS.add(self)
 
     @property
@@ -218,12 +236,12 @@ class CallLog:
         not after): after it, the backend's threads need the core, and the caller waits at once
         (measured: the same work after the start cost 1.07-1.2x a 2-rank all_reduce here, before
         it nothing measurable)."""
-        with self.lock:
-            self._prune()
+        self._prune()
         self._before = (self.seq, self.chain)
         seq = self.seq = self.seq + 1
         chain = self.chain = hash((self.chain, sig))
-        entry = Entry(seq, sig, chain, user_site(sys._getframe(1)), time.monotonic(), -1, step)
+        site = user_site(_frame_of_callers_caller())
+        entry = _entry(Entry, (seq, sig, chain, site, time.monotonic(), -1, step, ""))
         self.window.append(entry)
         return entry
 
@@ -248,43 +266,41 @@ class CallLog:
         counts = self.sent if kind == SEND else self.received
         n = counts[peer] = counts.get(peer, 0) + 1
         sig = signature(KINDS[kind], tensors, root=peer)
-        entry = Entry(n, sig, 0, user_site(sys._getframe(2)), time.monotonic(), peer, 0)
+        entry = _entry(Entry, (n, sig, 0, user_site(sys._getframe(2)), time.monotonic(), peer, 0, ""))
         self.window.append(entry)
         self._keep(entry, work)
         return entry
 
     def _keep(self, entry: Entry, work: Any) -> None:
-        with self.lock:
-            self._prune()
-            self.pending.append((entry, work))
+        self._prune()
+        self.pending.append((entry, work))
 
-    def _prune(self, check: bool = False) -> None:
-        """Let go of the oldest calls that completed (under the lock). Whether one failed is asked
-        on the watcher's side only (``check``): a work's ``wait()`` releases the GIL, which on the
-        caller's path cost ~3 % of a small all_reduce here; the caller keeps its last completed
-        collective's work for that question instead (a failed group's later calls fail too)."""
+    def _prune(self) -> None:
+        """Let go of the oldest calls that completed, on the calling thread only: the watcher
+        reads :attr:`pending`, never changes it, so no lock is taken on a call's path (a lock
+        cost ~0.8 us a call here, most of the record's cost being its code run on caches the
+        wait left cold). Whether a call failed is asked on the watcher's side only: a work's
+        ``wait()`` releases the GIL, which on the caller's path cost ~3 % of a small all_reduce;
+        the caller keeps its last completed collective's work for that question instead (a failed
+        group's later calls fail too). A group's calls are made by one thread at a time, as
+        torch's ordering of collectives across ranks needs."""
         pending = self.pending
         while pending and _completed(pending[0][1]):
             entry, work = pending.popleft()
-            if entry.sig[0] >= SEND:  # a send's or receive's work: never asked (see _succeeded)
-                continue
-            if not check:
+            if entry.sig[0] < SEND:  # a send's or receive's work is never asked (see _succeeded)
                 self._last_done = work
-            elif not _succeeded(work):
-                self.failed = True
 
     def waiting(self) -> list[Entry]:
-        """The calls not complete yet, oldest first (completed ones are dropped on the way), and
-        :attr:`failed` set when a collective failed."""
-        with self.lock:
-            self._prune(check=True)
-            last, self._last_done = self._last_done, None
-            waiting = [entry for entry, work in self.pending if not _completed(work)]
-            if not self.failed and (
-                (last is not None and not _succeeded(last))
-                or any(e.sig[0] < SEND and _completed(w) and not _succeeded(w) for e, w in self.pending)
-            ):
-                self.failed = True
+        """The calls not complete yet, oldest first, and :attr:`failed` set when a collective
+        failed (the watcher's question, once a second)."""
+        pending = list(self.pending)  # one step under the GIL: the caller's thread pops from it
+        last, self._last_done = self._last_done, None
+        waiting = [entry for entry, work in pending if not _completed(work)]
+        if not self.failed and (
+            (last is not None and not _succeeded(last))
+            or any(e.sig[0] < SEND and _completed(w) and not _succeeded(w) for e, w in pending)
+        ):
+            self.failed = True
         blocked = self.blocked
         return waiting if blocked is None else sorted([*waiting, blocked], key=lambda e: e.started)
 
