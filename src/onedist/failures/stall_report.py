@@ -81,7 +81,7 @@ def format_state(state: dict[str, Any]) -> str:
     head = f"  rank {state['rank']} (pid {state['pid']} on {state['host']}): "
     waits = state.get("waits")
     if waits is None:
-        head += "not in a collective; its main thread is at:"
+        head += "not in a collective on record; its main thread is at:"
     else:
         since = f", for {state['for']:.0f} s" if state.get("for") else ""
         head += f"waits in {waits['call']} (call {waits['seq']}) at {waits['site']}{since}; its main thread:"
