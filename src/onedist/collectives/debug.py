@@ -200,7 +200,7 @@ def describe_call(call: tuple[Any, ...]) -> dict[str, Any]:
     """What the ranks compare of a collective that blocks (the failure watcher's stall check):
     its call site, its group's ranks, and its fingerprint as debug mode makes it, without the site.
     ``group`` is None when this rank is not a member (it does not wait there)."""
-    name, args, kwargs, spec, frame, _, group = call
+    name, args, kwargs, spec, frame, _, group = call[:7]
     site = call_site(user_frame(frame))
     b = current()
     if group is None:

@@ -40,6 +40,8 @@ class CallRecord(NamedTuple):
     seq: int
     #: the group argument as given (None: the default group)
     group: Any
+    #: time.monotonic() when it began (how long it waits, in a stall report)
+    started: float = 0.0
 
     def describe(self) -> dict[str, Any]:
         """What the ranks compare when it blocks (:func:`~onedist.collectives.debug.describe_call`)."""
@@ -71,7 +73,7 @@ def guarded(name: str, group_arg: int, **spec: tuple[int, Any]) -> Callable[[F],
                 else:
                     seq = group_call_number(w, group)
                 # what this rank waits in, should the call block (a tuple: no work until it does)
-                w.call = CallRecord(name, args, kwargs, spec, sys._getframe(), seq, group)
+                w.call = CallRecord(name, args, kwargs, spec, sys._getframe(), seq, group, started)
                 if w.debug:  # its exchange is a collective too: a dead peer shows here first
                     debug_check(name, args, kwargs, group, spec)
                 return fn(*args, **kwargs)

@@ -20,6 +20,7 @@ for in the forward pass); outside :func:`onedist.join` none of this runs.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -135,7 +136,9 @@ class JoinedRanks:
         flags = new_flags(self.backend, True, model, sync, grad)
         work = step_check(flags, async_op=True)
         # what this rank waits in when it reads the check, for the stall check (its number as posted)
-        record = CallRecord(STEP_CHECK, (flags,), {}, {}, sys._getframe(1), world.world_calls, None)
+        record = CallRecord(
+            STEP_CHECK, (flags,), {}, {}, sys._getframe(1), world.world_calls, None, time.monotonic()
+        )
         self._pending = (work, flags, record) if work is not None else None
         if work is None:
             self._read(flags, True)

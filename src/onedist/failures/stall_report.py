@@ -73,7 +73,10 @@ def _waiting(main_ident: int) -> tuple[Optional[dict[str, Any]], float]:
             time.monotonic() - call.entry.started
         )
     described = call.describe()
-    return {"call": described["call"], "site": described["site"], "seq": call.seq}, 0.0
+    started = getattr(call, "started", 0.0)  # onedist's calls know; a dist.* call on the stack does not
+    return {"call": described["call"], "site": described["site"], "seq": call.seq}, (
+        time.monotonic() - started if started else 0.0
+    )
 
 
 def format_state(state: dict[str, Any]) -> str:

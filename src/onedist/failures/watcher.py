@@ -73,6 +73,16 @@ def _sleep(stop: Any, seconds: float) -> bool:
     return bool(stop.is_set())
 
 
+def _say_stopped(rank: int, error: BaseException) -> None:
+    """The watcher of ``rank`` stops on an error of onedist's own: hangs and mismatches are no
+    longer reported on this rank, which the user must learn (and report) rather than guess."""
+    sys.stderr.write(
+        f"onedist: rank {rank}'s failure watcher stopped on an internal error; hangs and mismatched "
+        f"calls are no longer reported on this rank (please report this): {type(error).__name__}: {error}\n"
+    )
+    sys.stderr.flush()
+
+
 def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int, main_ident: int) -> None:
     handled = 0
     failed_before = int(store.add(FAILED_COUNT, 0))  # failures of an earlier group on this store
@@ -97,8 +107,11 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
                     found = history.sample()
             if not failed and verdict is None and found is None and not probe.gone():
                 reports.sample()
-        except Exception:
+        except (RuntimeError, OSError):
             return  # the store is gone: the job is ending anyway
+        except Exception as e:  # onedist's own mistake: say so, never stop watching in silence
+            _say_stopped(rank, e)
+            return
         if found is not None:  # calls that completed although the ranks disagreed
             _end_on_history(stop, store, probe, found, rank, main_ident, failed_before)
             return
