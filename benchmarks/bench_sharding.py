@@ -1,8 +1,10 @@
 """Sharded data parallel (``auto_model(sharding="fsdp")``, FSDP2) against DDP: step time and each
 rank's bytes of parameters, gradients and optimizer state, in the same worker processes.
 
-    python benchmarks/bench_sharding.py                   # world sizes 2 and 3, gloo, CPU
-    python benchmarks/bench_sharding.py --world-sizes 2 --backend shm
+    python benchmarks/bench_sharding.py                   # the large model, then the small one
+    python benchmarks/bench_sharding.py --parts small --world-sizes 2 --backend shm
+    python benchmarks/bench_sharding.py --parts large --tune     # + FSDP2's other choices
+    python benchmarks/bench_sharding.py --parts memory           # activation checkpointing, bf16-true
 
 The model is a stack of residual MLP blocks in an ``nn.ModuleList`` (the default policy shards
 each block, as torchtitan shards transformer blocks), AdamW; each step is a forward, backward and
@@ -10,10 +12,16 @@ optimizer step on this rank's part of the global batch. Repetitions interleave t
 (medians). The bytes are counted from the tensors' storages on each rank (a DTensor's shard for
 FSDP), after the last step's backward and step: parameters, gradients, AdamW's two moments.
 
-The checkpoint row saves and loads the model and AdamW's state with ``od.save_checkpoint`` /
-``od.load_checkpoint``: one file that rank 0 writes (DDP), a directory of each rank's shards
-(FSDP, torch.distributed.checkpoint); medians of ``--reps`` interleaved saves and loads in a
-temporary folder, and the bytes the busiest rank writes.
+The large part (issue 52): 6 blocks of width 1024 (50.4 M parameters) on 2 ranks: DDP, onedist's
+sharded step, Lightning Fabric's (``ModelParallelStrategy`` + ``fully_shard`` per block and root),
+and onedist's on a plain gloo mesh, interleaved; each repetition's time over DDP's and Fabric's
+(median and range) and rank 0's CPU time a step. The memory part: each rank's peak RSS with
+activation checkpointing and bf16-true against the plain sharded run.
+
+The small part: the checkpoint row saves and loads the model and AdamW's state with
+``od.save_checkpoint`` / ``od.load_checkpoint``: one file that rank 0 writes (DDP), a directory of
+each rank's shards (FSDP, torch.distributed.checkpoint); medians of ``--reps`` interleaved saves and
+loads in a temporary folder, and the bytes the busiest rank writes.
 """
 
 from __future__ import annotations
@@ -80,11 +88,16 @@ def _stepper(
     return run
 
 
+def _rank_batch(batch_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of a global batch of ``batch_size`` random samples (its own seed)."""
+    per = batch_size // od.get_world_size()
+    g = torch.Generator().manual_seed(od.get_rank())
+    return torch.randn(per, width, generator=g), torch.randn(per, 1, generator=g)
+
+
 def run(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
-    per = args.batch_size // od.get_world_size()
-    g = torch.Generator().manual_seed(od.get_rank())
-    x, y = torch.randn(per, args.width, generator=g), torch.randn(per, 1, generator=g)
+    x, y = _rank_batch(args.batch_size, args.width)
     variants, held, objects = {}, {}, {}
     for name, sharding in (("DDP", None), ("FSDP", "fsdp")):
         model = od.auto_model(Net(args.width, args.depth), sharding=sharding)
@@ -123,6 +136,207 @@ def _checkpoint_times(objects: dict[str, Any], reps: int) -> dict[str, Any]:
     return {"seconds": medians, "wrote": wrote}
 
 
+# ---------------------------------------------------------------------------- the large model (issue 52)
+def _fabric_stepper(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Callable[[int], None]:
+    """Lightning Fabric's FSDP2 step, as its docs write it: ``ModelParallelStrategy`` with a
+    ``parallelize_fn`` that calls ``fully_shard`` on each block, then on the root; ``fabric.backward``.
+    Its mesh is on a plain gloo group (``backend="gloo"`` named: not on onedist's record), which is
+    what a Fabric user has: only the process group is shared with onedist's workers."""
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+
+    def parallelize(model: torch.nn.Module, _: Any) -> torch.nn.Module:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    ws = od.get_world_size()
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=ws, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=ws, strategy=strategy)
+    fabric.launch()  # the processes exist (LOCAL_RANK is set): Fabric joins onedist's group
+    model = fabric.setup_module(Net(args.width, args.depth))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+
+    return run
+
+
+def _prefetch(model: torch.nn.Module) -> None:
+    """FSDP2's explicit prefetch: each block asks for the next block's all-gather in the forward
+    (the previous block's in the backward) before it computes."""
+    blocks = list(od.unwrap(model).blocks)
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+
+
+def _large_variants(
+    args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, Callable[[int], None]]:
+    """DDP, onedist's sharded step, Fabric's, onedist's on a plain gloo group; with ``--tune`` FSDP2's
+    other choices on onedist."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    def onedist(sharding: Any = "fsdp", prefetch: bool = False, **options: Any) -> Callable[[int], None]:
+        model = od.auto_model(Net(args.width, args.depth), sharding=sharding, **options)
+        if prefetch:
+            _prefetch(model)
+        return _stepper(model, od.auto_optim(torch.optim.AdamW(model.parameters())), x, y)
+
+    variants = {"DDP": onedist(None), "onedist": onedist()}
+    try:  # the test extra installs lightning; without it the Fabric row is left out
+        variants["Fabric"] = _fabric_stepper(args, x, y)
+    except ImportError:
+        pass
+    # onedist's step on torch's plain gloo group (what Fabric has): what onedist's group adds
+    plain = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+    variants["onedist, plain gloo mesh"] = onedist(mesh=plain)
+    if args.tune:
+        variants["onedist, prefetch"] = onedist(prefetch=True)
+        variants["onedist, reshard_after_forward=False"] = onedist(reshard_after_forward=False)
+        variants["onedist, root only"] = onedist(policy=lambda m: False)
+    return variants
+
+
+def run_large(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Each variant's seconds and CPU seconds a step, per interleaved repetition."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x, y = _rank_batch(args.large_batch_size, args.width)
+    variants = _large_variants(args, x, y)
+    for step in variants.values():
+        step(2)  # warm-up; AdamW's state exists from here on
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for rep in range(args.reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            variants[name](args.large_steps)
+            dist.barrier()
+            wall[name].append((time.perf_counter() - t0) / args.large_steps)
+            cpu[name].append((time.process_time() - c0) / args.large_steps)
+    return {"wall": wall, "cpu": cpu}
+
+
+def report_large(args: argparse.Namespace) -> None:
+    """The large model's step times and their ratios (per repetition, then the median)."""
+    params = sum(p.numel() for p in Net(args.width, args.depth).parameters())
+    print(
+        f"large: {args.depth} blocks of width {args.width} ({params / 1e6:.1f} M parameters), AdamW, global "
+        f"batch {args.large_batch_size}, {args.large_steps} steps x {args.reps} interleaved repetitions, "
+        f"{args.backend}, world size 2; load average {os.getloadavg()[0]:.1f} at the start"
+    )
+    out = od.spawn(args.backend, run_large, args=(args,), nproc_per_node=2)
+    wall, cpu = out[0]["wall"], out[0]["cpu"]
+    for name in wall:
+        ratios = []
+        for base in [b for b in ("DDP", "Fabric") if b in wall]:  # per repetition, timed together
+            r = [a / b for a, b in zip(wall[name], wall[base])]
+            ratios.append(f"/ {base} x{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
+        print(
+            f"  {name:38s} {statistics.median(wall[name]) * 1e3:7.1f} ms a step (rank 0 CPU "
+            f"{statistics.median(cpu[name]) * 1e3:6.1f} ms); " + ", ".join(ratios)
+        )
+    print(f"  load average {os.getloadavg()[0]:.1f} at the end")
+
+
+# ---------------------------------------------------------------------------- peak memory (issue 52)
+#: the sharded variants whose memory is compared: auto_model's options
+MEMORY_VARIANTS: dict[str, dict[str, Any]] = {
+    "sharded, float32": {},
+    "activation checkpointing": {"activation_checkpointing": True},
+    "bf16-true": {"precision": "bf16-true"},
+    "activation checkpointing + bf16-true": {"activation_checkpointing": True, "precision": "bf16-true"},
+    "reshard_after_forward=False": {"reshard_after_forward": False},  # the faster step's price
+}
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes (VmRSS: now, VmHWM: the peak since the last reset)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS (Linux: clear_refs 5) and return the RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def run_memory(local_rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Each sharded variant, one after the other in this process (after one unreported run of the
+    first, which pays the one-off costs): its peak RSS above the RSS before it was built (under
+    ``od.init_module(empty_init=True)``), sharded and stepped twice; the peak of its second step
+    above the RSS before that step; its bytes at rest (parameters, gradients, AdamW's state)."""
+    import gc
+
+    torch.set_num_threads(1)
+    per = args.memory_batch_size // od.get_world_size()
+    g = torch.Generator().manual_seed(od.get_rank())
+    x, y = torch.randn(per, args.width, generator=g), torch.randn(per, 1, generator=g)
+    out: dict[str, Any] = {}
+    for name, options in [("warm-up", {}), *MEMORY_VARIANTS.items()]:  # the first pays one-off costs
+        gc.collect()
+        od.barrier()
+        start = _reset_peak()
+        with od.init_module(empty_init=True):
+            net = Net(args.width, args.depth)
+        model = od.auto_model(net, sharding="fsdp", **options)
+        optimizer = od.auto_optim(torch.optim.AdamW(model.parameters()))
+        step = _stepper(model, optimizer, x, y)
+        step(1)
+        whole = _status("VmHWM") - start
+        before_step = _reset_peak()
+        step(1)
+        out[name] = {
+            "peak": max(whole, _status("VmHWM") - start),
+            "step": _status("VmHWM") - before_step,
+            "rest": _bytes(model, optimizer),
+        }
+        del model, optimizer, step, net
+    del out["warm-up"]
+    return out
+
+
+def report_memory(args: argparse.Namespace) -> None:
+    """The peak memory of activation checkpointing and bf16-true against the plain sharded run."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the RSS at once (glibc)
+    print(
+        f"memory: the large model, 2 {args.backend} ranks, global batch {args.memory_batch_size}; "
+        "MALLOC_MMAP_THRESHOLD_=65536 set for the workers (the RSS then falls when a tensor is freed)"
+    )
+    per_rank = od.spawn(args.backend, run_memory, args=(args,), nproc_per_node=2)
+    del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    keys = ("peak", "step", "rest")
+    base = {k: max(r["sharded, float32"][k] for r in per_rank) for k in keys}
+    for name in MEMORY_VARIANTS:
+        got = {k: max(r[name][k] for r in per_rank) for k in keys}
+        print(
+            f"  {name:38s} peak {got['peak'] / 2**20:7.1f} MiB (x{got['peak'] / base['peak']:.2f}), "
+            f"one step's peak {got['step'] / 2**20:7.1f} MiB (x{got['step'] / base['step']:.2f}), at rest "
+            f"{got['rest'] / 2**20:7.1f} MiB (x{got['rest'] / base['rest']:.2f}); the largest rank"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -134,8 +348,23 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=48, help="global batch size")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed repetition")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--parts", default="small,large", help="small, large, memory")
+    parser.add_argument("--large-width", type=int, default=1024)
+    parser.add_argument("--large-depth", type=int, default=6)
+    parser.add_argument("--large-batch-size", type=int, default=32, help="global batch size")
+    parser.add_argument("--large-steps", type=int, default=3, help="steps per timed repetition")
+    parser.add_argument("--memory-batch-size", type=int, default=256, help="global batch (memory)")
+    parser.add_argument("--tune", action="store_true", help="also FSDP2's other choices (large)")
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
+    parts = args.parts.split(",")
+    large = argparse.Namespace(**{**vars(args), "width": args.large_width, "depth": args.large_depth})
+    if "large" in parts:
+        report_large(large)
+    if "memory" in parts:
+        report_memory(large)
+    if "small" not in parts:
+        return
     params = sum(p.numel() for p in Net(args.width, args.depth).parameters())
     print(
         f"onedist {od.__version__}, torch {torch.__version__}, {args.backend}, {os.cpu_count()} CPUs; "

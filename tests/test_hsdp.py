@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import pytest
 
+import checks_hsdp
 import checks_sharding
 from conftest import Runner
 from onedist.training.sharding import hsdp_shape
@@ -17,22 +19,46 @@ from run_helpers import onedist_command, outputs
 from test_netns import hosts, needs_netns  # noqa: F401  (the module-scoped fixture)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "hsdp_vs_ddp.py")
+CHECKPOINT_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "hsdp_checkpoint.py")
+
+
+def _on_two_hosts(start: Any, port: int, script: str, *args: str) -> list[dict[str, Any]]:
+    """``script`` under onedist run on nodeA and nodeB, 2 ranks each: rank 0's RESULT line, after
+    checking that both ended well and the ranks are where they should be."""
+    cmd = ["--nnodes", "2", "-n", "2", "--master-addr", "nodeA", "--master-port", str(port)]
+    procs = [
+        start(node, [*onedist_command(*cmd, "--node-rank", str(k)), script, *args])
+        for k, node in enumerate(("nodeA", "nodeB"))
+    ]
+    outs = outputs(procs, timeout=240)
+    assert all(p.returncode == 0 for p in procs), outs
+    result: list[dict[str, Any]] = json.loads(outs[0][0].split("RESULT ", 1)[1].splitlines()[0])
+    assert [r["node"] for r in result] == ["nodeA", "nodeA", "nodeB", "nodeB"], result
+    return result
 
 
 @needs_netns
 @pytest.mark.launcher
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
 def test_hsdp_on_two_hosts_trains_like_ddp(hosts, backend):  # noqa: F811
-    cmd = ["--nnodes", "2", "-n", "2", "--master-addr", "nodeA", "--master-port", str(29541 + len(backend))]
-    procs = [
-        hosts(node, [*onedist_command(*cmd, "--node-rank", str(k)), SCRIPT, backend])
-        for k, node in enumerate(("nodeA", "nodeB"))
-    ]
-    outs = outputs(procs, timeout=240)
-    assert all(p.returncode == 0 for p in procs), outs
-    result = json.loads(outs[0][0].split("RESULT ", 1)[1].splitlines()[0])
-    assert [r["node"] for r in result] == ["nodeA", "nodeA", "nodeB", "nodeB"], result
+    result = _on_two_hosts(hosts, 29541 + len(backend), SCRIPT, backend)
     assert all(r["mesh"] == [2, 2] and r["relative_difference"] <= 1e-5 for r in result), result
+
+
+@needs_netns
+@pytest.mark.launcher
+def test_hsdp_on_two_hosts_builds_on_meta_and_resumes_a_sharded_checkpoint(hosts, tmp_path):  # noqa: F811
+    """tests/checks_hsdp.py on 2 nodes x 2 ranks (gloo): a meta-built model initialised as the
+    serial build; a checkpoint saved and resumed bit for bit, and loaded into an fsdp model."""
+    folder = str(tmp_path)  # the namespaces share the file system
+    result = _on_two_hosts(hosts, 29551, CHECKPOINT_SCRIPT, "gloo", folder)
+    assert all(r["mesh"] == [2, 2] and r["output_difference"] <= 1e-6 for r in result), result
+
+
+def test_hsdp_on_one_node_builds_on_meta_and_resumes_a_sharded_checkpoint(tmp_path):
+    check = checks_hsdp.check_hsdp_meta_init_and_checkpoint_resume
+    out = Runner(2, "gloo")(check, str(tmp_path), timeout=120)
+    assert all(o["mesh"] == [2] for o in out), out
 
 
 def test_hsdp_on_one_node_is_fsdp():

@@ -338,6 +338,18 @@ def test_uneven_data_inside_od_join_ends_with_torch_joins_weights(n):
     mpi_world(n).run(checks_join.check_broadcast_from_a_finished_rank_raises_everywhere)
 
 
+def test_a_sharded_model_inside_od_join_ends_with_ddp_joins_weights_and_adamw_state():
+    """sharding='fsdp' inside od.join on mpi4py (2 ranks, rank r with 10 + 3r batches): the
+    finished rank's shadow steps give the weights, buffers and AdamW state of DDP + od.join, as on
+    gloo and shm (tests/test_join.py)."""
+    for divide_by_world, accumulate in ((True, 1), (False, 2)):
+        out = mpi_world(2).run(
+            checks_join.check_sharded_uneven_loop_equals_ddp_join, divide_by_world, accumulate, timeout=120
+        )
+        assert [o["steps"] for o in out] == [10, 13], out
+        assert all(max(o["diffs"].values()) <= 1e-6 and o["moved"] > 0.01 for o in out), out
+
+
 # ============================================================================ gloo under a user's mpirun
 @pytest.fixture(scope="module")
 def mpirun_failing_rank(tmp_path_factory) -> tuple[subprocess.CompletedProcess[str], Path]:

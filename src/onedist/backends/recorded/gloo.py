@@ -4,9 +4,10 @@
 a Python process group, as torch lets Python register one, around a real ``ProcessGroupGloo`` that
 does the communication. torch calls it for every collective on the group, whoever issues it:
 ``DistributedDataParallel``'s gradient buckets (from C++), FSDP2, ``torch.distributed``'s functions,
-onedist's own, asynchronous calls and point-to-point. Each call is passed on unchanged and written
-to the group's :class:`~onedist.backends.recorded.calls.CallLog`, which the failure watcher compares
-across ranks. Measured cost: ~4 us of Python a call; 1.10x a back-to-back 1-float all_reduce
+onedist's own, asynchronous calls and point-to-point. Each call is passed on unchanged (a large
+all-gather or reduce-scatter as sends and receives, faster: :mod:`.pairwise`) and written to the
+group's :class:`~onedist.backends.recorded.calls.CallLog`, which the failure watcher compares across
+ranks. Measured cost: ~4 us of Python a call; 1.10x a back-to-back 1-float all_reduce
 between 2 ranks on 2 cores, 1.00x a DDP step (docs/performance.md); ``ONEDIST_RECORD=0`` gives the
 plain gloo group instead.
 
@@ -163,6 +164,8 @@ class RecordedGloo(NamedGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts or _c10d.AllgatherOptions()
         sig = signature("all_gather_into_tensor", (input,))
+        if pairwise.fits_all_gather(self.size(), output, input):  # faster than gloo's (:mod:`.pairwise`)
+            return self._issue(sig, 0, pairwise.all_gather, self.inner, output, input, opts)
         return self._issue(sig, 0, self.inner._allgather_base, output, input, opts)
 
     _allgather_base = all_gather_single  # torch's name before 2.13
@@ -197,6 +200,8 @@ class RecordedGloo(NamedGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts or _c10d.ReduceScatterOptions()
         sig = signature("reduce_scatter_tensor", (output,), opts)
+        if pairwise.fits_reduce_scatter(self.size(), output, input, opts.reduceOp):  # :mod:`.pairwise`
+            return self._issue(sig, 0, pairwise.reduce_scatter, self.inner, output, input, opts)
         return self._issue(sig, 0, self.inner._reduce_scatter_base, output, input, opts, waited=True)
 
     _reduce_scatter_base = reduce_scatter_single  # torch's name before 2.13
