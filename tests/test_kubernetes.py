@@ -198,11 +198,14 @@ def test_torchx_worker():
     assert detect_cluster({**env, **torchrun_worker(1, 1, 2, 0, 2)}).name == "torchelastic"
 
 
-def test_elastic_pytorchjob_is_named_and_warned_about():
+def test_elastic_pytorchjob_is_named_and_warned_about_only_without_c10d():
+    """`onedist run` starts an elastic PyTorchJob's pods (c10d, Kubeflow's default: tests/test_elastic.py);
+    another rendezvous backend (etcd) is named in a warning."""
     pod = pytorchjob_elastic_pod()
     assert kubernetes_job(pod).operator == "pytorchjob" and detect_cluster(pod) is None
-    (warning,) = kubernetes_warnings(pod)
-    assert "PET_NNODES=1:4" in warning and "needs torchrun" in warning and "HINT:" in warning
+    assert kubernetes_warnings(pod) == []
+    (warning,) = kubernetes_warnings({**pod, "PET_RDZV_BACKEND": "etcd"})
+    assert "PET_NNODES=1:4" in warning and "needs PET_RDZV_BACKEND=c10d" in warning and "HINT:" in warning
 
 
 # ============================================================================ PET_* defaults
@@ -261,7 +264,7 @@ def test_torchrun_pet_flags_are_all_known():
     [
         ("PET_NPROC_PER_NODE", "two", "an int >= 1, 'auto', 'cpu' or 'gpu'"),
         ("PET_NPROC_PER_NODE", "0", "an int >= 1"),
-        ("PET_NNODES", "1:4", "N or N:N (an elastic node count"),
+        ("PET_NNODES", "3:2", "N or MIN:MAX with 1 <= MIN <= MAX"),
         ("PET_NODE_RANK", "-1", "an int >= 0"),
         ("PET_MASTER_PORT", "70000", "an int in 1..65535"),
         ("PET_RDZV_BACKEND", "etcd", "'static', 'c10d'"),
@@ -301,7 +304,7 @@ def _run(cmd: list[str], env: dict, timeout: float = 120) -> subprocess.Complete
 def test_bad_pet_value_from_the_command_line():
     proc = _run(onedist_command(AGREE_SCRIPT, "/nonexistent"), {"PET_NNODES": "1:4"})
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith("onedist run: PET_NNODES='1:4' is not allowed; allowed: N or N:N")
+    assert proc.stderr.startswith("onedist run: PET_NNODES=1:4 is not allowed with --rdzv-backend=static")
 
 
 # ============================================================================ real processes, one host

@@ -75,7 +75,7 @@ def test_nproc_auto_backend_and_ignored_pet_variables_in_one_run(tmp_path):
     script = tmp_path / "auto.py"
     script.write_text(AUTO)
     logs = tmp_path / "logs"
-    env = clean_env(CUDA_VISIBLE_DEVICES="0,1", PET_RDZV_CONF="join_timeout=5", PET_LOG_DIR=str(logs))
+    env = clean_env(CUDA_VISIBLE_DEVICES="0,1", PET_MONITOR_INTERVAL="5", PET_LOG_DIR=str(logs))
     proc = subprocess.run(
         onedist_command("-n", "auto", "--backend", "gloo", str(script), str(tmp_path)),
         capture_output=True,
@@ -90,7 +90,7 @@ def test_nproc_auto_backend_and_ignored_pet_variables_in_one_run(tmp_path):
     assert all(i["backend"] == "gloo" and i["ONEDIST_BACKEND"] == "gloo" for i in infos), infos
     named = [line for line in proc.stderr.splitlines() if "PET_" in line]
     assert named == [
-        "onedist run: ignoring PET_RDZV_CONF, PET_LOG_DIR: torchrun flags onedist run does not have"
+        "onedist run: ignoring PET_MONITOR_INTERVAL, PET_LOG_DIR: torchrun flags onedist run does not have"
     ], proc.stderr
     assert not logs.exists()  # torchrun would write the workers' logs there
 

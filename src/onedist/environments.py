@@ -749,24 +749,26 @@ def kubernetes_warnings(environ: Mapping[str, str]) -> list[str]:
     """``onedist info``'s warnings about this pod, each one line ending in a ``HINT:``.
 
     Example:
-        >>> kubernetes_warnings({"PET_RDZV_ENDPOINT": "job-worker-0:23456", "PET_RDZV_BACKEND": "c10d",
+        >>> kubernetes_warnings({"PET_RDZV_ENDPOINT": "job-worker-0:23456", "PET_RDZV_BACKEND": "etcd",
         ...                      "PET_NNODES": "1:4"})  # doctest: +ELLIPSIS
-        ['this elastic Kubeflow PyTorchJob (PET_NNODES=1:4, PET_RDZV_BACKEND=c10d) needs torchrun...']
+        ['this elastic Kubeflow PyTorchJob (PET_NNODES=1:4, PET_RDZV_BACKEND=etcd) needs...']
     """
     found = []
     problem = pod_start_problem(environ)
     if problem is not None:
         found.append(problem.replace("\nHINT:", "; HINT:"))
     job = kubernetes_job(environ)
-    if job is not None and not job.workers_started and "PET_RDZV_ENDPOINT" in environ:
+    # onedist run meets the nodes of an elastic job through torch's c10d rendezvous (Kubeflow's default)
+    c10d = environ.get("PET_RDZV_BACKEND") == "c10d"
+    if job is not None and not job.workers_started and "PET_RDZV_ENDPOINT" in environ and not c10d:
         low, _, high = (job.nnodes or "1").partition(":")
         elastic = bool(high) and high != low
         if elastic or (job.node_rank is None and (high or low) != "1"):
             found.append(
                 f"this elastic Kubeflow PyTorchJob (PET_NNODES={job.nnodes}, "
-                f"PET_RDZV_BACKEND={environ.get('PET_RDZV_BACKEND')}) needs torchrun: onedist run numbers "
-                "the nodes from PET_NODE_RANK, which an elasticPolicy without a Master replica does not "
-                "set, and does not re-form the group as nodes come and go; HINT: start it with torchrun, "
-                "or drop the elasticPolicy and give the job a Master replica"
+                f"PET_RDZV_BACKEND={environ.get('PET_RDZV_BACKEND')}) needs PET_RDZV_BACKEND=c10d: "
+                "onedist run numbers the nodes of an elasticPolicy without a Master replica through the "
+                "c10d rendezvous only; HINT: set rdzvBackend in the elasticPolicy to c10d (its "
+                "default), or drop the elasticPolicy and give the job a Master replica"
             )
     return found

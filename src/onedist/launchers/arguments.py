@@ -37,13 +37,17 @@ __all__ = [
     "from_keywords",
     "in_port_range",
     "live_without_restarts",
+    "min_not_above_max",
+    "needs_c10d",
     "needed_with_nodes",
     "node_rank_below",
     "not_allowed",
     "not_negative",
+    "numbered_by_rendezvous",
     "own_launcher_violation",
     "parallel_arguments",
     "recovery_mode",
+    "rendezvous_conf",
 ]
 
 
@@ -72,6 +76,38 @@ def needed_with_nodes(nnodes: int, value: Any) -> bool:
     """``master_addr`` and ``master_port`` on several nodes: every node must be given the same one,
     so None (pick one here) is refused."""
     return nnodes > 1 and value is None
+
+
+def min_not_above_max(low: int, high: int) -> bool:
+    """``nnodes`` as ``MIN:MAX`` (an elastic job): the fewest nodes it runs with, then the most."""
+    return low <= high
+
+
+def needs_c10d(nnodes: int, max_nnodes: int, rdzv_backend: str) -> bool:
+    """``nnodes`` as ``MIN:MAX`` with ``MIN != MAX``: the nodes come and go, so they meet through
+    torch's c10d rendezvous (``--rdzv-backend c10d``); the static one is refused."""
+    return nnodes != max_nnodes and rdzv_backend != "c10d"
+
+
+def numbered_by_rendezvous(nnodes: int, max_nnodes: int, rdzv_backend: str, node_rank: Any) -> bool:
+    """Whether torch's c10d rendezvous numbers the nodes as they arrive (``onedist run``'s elastic
+    launcher, :mod:`.elastic`): ``--rdzv-backend c10d`` with ``MIN != MAX``, or with several nodes
+    and no ``--node-rank`` (as torchrun numbers them); with a ``--node-rank`` on every node, a fixed
+    count stays static."""
+    return rdzv_backend == "c10d" and (nnodes != max_nnodes or needed_with_nodes(nnodes, node_rank))
+
+
+def rendezvous_conf(text: str) -> Optional[dict[str, str]]:
+    """``--rdzv-conf``'s ``KEY=VALUE,...`` (torchrun's) as a dict; None when it is not that shape.
+
+    Example:
+        >>> rendezvous_conf("join_timeout=60,last_call_timeout=1"), rendezvous_conf(""), rendezvous_conf("x")
+        ({'join_timeout': '60', 'last_call_timeout': '1'}, {}, None)
+    """
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if any(not key.strip() or not sep for key, sep, _ in pairs):
+        return None
+    return {key.strip(): value.strip() for key, _, value in pairs}
 
 
 def recovery_mode(value: Any) -> bool:
@@ -219,6 +255,7 @@ class Argument:
 
 _RESTARTS = "an int >= 0 (how many times the workers are started again after one fails)"
 _SWITCH = "an int (0 = off, anything else = on) or empty (on)"
+_NNODES = "N or MIN:MAX with 1 <= MIN <= MAX (MIN != MAX: an elastic job, with --rdzv-backend c10d)"
 
 #: :func:`onedist.spawn`'s arguments, in its order: :class:`~.spec.LaunchSpec`'s fields
 LAUNCH_ARGUMENTS: tuple[Argument, ...] = (
@@ -235,8 +272,10 @@ LAUNCH_ARGUMENTS: tuple[Argument, ...] = (
              help="workers on this node: a number, 'auto' (one per visible GPU, else 1), 'cpu' (one per "
              "CPU) or 'gpu' (one per visible GPU); default $PET_NPROC_PER_NODE, else 1"),
     Argument("nnodes", "int", 1, parallel="spawn", allowed="an int >= 1", rule=at_least_one,
-             flags=("--nnodes",), variable="PET_NNODES", run_default="1",
-             help="number of nodes, N or N:N; default $PET_NNODES, else 1"),
+             ties=(min_not_above_max, needs_c10d, numbered_by_rendezvous),
+             flags=("--nnodes",), variable="PET_NNODES", run_default="1", flag_allowed=_NNODES,
+             help="number of nodes: N, or MIN:MAX for an elastic job (nodes may leave and join; needs "
+             "--rdzv-backend c10d); default $PET_NNODES, else 1"),
     Argument("node_rank", "int", 0, parallel="spawn", rule=not_negative, ties=(node_rank_below,),
              flags=("--node-rank", "--node_rank"), variable="PET_NODE_RANK", flag_allowed="an int >= 0",
              from_text=_int, cli_type=int, help="default $PET_NODE_RANK, else 0"),
@@ -281,9 +320,14 @@ RUN_ONLY_ARGUMENTS: tuple[Argument, ...] = (
              "--master-addr/--master-port"),
     Argument("rdzv_backend", "str", flags=("--rdzv-backend", "--rdzv_backend"), variable="PET_RDZV_BACKEND",
              run_default="static", flag_allowed="'static', 'c10d'",
-             help="'static' or 'c10d' (torchrun's names); node ranks are static: --node-rank on each node"),
+             help="'static' (--node-rank on each node) or 'c10d' (torch's rendezvous at --rdzv-endpoint "
+             "numbers the nodes as they arrive; with --nnodes MIN:MAX nodes may leave and join)"),
     Argument("rdzv_id", "Optional[str]", flags=("--rdzv-id", "--rdzv_id"), variable="PET_RDZV_ID",
-             help="run id (TORCHELASTIC_RUN_ID)"),
+             help="run id (TORCHELASTIC_RUN_ID); with c10d the id every node of the job gives"),
+    Argument("rdzv_conf", "str", flags=("--rdzv-conf", "--rdzv_conf"), variable="PET_RDZV_CONF",
+             run_default="", flag_allowed="KEY=VALUE,... (torch's c10d rendezvous settings, e.g. "
+             "join_timeout=600,last_call_timeout=30,keep_alive_interval=5,keep_alive_max_attempt=3)",
+             help="c10d rendezvous settings KEY=VALUE,... (torchrun's --rdzv-conf)"),
     Argument("role", "str", flags=("--role",), variable="PET_ROLE", run_default="default",
              help="the workers' ROLE_NAME (torchrun's --role)"),
     Argument("tee", "str", flags=("-t", "--tee"), variable="PET_TEE", run_default="0", from_text=_tee,

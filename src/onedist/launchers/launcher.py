@@ -25,19 +25,27 @@ def restarts_left(attempt: int, max_restarts: int) -> bool:
     return attempt < max_restarts
 
 
-def restart_verdict(attempt: int, max_restarts: int, *, failed: bool, signalled: bool = False) -> str:
+def restart_verdict(
+    attempt: int, max_restarts: int, *, failed: bool, signalled: bool = False, rejoin: bool = False
+) -> str:
     """The one decision after an attempt, for every launcher (one node's or several nodes' agreed):
     "done" when no worker failed, "restart" when one did and :func:`restarts_left`, else "end". A
-    signal to a launcher (Ctrl-C, SIGTERM) ends the job: it is never restarted.
+    signal to a launcher (Ctrl-C, SIGTERM) ends the job: it is never restarted. ``rejoin``: the
+    nodes of an elastic job changed (the workers were stopped for a node that joins, or failed only
+    because another node's did or left): restarted, without counting (as torchrun's agent).
 
     Example:
         >>> restart_verdict(0, 2, failed=True), restart_verdict(2, 2, failed=True)
         ('restart', 'end')
         >>> restart_verdict(0, 2, failed=True, signalled=True), restart_verdict(0, 2, failed=False)
         ('end', 'done')
+        >>> restart_verdict(2, 2, failed=False, rejoin=True)
+        'restart'
     """
     if signalled:
         return "end"
+    if rejoin:
+        return "restart"
     if not failed:
         return "done"
     return "restart" if restarts_left(attempt, max_restarts) else "end"
@@ -87,8 +95,9 @@ class Launcher(abc.ABC):
             if reported is None:
                 return self.finish(failures)
             number += 1
-            sys.stderr.write(restart_line(self.name, reported, number, self.max_restarts))
-            sys.stderr.flush()
+            if reported:  # none: the launcher said why itself (an elastic job's nodes changed)
+                sys.stderr.write(restart_line(self.name, reported, number, self.max_restarts))
+                sys.stderr.flush()
 
 
 class SingleAttemptLauncher(Launcher):

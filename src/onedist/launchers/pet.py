@@ -41,7 +41,6 @@ PET_FLAGS: dict[str, Argument] = {a.name: a for a in ARGUMENTS.values() if a.var
 #: torchrun's other ``PET_*`` variables: their flags change how torchrun's agent logs, waits or
 #: binds, which onedist run does its own way; a set one is reported, not silently dropped
 IGNORED = (
-    "PET_RDZV_CONF",
     "PET_MONITOR_INTERVAL",
     "PET_START_METHOD",
     "PET_EVENT_LOG_HANDLER",
@@ -120,7 +119,7 @@ def ignored_variables(environ: Mapping[str, str]) -> list[str]:
     """The :data:`IGNORED` variables that are set, in that order.
 
     Example:
-        >>> ignored_variables({"PET_RDZV_CONF": "timeout=60", "PET_NNODES": "2"})
-        ['PET_RDZV_CONF']
+        >>> ignored_variables({"PET_LOG_DIR": "/tmp/logs", "PET_NNODES": "2"})
+        ['PET_LOG_DIR']
     """
     return [name for name in IGNORED if name in environ]

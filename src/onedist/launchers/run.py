@@ -23,6 +23,10 @@ to N times, each attempt on a fresh port and store, with the attempt number in
 attempt's. A signal to the launcher is not a failure: it is never restarted. On several nodes the
 launchers agree on each restart through a store node 0's launcher hosts on ``--master-port``
 (:mod:`.nodes`); the workers' rendezvous then moves to a fresh port per attempt.
+
+``--nnodes MIN:MAX --rdzv-backend c10d`` (an elastic job): the nodes meet through torch's own c10d
+rendezvous before each start of the workers, and a node that leaves or joins restarts every node's
+workers at the new world size (:mod:`.elastic`).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from .._net import rendezvous_port
 from .._recovery import ENV as RECOVERY_ENV, GENERATION_ENV, LIVE
 from ..environments import detect_cluster, kubernetes_job
 from ..errors import OnedistValueError
-from .arguments import add_flags
+from .arguments import add_flags, rendezvous_conf
+from .elastic import Membership
 from .launcher import Launcher, restart_verdict, restarts_left
 from .nodes import Agents, AgentsError
 from .pet import apply_pet_defaults, ignored_variables
@@ -287,12 +292,20 @@ class RunLauncher(Launcher):
 
     name = "onedist run"
 
-    def __init__(self, spec: RunSpec, show: Optional[set[int]] = None, no_prefix: bool = False) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        show: Optional[set[int]] = None,
+        no_prefix: bool = False,
+        membership: Optional[Membership] = None,
+    ) -> None:
         super().__init__(spec.max_restarts)
         self.spec, self.show, self.no_prefix = spec, show, no_prefix
         self.received: list[int] = []
         self.supervisor = Supervisor[PopenWorker]()
         self.agents: Optional[Agents] = None
+        #: an elastic job's rendezvous (:mod:`.elastic`), and its restarts after this node's failures
+        self.membership, self.failed = membership, 0
         self.code = 0
         #: the workers replaced alone (``--recovery live``), over every attempt
         self.replaced: list[PopenWorker] = []
@@ -300,12 +313,17 @@ class RunLauncher(Launcher):
     def attempt(self, number: int) -> list[Failure]:
         self.supervisor = Supervisor()
         self.code, failures = _attempt(
-            self.spec, number, self.supervisor, self.received, self.agents, self.show, self.no_prefix,
-            self.replaced,
+            self.spec, number if self.membership is None else self.failed, self.supervisor, self.received,
+            self.agents, self.show, self.no_prefix, self.replaced, self.membership,
         )  # fmt: skip
         return failures
 
     def restart(self, number: int, failures: list[Failure]) -> Optional[list[Failure]]:
+        if self.membership is not None:  # an elastic job: membership changes are not counted
+            restarts = (self.failed, self.max_restarts)
+            action, counted = self.membership.verdict(failures, self.code, bool(self.received), restarts)
+            self.failed += counted
+            return [] if action == "restart" else None
         if self.agents is not None:
             verdict = self.agents.verdict(number, failures, self.received[0] if self.received else None)
             if verdict.why:
@@ -335,11 +353,13 @@ class RunLauncher(Launcher):
         def forward(signum: int, frame: Any) -> None:
             self.received.append(signum)
             self.supervisor.signal_all(signum)
+            if self.membership is not None and self.membership.waiting:  # no worker runs: leave
+                raise AgentsError(f"stopped by {signal.Signals(signum).name} while waiting for other nodes")
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             # several nodes that may restart: their launchers agree on each restart
-            if spec.nnodes > 1 and restarts_left(0, spec.max_restarts):
+            if self.membership is None and spec.nnodes > 1 and restarts_left(0, spec.max_restarts):
                 assert spec.master_port is not None  # RunSpec.build: required with several nodes
                 self.agents = Agents(spec.master_addr, spec.master_port, spec.node_rank, spec.nnodes,
                                      spec.max_restarts, spec.run_id)  # fmt: skip
@@ -350,10 +370,14 @@ class RunLauncher(Launcher):
             if self.agents is not None:
                 self.agents.abort(e)
             sys.stderr.write(f"onedist run: node {spec.node_rank}: {e}\n")
+            if self.membership is not None and self.received:  # left the rendezvous on a signal
+                return [128 + self.received[0]]
             return [1]
         finally:
             if self.agents is not None:
                 self.agents.close()
+            if self.membership is not None:
+                self.membership.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -367,13 +391,17 @@ def _attempt(
     show: Optional[set[int]] = None,
     no_prefix: bool = False,
     replaced: Optional[list[PopenWorker]] = None,
+    membership: Optional[Membership] = None,
 ) -> tuple[int, list[Failure]]:
     """Start this node's workers once (attempt ``attempt``) and watch them: the exit status, and
     the failures. ``show``: the ranks whose output is shown (None: all); ``no_prefix``: without
     the ``[rank<N>]:`` prefix. Each attempt gets a fresh store, so no key of a failed
     attempt (a failure report, a counter) is read by the next one; with ``agents``, on the port
-    node 0 publishes."""
-    port, store_sock = _attempt_port(spec, attempt, agents)
+    node 0 publishes; with ``membership``, in the next round of an elastic job's rendezvous."""
+    if membership is not None:  # this round's node rank, node count and node 0's port
+        spec, port, store_sock = membership.begin()
+    else:
+        port, store_sock = _attempt_port(spec, attempt, agents)
     tmpdir = tempfile.mkdtemp(prefix="onedist-run-")
     pumps: list[threading.Thread] = []
     stores: list[Any] = []  # the agent store, kept until every worker ended
@@ -383,6 +411,8 @@ def _attempt(
         peers = lambda: agents.should_stop(  # noqa: E731
             attempt, any(w.failure is not None for w in supervisor.workers), bool(received)
         )
+    elif membership is not None:
+        peers = membership.should_stop
     lock = threading.Lock()
     spares: Optional[_Replacements] = None
     try:
@@ -543,7 +573,11 @@ def main(args: argparse.Namespace) -> int:
         if env is not None:
             check_run_nproc_against(nproc, env)
             return _run_in_place(args)
-        return int(RunLauncher(RunSpec.build(args, nproc), show, args.no_prefix).launch()[0])
+        spec = RunSpec.build(args, nproc)
+        membership = None
+        if args.elastic:  # torch's c10d rendezvous numbers the nodes (RunSpec.build checked it)
+            membership = Membership(spec, args.max_nnodes, rendezvous_conf(args.rdzv_conf) or {})
+        return int(RunLauncher(spec, show, args.no_prefix, membership).launch()[0])
     except (_UsageError, OnedistValueError) as e:
         sys.stderr.write(f"onedist run: {e}\n")
         return 2
@@ -569,7 +603,10 @@ def _report_environment(args: argparse.Namespace) -> None:
     in a pod, nobody typed them, so the log says where they came from."""
     taken = args.from_environment
     if taken:
-        values = ", ".join(f"--{d.replace('_', '-')}={getattr(args, d)} ({var})" for d, var in taken.items())
+        shown = {d: getattr(args, d) for d in taken}
+        if "nnodes" in shown and args.max_nnodes != args.nnodes:  # PET_NNODES=min:max, as it was
+            shown["nnodes"] = f"{args.nnodes}:{args.max_nnodes}"
+        values = ", ".join(f"--{d.replace('_', '-')}={shown[d]} ({var})" for d, var in taken.items())
         sys.stderr.write(f"onedist run: from the environment (as torchrun): {values}\n")
     ignored = ignored_variables(os.environ)
     if ignored:

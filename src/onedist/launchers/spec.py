@@ -50,13 +50,17 @@ from .arguments import (
     at_least_one,
     in_port_range,
     live_without_restarts,
+    min_not_above_max,
     needed_with_nodes,
+    needs_c10d,
     node_rank_below,
     not_allowed,
     not_negative,
+    numbered_by_rendezvous,
     own_launcher_violation,
     parallel_arguments,
     recovery_mode,
+    rendezvous_conf,
 )
 from .pet import flag_or_variable
 
@@ -635,17 +639,19 @@ def check_run_values(args: argparse.Namespace) -> int:
     (``--nnodes`` to an int); the number of workers ``--nproc-per-node`` asks for. The rules that
     tie flags together are :meth:`RunSpec.build`'s, for the runs that start workers."""
     nproc = _run_nproc(args)
-    low, _, high = str(args.nnodes).strip().partition(":")
-    if not low.isdigit() or not at_least_one(int(low)) or (high and high != low):
-        # Kubeflow's elasticPolicy with minReplicas/maxReplicas sets "min:max"
-        raise _run_error(
-            args,
-            "nnodes",
-            args.nnodes,
-            "N or N:N (an elastic node count needs the group re-formed as nodes come and go, which "
-            "onedist run does not do; torchrun does), N >= 1",
+    low, _, high = str(args.nnodes).strip().partition(":")  # Kubeflow's elasticPolicy sets "min:max"
+    high = high or low
+    numbers = low.isdigit() and high.isdigit() and at_least_one(int(low))
+    if not numbers or not min_not_above_max(int(low), int(high)):
+        raise _run_error(args, "nnodes", args.nnodes, ARGUMENTS["nnodes"].flag_text)
+    if needs_c10d(int(low), int(high), args.rdzv_backend):  # refused at once, in place too
+        raise OnedistValueError(
+            f"{flag_or_variable(args, 'nnodes')}={args.nnodes} is not allowed with "
+            f"{flag_or_variable(args, 'rdzv_backend')}={args.rdzv_backend}; allowed: N, or MIN:MAX with "
+            "--rdzv-backend c10d (nodes that leave and join meet again through torch's c10d rendezvous)"
+            "\nHINT: add --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID, alike on every node"
         )
-    args.nnodes = int(low)
+    args.nnodes, args.max_nnodes = int(low), int(high)
     for flag in ARGUMENTS.values():  # the int flags, each by its own rule
         value = getattr(args, flag.name, None)
         if flag.cli_type is int and value is not None and flag.rule is not None and not flag.rule(value):
@@ -687,12 +693,9 @@ def _check_run_nodes(args: argparse.Namespace) -> None:
     and below ``--nnodes``, ``--rdzv-endpoint`` as master address and port, a fixed port for
     several nodes. After :func:`check_run_values`; for :meth:`RunSpec.build`."""
     name = functools.partial(flag_or_variable, args)
-    if needed_with_nodes(args.nnodes, args.node_rank) and args.rdzv_backend == "c10d":
-        raise OnedistValueError(
-            f"--node-rank is needed with {name('nnodes')}={args.nnodes} and {name('rdzv_backend')}=c10d: "
-            "torchrun's c10d rendezvous numbers the nodes as they arrive, onedist run numbers them "
-            "statically; pass --node-rank=<0..N-1> (or PET_NODE_RANK) on each node"
-        )
+    args.elastic = numbered_by_rendezvous(args.nnodes, args.max_nnodes, args.rdzv_backend, args.node_rank)
+    if args.elastic:
+        return _check_run_elastic(args)
     if args.node_rank is None:
         args.node_rank = 0
     if args.rdzv_endpoint is not None:
@@ -709,7 +712,23 @@ def _check_run_nodes(args: argparse.Namespace) -> None:
         )
 
 
-def _run_endpoint(args: argparse.Namespace) -> None:
+def _check_run_elastic(args: argparse.Namespace) -> None:
+    """A run whose nodes torch's c10d rendezvous numbers (:mod:`.elastic`): its endpoint (a fixed
+    port), no ``--node-rank``, settings of the ``KEY=VALUE`` shape, ``--recovery restart``."""
+    with_c10d = " with --rdzv-backend c10d, which numbers the nodes as they arrive"
+    if args.node_rank is not None:
+        raise _run_error(args, "node_rank", args.node_rank, "none" + with_c10d)
+    if args.rdzv_endpoint is None:
+        raise _run_error(args, "rdzv_endpoint", None, "HOST:PORT of the rendezvous store's node" + with_c10d)
+    if args.recovery == LIVE:  # a replacement joins a group whose size is fixed
+        raise _run_error(args, "recovery", LIVE, "'restart'" + with_c10d + " (--nnodes MIN:MAX)")
+    if rendezvous_conf(args.rdzv_conf) is None:
+        raise _run_error(args, "rdzv_conf", args.rdzv_conf, ARGUMENTS["rdzv_conf"].flag_text)
+    _run_endpoint(args, args.max_nnodes)
+    args.node_rank, args.rdzv_id = 0, args.rdzv_id or "none"  # torchrun's default run id
+
+
+def _run_endpoint(args: argparse.Namespace, nodes: Optional[int] = None) -> None:
     """``--rdzv-endpoint HOST[:PORT]`` as ``--master-addr`` and ``--master-port``."""
     if args.master_port is not None or args.master_addr != LOOPBACK:
         raise OnedistValueError(
@@ -720,7 +739,7 @@ def _run_endpoint(args: argparse.Namespace) -> None:
         host, port = args.rdzv_endpoint, "29400"
     number = int(port) if port.isdigit() else -1  # 0: a free port, spelled None as master_port
     port_ok = number == 0 or in_port_range(number)
-    if not host or not port_ok or needed_with_nodes(args.nnodes, number or None):
+    if not host or not port_ok or needed_with_nodes(nodes or args.nnodes, number or None):
         raise _run_error(args, "rdzv_endpoint", args.rdzv_endpoint, ARGUMENTS["rdzv_endpoint"].flag_text)
     # port 0: a free one, as torchrun picks (TorchX's dist.ddp passes localhost:0 on one node)
     args.master_addr, args.master_port = host, int(port) or None
@@ -737,7 +756,7 @@ def check_run_nproc_against(nproc: int, env: Any) -> None:
 
 def _check_run_recovery(args: argparse.Namespace, nproc: int) -> None:
     """``--recovery live`` with what it needs: restarts left to replace a rank with, one node, and
-    a backend whose group can be made again (gloo); refused before any worker starts."""
+    a backend whose group can be made again (gloo, shm); refused before any worker starts."""
     if args.recovery != LIVE:
         return
     if live_without_restarts(args.recovery, args.max_restarts):
@@ -759,8 +778,8 @@ def _check_run_recovery(args: argparse.Namespace, nproc: int) -> None:
             f"--recovery=live is not allowed with backend {name!r}"
             f"{'' if args.backend else ' (what --backend auto resolves to here)'}; allowed: "
             f"{', '.join(repr(b) for b in SUPPORTED_RECOVERY_BACKENDS)} (a group made again with a "
-            "replacement on the same store; shm, nccl, mpi, horovod and xla-tpu are not)\n"
-            "HINT: pass --backend gloo"
+            "replacement on the same store; nccl, mpi, horovod and xla-tpu are not)\n"
+            "HINT: pass --backend gloo (or shm: one host's ranks)"
         )
 
 
