@@ -7,11 +7,23 @@ replacement the launcher starts. A replacement is started with its generation in
 :data:`GENERATION_ENV`, and the launcher then sets :func:`generation_key`; the survivors wait for
 that key, and every rank makes the new group's connections under :func:`group_prefix` of the same
 store, so that no key or port of an earlier generation is ever met again.
+
+Before that, every member of the new generation *meets* (:func:`meet`): each counts itself in
+under :func:`meet_key`, and the launcher, which sees every death, decides (:func:`decision_key`):
+:data:`GO` once all ``world_size`` members are counted in and none has died, :data:`NEXT` when
+another rank died first, whose replacement starts the next generation, where they all meet again.
+So ranks that die at once (or one after the other, before the group is made again) are replaced
+together, in the last generation, and a group is never made with a dead member, but for one that
+dies after the launcher's decision and before the group is made (its peers then wait for the
+group's timeout).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
 
 __all__ = [
     "ALLOWED",
@@ -22,10 +34,18 @@ __all__ = [
     "READY_KEY",
     "STARTED_ENV",
     "SUPPORTED_BACKENDS",
+    "GO",
+    "NEXT",
+    "decision_key",
     "generation",
     "generation_key",
     "group_prefix",
     "is_live",
+    "joined",
+    "meet",
+    "meet_key",
+    "own_key",
+    "set_joined",
 ]
 
 #: the variable that asks the workers for live recovery (``onedist run --recovery live`` sets it)
@@ -43,9 +63,15 @@ ALLOWED = (
     "processes, the dead rank is replaced and gets the state from a survivor)"
 )
 #: the backends live recovery runs on (their group can be made again on the same store)
-SUPPORTED_BACKENDS = ("gloo",)
+SUPPORTED_BACKENDS = ("gloo", "shm")
 #: each rank adds 1 once its loop runs under ``od.steps``: the launcher replaces a rank only then
 READY_KEY = "onedist/live/ready"
+#: the launcher's decisions on a generation's meeting (see :func:`meet`)
+GO, NEXT = b"go", b"next"
+#: how long a rank waits at a meeting for the launcher's decision
+MEET_WAIT_S = 300.0
+
+_joined: list[int] = []  # the generation this process's group is in, once it met there (or 0)
 
 
 def is_live(environ: Mapping[str, str]) -> bool:
@@ -81,3 +107,58 @@ def group_prefix(number: int) -> str:
         ('', 'live-3/')
     """
     return f"live-{number}/" if number else ""
+
+
+def meet_key(number: int) -> str:
+    """The count of the members of generation ``number`` that arrived at its meeting."""
+    return f"onedist/live/meet/{number}"
+
+
+def own_key(rank: int) -> str:
+    """Where rank ``rank`` keeps its own state of its latest step (its RNG states, and its module's
+    buffers where they are its own), for a replacement of it: ``onedist.training.live_state``."""
+    return f"onedist/live/own/{rank}"
+
+
+def decision_key(number: int) -> str:
+    """The launcher's decision on generation ``number``'s meeting: :data:`GO` or :data:`NEXT`."""
+    return f"onedist/live/decision/{number}"
+
+
+def _unprefixed(store: Any) -> Any:
+    """The store under torch's prefixes (a group's store is its name's ``PrefixStore``)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def meet(store: Any, number: int, wait_s: float = MEET_WAIT_S) -> int:
+    """Count this rank in at generation ``number``'s meeting and wait for the launcher's
+    decision; on :data:`NEXT` (another rank died meanwhile) do the same at the next generation.
+    Returns the generation every member met in (see the module doc); also :func:`joined` from now."""
+    store = _unprefixed(store)
+    deadline = time.monotonic() + wait_s
+    while True:
+        store.add(meet_key(number), 1)
+        left = max(deadline - time.monotonic(), 0.001)
+        store.wait([decision_key(number)], timedelta(seconds=left))
+        if store.get(decision_key(number)) == GO:
+            set_joined(number)
+            return number
+        number += 1
+
+
+def joined(environ: Mapping[str, str], store: Any = None) -> int:
+    """The generation this process's group is in: 0 for a first worker, else the one it met in
+    (a replacement, given ``store``, meets at its first call: the group it is making)."""
+    if not _joined:
+        number = generation(environ)
+        if number and store is not None:
+            return meet(store, number)
+        return number
+    return _joined[0]
+
+
+def set_joined(number: int) -> None:
+    """This process's group was made again in generation ``number``."""
+    _joined[:] = [number]

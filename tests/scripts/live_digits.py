@@ -8,7 +8,10 @@ Prints ``pid <pid> rank <r> generation <g> start`` and ``... end``, and ``step <
 itself before its micro-step M (from 1), inside an accumulation window when M is not a window's
 first; ``--final`` is where rank 0 saves the model's weights; ``--checkpoint-dir`` saves a step
 checkpoint after every step and resumes from the newest (today's restart, for the benchmark; one
-batch per step).
+batch per step); ``--plain`` runs the same loop without ``od.steps`` (the benchmark's baseline of
+its cost per step; one batch per step, no recovery); ``--bucket-cap-mb`` is DDP's; ``--seed-per-rank``
+seeds each rank's RNG (its dropout) apart once the model is made; ``--metric`` all-reduces the loss
+after each optimizer step, inside the step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +35,29 @@ import digits
 import onedist as od
 
 
+class PlainStep:
+    """A step of the loop without od.steps (``--plain``): its batch and number, nothing kept."""
+
+    def __init__(self, batch: Any, number: int) -> None:
+        self.batch, self.number = batch, number
+
+    def __enter__(self) -> Any:
+        return self.batch
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+def plain_steps(loader: Any, epochs: int) -> Iterator[PlainStep]:
+    """What od.steps iterates over, without it: each pass's set_epoch, one step per batch."""
+    number = 0
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            number += 1
+            yield PlainStep(batch, number)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=4)
@@ -38,6 +66,12 @@ def main() -> None:
     parser.add_argument("--final", default=None)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--trace", action="store_true", help="print a sum of the weights after each step")
+    parser.add_argument("--plain", action="store_true", help="the same loop without od.steps")
+    parser.add_argument("--metric", action="store_true", help="all_reduce the loss after each optimizer step")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb")
+    parser.add_argument(
+        "--seed-per-rank", action="store_true", help="each rank's RNG (dropout) seeded apart after the set-up"
+    )
     args = parser.parse_args()
     od.initialize("auto")
     rank, generation = od.get_rank(), os.environ.get("ONEDIST_LIVE_GENERATION", "0")
@@ -46,7 +80,10 @@ def main() -> None:
     torch.manual_seed(0)
     train_set, _ = digits.datasets()
     loader = od.auto_dataloader(train_set, batch_size=64, shuffle=True)
-    model = od.auto_model(digits.Net())
+    ddp = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    model = od.auto_model(digits.Net(), **ddp)
+    if args.seed_per_rank:
+        torch.manual_seed(1000 + rank)  # a stream of its own for each rank's dropout
     optimizer = od.auto_optim(torch.optim.AdamW(model.parameters(), lr=0.01))
     k = args.accumulate
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -54,7 +91,10 @@ def main() -> None:
     )
     objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler}
     resumed = od.resume(args.checkpoint_dir, **objects) if args.checkpoint_dir else 0
-    loop = od.steps(loader, model, optimizer, scheduler=scheduler, epochs=args.epochs)
+    if args.plain:
+        loop: Any = plain_steps(loader, args.epochs)
+    else:
+        loop = od.steps(loader, model, optimizer, scheduler=scheduler, epochs=args.epochs)
     for micro, step in enumerate(loop, start=1):
         if step.number <= resumed:
             continue  # done before the restart (restored by od.resume)
@@ -68,6 +108,8 @@ def main() -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+                if args.metric:  # a collective after the optimizer step: a failure here finds the step done
+                    od.all_reduce(loss.detach())
                 if rank == 0 or args.trace:
                     trace = (
                         f" {sum(p.double().sum().item() for p in model.parameters())!r}" if args.trace else ""

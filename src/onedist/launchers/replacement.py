@@ -7,8 +7,10 @@ runs under ``od.steps`` (each said so in the store: :data:`onedist._recovery.REA
 restarts are left (each replacement counts as one of ``--max-restarts``), it starts that rank
 alone, in the next *generation* (a spare kept warm once every loop runs, :mod:`.standby`, becomes
 it; else a new process), and then sets the generation's key in the store the
-launcher hosts: the survivors, rolled back to the start of their step, wait for that key, make the
-group again with the replacement and send it the state (:mod:`onedist.training.live_steps`). Anything
+launcher hosts: the survivors, rolled back to the start of their step, wait for that key, meet the
+replacement (the launcher says "go" once every member is counted in and none died meanwhile, else
+"next": ranks that die together are replaced in one generation, :func:`onedist._recovery.meet`),
+make the group again with it and send it the state (:mod:`onedist.training.live_steps`). Anything
 else (a worker that raised, a failure before every loop was ready, no restart left, a signal to
 the launcher) goes to the supervisor's watch as before: the workers are stopped, and
 ``--max-restarts`` restarts them all.
@@ -22,7 +24,16 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from .._recovery import GENERATION_ENV, READY_KEY, STARTED_ENV, generation_key
+from .._recovery import (
+    GENERATION_ENV,
+    GO,
+    NEXT,
+    READY_KEY,
+    STARTED_ENV,
+    decision_key,
+    generation_key,
+    meet_key,
+)
 from .launcher import restarts_left
 from .report import Failure
 from .supervisor import POLL_S, PopenWorker, Supervisor
@@ -53,6 +64,7 @@ class LiveRecovery:
         self.replace, self.replaced, self.stopping, self.warm = replace, replaced, stopping, warm
         #: this attempt's group make-up: 0 for the workers first started, one more per replacement
         self.generation = 0
+        self._decided = 0  # the last generation whose meeting the launcher decided
         self._warmed = -1  # the generation a spare was made ready for
 
     def _ready(self) -> int:
@@ -80,7 +92,18 @@ class LiveRecovery:
             return False
         return self._ready() >= self.world_size
 
+    def _decide(self) -> None:
+        """The current generation's meeting: "go" once every member is counted in (the deaths
+        of this poll were seen first: a dead member's generation was given up by :meth:`_start`)."""
+        number = self.generation
+        if number > self._decided and int(self.store.add(meet_key(number), 0)) >= self.world_size:
+            self.store.set(decision_key(number), GO)
+            self._decided = number
+
     def _start(self, supervisor: Supervisor[PopenWorker], dead: PopenWorker, code: int) -> None:
+        if self.generation > self._decided:  # its members meet again in the next one, with this rank's
+            self.store.set(decision_key(self.generation), NEXT)
+            self._decided = self.generation
         self.generation += 1
         used = self.attempt + len(self.replaced) + 1
         sys.stderr.write(
@@ -109,6 +132,7 @@ class LiveRecovery:
                     self._start(supervisor, w, code)
                     continue
                 return supervisor.watch(give_up)  # today's way: stop the others, report
+            self._decide()
             if not supervisor.running():
                 return supervisor.failures()
             if give_up is not None and give_up():

@@ -2,10 +2,12 @@
 
 Under ``onedist run --recovery live`` (:mod:`onedist._recovery`), a rank that dies is replaced
 alone: the survivors learn of it at their next collective (a :class:`~onedist.RemoteRankError`
-inside a step), roll back to the start of that step (its gradients dropped, the RNG states, the
-accumulation count and the batches of its window set back), make the group's connections again
-with the replacement, and one of them sends it the whole training state in one broadcast
-(:mod:`.live_state`); every rank then runs the failed step again. Without ``--recovery live`` (or
+inside a step, or a backend's error onedist explains as a peer's death), roll back to the start of
+that step (its gradients dropped, the RNG states, the accumulation count and the batches of its
+window set back), make the group again with the replacement, and one of them sends it the whole
+training state in one broadcast (:mod:`.live_state`), while the replacement takes the dead rank's
+own RNG states (and rank 0's buffers) from the launcher's store, where each rank keeps them at each
+step; every rank then runs the failed step again. Without ``--recovery live`` (or
 in one process) :func:`steps` only iterates: a failure ends the run as before (restarted by
 ``--max-restarts``).
 
@@ -23,12 +25,12 @@ from types import TracebackType
 from typing import Any, Optional
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._recovery import is_live
-from ..errors import RemoteRankError, bad_type, bad_value
+from ..errors import bad_type, bad_value
 from .accumulation import micro_steps, set_micro_steps
-from .live_state import Position, check_live_run, recover, take_ready
+from .live_state import OwnState, Position, check_live_run, peer_failed, recover, take_ready
 from .rng import rng_state, set_rng_state
 from .wrappers import unwrap
 
@@ -50,15 +52,24 @@ class _Mark:
 
 _stepped = [0]  # optimizer steps made in this process (counted once live recovery is on)
 _hook: list[Any] = []
+_active: list[Steps] = []  # the loop under live recovery whose state an optimizer step publishes
 
 
-def _count_optimizer_steps() -> None:
+def _count_optimizer_steps(loop: Steps) -> None:
+    """Count optimizer steps (after each), and before each publish ``loop``'s own state of the
+    next step (:class:`~.live_state.OwnState`: a death right after the step finds it kept)."""
+    _active[:] = [loop]
     if not _hook:
 
         def count(optimizer: Any, args: Any, kwargs: Any) -> None:
             _stepped[0] += 1
 
+        def publish(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if _active:
+                _active[0].publish(1)
+
         _hook.append(register_optimizer_step_post_hook(count))
+        _hook.append(register_optimizer_step_pre_hook(publish))
 
 
 class Step:
@@ -88,7 +99,7 @@ class Step:
     def __exit__(
         self, kind: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> bool:
-        if exc is None or not self._owner.live or not isinstance(exc, RemoteRankError):
+        if exc is None or not self._owner.live or not peer_failed(exc):
             return False
         self._owner.failed = exc  # the next step of the loop recovers, then runs this step again
         return True
@@ -104,9 +115,11 @@ class Steps:
         self.objects = {"model": unwrap(model), "optimizer": optimizer, "scheduler": scheduler, **state}
         self.length = len(loader)
         self.live = is_live(os.environ) and torch.distributed.is_initialized()
+        self.own: Optional[OwnState] = None
         if self.live:
             check_live_run(model)
-            _count_optimizer_steps()
+            self.own = OwnState(model)
+            _count_optimizer_steps(self)
         self.failed: Optional[BaseException] = None
         self.position = Position(epoch=0, index=0, number=0)
         self._iterator: Optional[Iterator[Any]] = None
@@ -135,9 +148,16 @@ class Steps:
                 buffers = [b.detach().clone() for b in self.objects["model"].buffers()]
                 self._mark = _Mark(Position(**vars(position)), rng_state(), micro, buffers, _stepped[0])
                 self._window = []
+                self.publish(0, self._mark.rng)
         if self.live:
             self._window.append((position, batch))
         return Step(self, batch, position)
+
+    def publish(self, ahead: int, rng: Optional[dict[str, Any]] = None) -> None:
+        """This rank's own state of the start of the loop's step number + ``ahead`` (1: at an
+        optimizer step, the next step's) into the launcher's store (:class:`~.live_state.OwnState`)."""
+        if self.own is not None:
+            self.own.publish(self.position.number + ahead, rng or rng_state(), self.objects["model"])
 
     def _next_batch(self) -> tuple[Position, Any]:
         if self._replay:  # the failed step's batches again, counted anew
@@ -222,8 +242,9 @@ def steps(
     starts a replacement for the dead rank only, and the replacement receives ``model``,
     ``optimizer``, ``scheduler``, every object of ``state`` (anything with ``state_dict`` and
     ``load_state_dict``: a GradScaler, a meter), the RNG states, the accumulation count and the
-    loader's position from a survivor in one broadcast; the loop then goes on with the failed
-    step on every rank. Without live recovery it only iterates (each pass calls the sampler's
+    loader's position from a survivor in one broadcast (the dead rank's own RNG states, and rank
+    0's buffers, from the launcher's store); the loop then goes on with the failed step on every
+    rank. Without live recovery it only iterates (each pass calls the sampler's
     ``set_epoch(epoch)`` when it has one), serially too.
 
     Args:

@@ -30,10 +30,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..._recovery import generation, group_prefix
+from ..._recovery import group_prefix, joined
 from .._connections import socket_fds
 from .._pygroup import NamedGroup
-from . import steps
+from . import pairwise, steps
 from .calls import RECV, SEND, CallLog, RecordedWork, enabled, signature
 
 __all__ = ["NAME", "RecordedGloo", "connection_fds", "create", "enabled", "record_new_groups", "register"]
@@ -96,7 +96,7 @@ class RecordedGloo(NamedGroup):
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, ranks: tuple[int, ...]) -> None:
         super().__init__(rank, size)
         self._made = (store, timeout, ranks)
-        self._connect(group_prefix(generation(os.environ)))
+        self._connect(group_prefix(joined(os.environ, store)))  # a replacement meets its peers first
         steps.install()
         _LIVE.add(self)
 

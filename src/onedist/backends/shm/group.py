@@ -18,6 +18,7 @@ import torch
 import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
+from ..._recovery import group_prefix, joined
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
 from ..recorded import steps
 from ..recorded.calls import RECV, SEND, CallLog, RecordedWork
@@ -51,11 +52,29 @@ class ShmProcessGroup(TwoLevels, Exchanges):
     #: point-to-point calls, where a rank waits, and the step of DDP's gradient buckets
     calls: Optional[CallLog] = None
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, prefix: str = "") -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
-        self._store = store  # where the ranks tell each other their script lines at a mismatch
+        self._made = (store, timeout)  # what rejoin makes the group again from
         self._timeout = timeout.total_seconds() if timeout else 1800.0
+        self._head = Head(size)  # an all_to_all's head (see _exchange)
+        self._cma = cma.enabled()
+        #: this group's ranks as ranks of the group that holds it (one host's part of a group over
+        #: several hosts), for errors; None: a group of its own
+        self._shown_as: Optional[list[int]] = None
+        self._others = [r for r in range(size) if r != rank]
+        self._spin = 2000 if size <= (os.cpu_count() or 1) else 20
+        self._helpers = helper_pool(size)
+        self._parts = 1 + (self._helpers._max_workers if self._helpers is not None else 0)
+        self._connect(prefix)
+
+    def _connect(self, prefix: str) -> None:
+        """The group's gloo group beside the memory, its segment (or its two levels over several
+        hosts), and the protocol's counts from the start, all under ``prefix`` in the store (a
+        live recovery's generation: :func:`onedist._recovery.group_prefix`)."""
+        rank, size, timeout = self._rank, self._size, self._made[1]
+        store = _c10d.PrefixStore(prefix, self._made[0]) if prefix else self._made[0]
+        self._store = store  # where the ranks tell each other their script lines at a mismatch
         self._gloo: Any = dist.ProcessGroupGloo(
             _c10d.PrefixStore("onedist-shm-gloo", store), rank, size, timeout
         )
@@ -63,17 +82,8 @@ class ShmProcessGroup(TwoLevels, Exchanges):
         self._gen = 0
         self._bank = 0  # the bank the next collective's first chunk goes through (see _phases)
         self._mail = 0  # the mailbox of the next small all_reduce (see _all_reduce_small)
-        self._head = Head(size)  # an all_to_all's head (see _exchange)
-        self._cma = cma.enabled()
         self._record = CALL_RECORD.pack(KIND_BARRIER, -1, -1, 0, 0, 0)  # what this rank calls (see _begin)
-        #: this group's ranks as ranks of the group that holds it (one host's part of a group over
-        #: several hosts), for errors; None: a group of its own
-        self._shown_as: Optional[list[int]] = None
         self._step = 0
-        self._others = [r for r in range(size) if r != rank]
-        self._spin = 2000 if size <= (os.cpu_count() or 1) else 20
-        self._helpers = helper_pool(size)
-        self._parts = 1 + (self._helpers._max_workers if self._helpers is not None else 0)
         #: ranks on several hosts: this host's ranks share a shm group, and one rank per host
         #: (the first) joins the others' first ranks in a gloo group (see _hierarchy)
         self._local: Optional[ShmProcessGroup] = None
@@ -85,6 +95,22 @@ class ShmProcessGroup(TwoLevels, Exchanges):
                 self._seg = attach(store, rank, size)
             else:
                 self._hierarchy(store, hosts, timeout)
+
+    def rejoin(self, number: int) -> None:
+        """Make this group again, as generation ``number`` of a live recovery
+        (:mod:`onedist._recovery`), with the same object (DDP and the collectives keep it): the
+        collectives still queued end first (on the old segment, marked failed: at once), then a
+        new gloo group and a new segment under the generation's prefix of the same store, and a
+        new call log. Every member of the new generation calls it (a replacement's constructor,
+        through :func:`create`, does the same)."""
+        self._stop_thread()  # the old generation's queued calls fail on the marked segment first
+        if self._local is not None:
+            self._local.shutdown()
+        # the old segment is unmapped once nothing holds it (torch's and ctypes' views of it
+        # forbid an explicit close); the memfd's memory goes with the last mapping
+        self._connect(group_prefix(number))
+        if self._size > 1:
+            self.calls = new_call_log(self)
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -407,11 +433,18 @@ class ShmProcessGroup(TwoLevels, Exchanges):
 def create(store: Any, rank: int, size: int, timeout: timedelta) -> ShmProcessGroup:
     """torch.distributed's constructor hook for ``backend="shm"`` (registered by
     :func:`onedist.register_torch_backends`): the group, with its calls on record."""
-    group = ShmProcessGroup(store, rank, size, timeout)
+    # a live recovery's replacement meets its peers, then makes its generation's group (as the
+    # survivors' rejoin does)
+    group = ShmProcessGroup(store, rank, size, timeout, group_prefix(joined(os.environ, store)))
     if size > 1:
-        mine = torch.tensor([int.from_bytes(os.urandom(8), "little", signed=True) >> 2])  # not torch's RNG
-        parts = [torch.empty(1, dtype=torch.int64) for _ in range(size)]
-        group._gloo.allgather([parts], [mine]).wait()  # a number the members agree on (calls.py)
-        group.calls = CallLog(rank, partial(dist.get_process_group_ranks, group), sum(int(p) for p in parts))
+        group.calls = new_call_log(group)
         steps.install()
     return group
+
+
+def new_call_log(group: ShmProcessGroup) -> CallLog:
+    """The group's calls on record, under a number its members agree on (calls.py)."""
+    mine = torch.tensor([int.from_bytes(os.urandom(8), "little", signed=True) >> 2])  # not torch's RNG
+    parts = [torch.empty(1, dtype=torch.int64) for _ in range(group.size())]
+    group._gloo.allgather([parts], [mine]).wait()
+    return CallLog(group.rank(), partial(dist.get_process_group_ranks, group), sum(int(p) for p in parts))
