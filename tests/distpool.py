@@ -32,6 +32,8 @@ def _serve(rank: int, world_size: int, port: int, conn: Any, backend: str, env: 
 
     strip_launcher_vars()
     os.environ.update(env)
+    if "ONEDIST_DEBUG" in env:  # read once, where onedist's state is first made: maybe in the parent
+        od.set_debug(env["ONEDIST_DEBUG"] == "1")
     od.initialize(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=120
     )
