@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 __all__ = [
     "KINDS",
+    "agreed_number",
     "CallLog",
     "Entry",
     "RecordedWork",
@@ -387,6 +388,19 @@ explain_failure: Callable[[str, BaseException, float], BaseException] = _as_is
 #: the narrower form, for groups that explain their own failures (shm names a peer that exited):
 #: the stall verdict or a failed peer's report as an error, else None
 known_cause: Callable[[str, BaseException], Optional[BaseException]] = _unknown
+
+
+def agreed_number(gloo: Any, size: int) -> int:
+    """A number every member of a group (and no earlier group) shares, over ``gloo`` (a gloo group
+    of its ``size`` members): the keys its ranks publish its calls under, so that an earlier group's
+    left in the same store never count. Each member adds a random number from the OS, not from
+    torch's generator: drawing from it while a group is made would shift the program's random
+    numbers (its dropout masks) by where groups are made (od.join narrows its group when a rank
+    leaves: a resumed run would no longer match)."""
+    mine = torch.tensor([int.from_bytes(os.urandom(8), "little", signed=True) >> 2])
+    parts = [torch.empty(1, dtype=torch.int64) for _ in range(size)]
+    gloo.allgather([parts], [mine]).wait()
+    return int(sum(int(p) for p in parts))
 
 
 def logs() -> list[CallLog]:

@@ -34,7 +34,7 @@ from ..._recovery import group_prefix, joined
 from .._connections import socket_fds
 from .._pygroup import NamedGroup
 from . import pairwise, steps
-from .calls import RECV, SEND, CallLog, RecordedWork, enabled, signature
+from .calls import RECV, SEND, CallLog, RecordedWork, agreed_number, enabled, signature
 
 __all__ = ["NAME", "RecordedGloo", "connection_fds", "create", "enabled", "record_new_groups", "register"]
 
@@ -110,7 +110,7 @@ class RecordedGloo(NamedGroup):
         self.buckets = tuple(_gloo(store, rank, size, timeout, f"{prefix}steps-{k}/") for k in (0, 1))
         #: the sockets gloo connected for it (the backend shuts them down to break a pending call)
         self.fds = socket_fds() - before
-        self.calls = CallLog(rank, ranks, self._agreed_nonce())
+        self.calls = CallLog(rank, ranks, agreed_number(self.buckets[0], size))
 
     def rejoin(self, number: int) -> None:
         """Make this group's connections again, as generation ``number`` of a live recovery
@@ -121,14 +121,6 @@ class RecordedGloo(NamedGroup):
 
     def getBackendName(self) -> str:
         return NAME
-
-    def _agreed_nonce(self) -> int:
-        """A number every member of this group (and no earlier group) shares: the keys the ranks
-        publish its calls under, so that an earlier group's left in the same store never count."""
-        mine = torch.tensor([_random_int64()])
-        parts = [torch.empty(1, dtype=torch.int64) for _ in range(self.size())]
-        self.buckets[0].allgather([parts], [mine]).wait()
-        return int(sum(int(p) for p in parts))
 
     # ------------------------------------------------------------------ collectives
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -370,13 +362,6 @@ class _AllOf(_c10d.Work):  # type: ignore[misc]
 
     def get_future(self) -> Any:  # where every part has one (an all-gather's)
         return torch.futures.collect_all([w.get_future() for w in self._works])
-
-
-def _random_int64() -> int:
-    """A random number from the OS, not from torch's generator: drawing from it while a group is
-    made would shift the random numbers of the program (its dropout masks) by where groups are made
-    (od.join narrows its group when a rank leaves: a resumed run would no longer match)."""
-    return int.from_bytes(os.urandom(8), "little", signed=True) >> 2
 
 
 _LIVE: weakref.WeakSet[RecordedGloo] = weakref.WeakSet()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..._recovery import group_prefix, joined
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
 from ..recorded import steps
-from ..recorded.calls import RECV, SEND, CallLog, RecordedWork
+from ..recorded.calls import RECV, SEND, CallLog, RecordedWork, agreed_number
 from . import cma
 from .hosts import TwoLevels, ranks_by_host
 from .phases import bytes_of, helper_pool
@@ -443,8 +443,6 @@ def create(store: Any, rank: int, size: int, timeout: timedelta) -> ShmProcessGr
 
 
 def new_call_log(group: ShmProcessGroup) -> CallLog:
-    """The group's calls on record, under a number its members agree on (calls.py)."""
-    mine = torch.tensor([int.from_bytes(os.urandom(8), "little", signed=True) >> 2])  # not torch's RNG
-    parts = [torch.empty(1, dtype=torch.int64) for _ in range(group.size())]
-    group._gloo.allgather([parts], [mine]).wait()
-    return CallLog(group.rank(), partial(dist.get_process_group_ranks, group), sum(int(p) for p in parts))
+    """The group's calls on record, under a number its members agree on."""
+    number = agreed_number(group._gloo, group.size())
+    return CallLog(group.rank(), partial(dist.get_process_group_ranks, group), number)
