@@ -30,7 +30,7 @@ _AT_ONCE = 4  # launches running together: they mostly wait (the stall time), no
 pytestmark = pytest.mark.launcher
 
 MISMATCHES = ("ddp_skip", "ddp_extra", "ddp_unused", "ddp_uneven", "plain_alone", "async_alone",
-              "group_alone", "isend_unreceived", "isend_unwaited", "ops")  # fmt: skip
+              "group_alone", "isend_unreceived", "isend_unwaited", "group_isend_unwaited", "ops")  # fmt: skip
 
 
 def line(marker: str) -> str:
@@ -220,6 +220,18 @@ def test_a_send_that_completes_unreceived_raises_at_finalize(request, backend, l
     assert "CollectiveMismatchError" in {_raised_per_launcher(result["output"], r) for r in (0, 1)}
     told = "rank 1 sent 1 message(s) to rank 0, which received 0 from it: its last send to rank 0, at "
     assert f"{told}{UNSEEN}:{line('unwaited isend').split(':')[1]}, was never received" in result["output"]
+
+
+@pytest.mark.parametrize("backend, launcher", LAUNCHES)
+def test_a_send_unreceived_on_a_group_the_script_made_raises_at_finalize(request, backend, launcher):
+    """The same unwaited, unreceived isend on a group made with dist.new_group: each group's sends
+    and receives are compared at finalize, not only the default group's."""
+    result = _launches(request, backend, launcher)["group_isend_unwaited"]
+    assert result["rc"] != 0 and result["wall"] < LIMIT_S + 15, (result["rc"], result["wall"])
+    assert "CollectiveMismatchError" in {_raised_per_launcher(result["output"], r) for r in (0, 1)}
+    told = "on the group of ranks [0, 1]:\n  rank 1 sent 1 message(s) to rank 0, which received 0 from it"
+    assert told in result["output"], result["output"][-3000:]
+    assert f"{UNSEEN}:{line('group unwaited isend').split(':')[1]}, was never received" in result["output"]
 
 
 @pytest.mark.parametrize("backend, launcher", LAUNCHES)

@@ -89,6 +89,11 @@ def scenario(name: str, out: dict) -> None:
         if rank == 1:
             dist.isend(t, 0)  # unseen: unwaited isend
         od.barrier()
+    elif name == "group_isend_unwaited":  # the same on a group the script made
+        group = dist.new_group([0, 1])
+        if rank == 1:
+            dist.isend(t, 0, group=group)  # unseen: group unwaited isend
+        od.barrier()
     elif name == "ops":  # SUM against MAX: gloo completes both, each with its own reduction
         od.all_reduce(t, op="SUM" if rank == 0 else "MAX")  # unseen: ops
         for _ in range(100):  # computing: nobody waits in a collective

@@ -2,13 +2,15 @@
 
 A send nobody receives does not always block its sender: MPI delivers a small message eagerly
 (the send completes into the receiver's buffer at once), and a small ``isend`` on gloo completes
-once its bytes are in the socket. The job would end 0 with the message lost. The default group's
+once its bytes are in the socket. The job would end 0 with the message lost. Each recorded group's
 call log counts each rank's sends to and receives from every peer
 (:meth:`~onedist.backends.recorded.calls.CallLog.record_p2p`); at ``finalize`` each rank publishes
-its counts before it says it is done, and once every peer is done it compares them all. A pair
-whose counts differ (more sends from A to B than B received, receives from any source aside, or a
-receive posted that no send matched) is a mismatch naming both ranks, the counts and the line of
-the last send. Every rank reads the same counts, so each raises the same verdict.
+the counts of every group it is in (the default group's and those the program made) before it says
+it is done, and once every peer is done it compares them all, group by group. A pair whose counts
+differ (more sends from A to B than B received, receives from any source aside, or a receive posted
+that no send matched) is a mismatch naming both ranks, the counts and the line of the last send. A
+group that one of its members no longer has (destroyed, or an earlier generation of a live
+recovery) is not compared. Every rank reads the same counts, so each raises the same verdict.
 
 Reading every rank's counts costs each rank world-size store requests (rank 0's store serves
 world size squared), so a rank that made any send or receive also adds 1 to ``P2P_RANKS_KEY``
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from ..backends.recorded.calls import SEND
+from ..backends.recorded.calls import SEND, logs
 from .keys import P2P_KEY, P2P_RANKS_KEY
 
 __all__ = ["p2p_verdict", "publish_counts"]
@@ -30,12 +32,25 @@ __all__ = ["p2p_verdict", "publish_counts"]
 _ANY = "-1"  # a receive from any source (its peer in the log)
 
 
-def publish_counts(store: Any, rank: int, log: Any) -> None:
-    """This rank's sends and receives on the default group, per peer, and each last send's line."""
-    last_send = {str(e.peer): e.site for e in log.recent() if e.peer >= 0 and e.sig[0] == SEND}
-    counts = {"sent": log.sent, "received": log.received, "last_send": last_send}
-    store.set(P2P_KEY.format(rank), json.dumps(counts))
-    if log.sent or log.received:
+def publish_counts(store: Any, rank: int, default: Any, others: Optional[list[Any]] = None) -> None:
+    """This rank's sends and receives on each recorded group (``default``: the default group's
+    log; ``others``: the other groups' logs, by default every live one of this process), per peer,
+    and each last send's line; a group without any is listed too, so that a peer's sends on it are
+    compared with this rank's none."""
+    groups: dict[str, dict[str, Any]] = {}
+    any_p2p = False
+    others = logs() if others is None else others
+    for log in [default, *(log for log in others if log is not default)]:
+        try:
+            ranks = list(log.ranks)
+        except Exception:  # a group torch never registered (made and destroyed): nothing to match
+            continue
+        last_send = {str(e.peer): e.site for e in log.recent() if e.peer >= 0 and e.sig[0] == SEND}
+        counts = {"sent": log.sent, "received": log.received, "last_send": last_send}
+        groups[log.key] = {"ranks": ranks, "default": log is default, **counts}
+        any_p2p = any_p2p or bool(log.sent or log.received)
+    store.set(P2P_KEY.format(rank), json.dumps(groups))
+    if any_p2p:
         store.add(P2P_RANKS_KEY, 1)
 
 
@@ -44,13 +59,13 @@ def p2p_verdict(store: Any, rank: int, world_size: int) -> Optional[str]:
     or a rank published nothing: it left before its check, or records no calls)."""
     if int(store.add(P2P_RANKS_KEY, 0)) == 0:  # nobody sent or received anything
         return None
-    counts: dict[int, dict[str, Any]] = {}
+    published: list[dict[str, Any]] = []
     for r in range(world_size):
         key = P2P_KEY.format(r)
         if not store.check([key]):
             return None
-        counts[r] = json.loads(store.get(key))
-    lines = [line for receiver in range(world_size) for line in _unmatched(counts, receiver)]
+        published.append(json.loads(store.get(key)))
+    lines = [line for key in _keys(published) for line in _group_lines(published, key)]
     if not lines:
         return None
     return "\n".join(
@@ -64,12 +79,33 @@ def p2p_verdict(store: Any, rank: int, world_size: int) -> Optional[str]:
     )
 
 
-def _unmatched(counts: dict[int, dict[str, Any]], receiver: int) -> list[str]:
-    """The lines naming each peer whose sends to ``receiver`` and its receives differ."""
+def _keys(published: list[dict[str, Any]]) -> list[str]:
+    """Every group some rank published, the default group first, then in a fixed order."""
+    keys = {key: group["default"] for groups in published for key, group in groups.items()}
+    return sorted(keys, key=lambda key: (not keys[key], key))
+
+
+def _group_lines(published: list[dict[str, Any]], key: str) -> list[str]:
+    """The lines of group ``key``'s unmatched pairs, in global ranks; none when a member did not
+    publish the group (it destroyed it, or left it behind in a live recovery: nothing to compare)."""
+    ranks = next(groups[key]["ranks"] for groups in published if key in groups)
+    if not all(0 <= r < len(published) and key in published[r] for r in ranks):
+        return []
+    counts = {member: published[r][key] for member, r in enumerate(ranks)}
+    lines = [line for receiver in counts for line in _unmatched(counts, receiver, ranks)]
+    if lines and not published[ranks[0]][key]["default"]:
+        lines.insert(0, f"  on the group of ranks {ranks}:")
+    return lines
+
+
+def _unmatched(counts: dict[int, dict[str, Any]], receiver: int, ranks: list[int]) -> list[str]:
+    """The lines naming each peer whose sends to ``receiver`` and its receives differ (``counts``
+    by rank in the group, whose global ranks are ``ranks``: the lines name those)."""
     received = counts[receiver]["received"]
     from_any = int(received.get(_ANY, 0))
     missing: dict[int, tuple[int, int]] = {}  # sender -> (sent, received)
     lines: list[str] = []
+    to = ranks[receiver]
     for sender, theirs in counts.items():
         if sender == receiver:
             continue
@@ -77,7 +113,7 @@ def _unmatched(counts: dict[int, dict[str, Any]], receiver: int) -> list[str]:
         got = int(received.get(str(sender), 0))
         if got > sent:
             lines.append(
-                f"  rank {receiver} received {got} message(s) from rank {sender}, which sent {sent}: "
+                f"  rank {to} received {got} message(s) from rank {ranks[sender]}, which sent {sent}: "
                 "a receive that no send matched"
             )
         elif sent > got:
@@ -87,8 +123,8 @@ def _unmatched(counts: dict[int, dict[str, Any]], receiver: int) -> list[str]:
     for sender, (sent, got) in missing.items():
         site = counts[sender]["last_send"].get(str(receiver), "<unknown>")
         lines.append(
-            f"  rank {sender} sent {sent} message(s) to rank {receiver}, which received {got} from it"
+            f"  rank {ranks[sender]} sent {sent} message(s) to rank {to}, which received {got} from it"
             f"{f' (and {from_any} from any source)' if from_any else ''}: its last send to rank "
-            f"{receiver}, at {site}, was never received"
+            f"{to}, at {site}, was never received"
         )
     return lines
