@@ -298,13 +298,16 @@ RUNTIME_CHECKS = {
 
 
 def _launch_argument_checks() -> list[str]:
-    """Every ``if <condition on a launch argument>: ... raise`` outside launchers/spec.py (the
-    front ends' checks) and launchers/arguments.py (the declaration and its rules), as
-    ``file:function:line``; the :data:`RUNTIME_CHECKS` left out."""
+    """Every ``if <condition on a launch argument>: ... raise`` outside launchers/spec.py and
+    launchers/run_spec.py (the front ends' checks) and launchers/arguments.py (the declaration
+    and its rules), as ``file:function:line``; the :data:`RUNTIME_CHECKS` left out."""
     found = []
     for path in _sources():
         where = str(path.relative_to(PACKAGE))
-        if where in ("launchers/spec.py", "launchers/arguments.py") or where in RUNTIME_CHECKS:
+        if (
+            where in ("launchers/spec.py", "launchers/run_spec.py", "launchers/arguments.py")
+            or where in RUNTIME_CHECKS
+        ):
             continue
         for fn in ast.walk(ast.parse(path.read_text())):
             if (
@@ -323,9 +326,9 @@ def _launch_argument_checks() -> list[str]:
 
 
 def test_launch_arguments_are_checked_only_in_launch_spec() -> None:
-    """spawn, Parallel and `onedist run` check their launch arguments with launchers/spec.py's
-    functions (LaunchSpec.build and the front ends' checks beside it): a condition on one that
-    raises anywhere else is a second validator."""
+    """spawn, Parallel and `onedist run` check their launch arguments with the functions of
+    launchers/spec.py and launchers/run_spec.py (LaunchSpec.build, RunSpec.build and the front
+    ends' checks beside them): a condition on one that raises anywhere else is a second validator."""
     assert _launch_argument_checks() == []
 
 
@@ -406,7 +409,8 @@ def test_the_front_ends_take_the_declared_arguments() -> None:
     import onedist as od
     from onedist.launchers.arguments import ARGUMENTS, LAUNCH_ARGUMENTS
     from onedist.launchers.run import build_parser
-    from onedist.launchers.spec import LaunchSpec, RunSpec
+    from onedist.launchers.run_spec import RunSpec
+    from onedist.launchers.spec import LaunchSpec
 
     spawn = inspect.signature(od.spawn).parameters
     assert [(p.name, p.default) for p in spawn.values()] == [

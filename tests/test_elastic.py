@@ -411,7 +411,7 @@ def _membership(joining: bool = False):
     from torch.distributed import HashStore
 
     from onedist.launchers.elastic import Membership
-    from onedist.launchers.spec import RunSpec
+    from onedist.launchers.run_spec import RunSpec
 
     m = Membership(RunSpec(command=("t.py",), nproc_per_node=1, run_id="job"), 3, {})
     m.handler, m.store, m.nodes, m.joining = _Handler(), HashStore(), 1, joining

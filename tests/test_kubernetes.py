@@ -34,7 +34,7 @@ from onedist.environments import (
 from onedist.errors import OnedistValueError
 from onedist.launchers.pet import apply_pet_defaults
 from onedist.launchers.run import build_parser
-from onedist.launchers.spec import check_run_values
+from onedist.launchers.run_spec import check_run_values
 from run_helpers import AGREE_SCRIPT, check_agree, onedist_command
 from test_netns import CLUSTER, _both, needs_netns
 

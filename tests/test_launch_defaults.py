@@ -22,7 +22,7 @@ import torch
 
 import onedist as od
 import onedist.cli
-import onedist.launchers.spec as spec
+import onedist.launchers.run_spec as spec
 from launch_env import clean_env
 from onedist._net import free_port
 from onedist.launchers.pet import apply_pet_defaults

@@ -43,7 +43,7 @@ from .._net import rendezvous_port
 from .launcher import restart_verdict
 from .nodes import AgentsError
 from .report import Failure
-from .spec import RunSpec
+from .run_spec import RunSpec
 
 __all__ = ["POLL_S", "Membership", "assign_ranks"]
 

@@ -6,7 +6,7 @@ it. Kubernetes operators start torchrun with only these variables set (Kubeflow 
 ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``, ``PET_MASTER_ADDR``,
 ``PET_MASTER_PORT`` and no flag), so ``onedist run`` reads the same variables for the same flags.
 Each variable and its conversion are declared with its flag (``launchers/arguments.py``); every
-value is converted here and checked with its flag's rules (``launchers/spec.py``); a bad one is
+value is converted here and checked with its flag's rules (``launchers/run_spec.py``); a bad one is
 named with its variable, so a typo in a pod spec does not surface as a message about a flag nobody
 typed.
 

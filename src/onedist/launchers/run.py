@@ -59,7 +59,7 @@ from .nodes import Agents, AgentsError
 from .pet import apply_pet_defaults, ignored_variables
 from .replacement import LiveRecovery
 from .report import Failure, failure_report
-from .spec import RunSpec, check_run_nproc_against, check_run_values, run_command
+from .run_spec import RunSpec, check_run_nproc_against, check_run_values, run_command
 from .supervisor import TERM_S, PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
