@@ -5,6 +5,7 @@ torch.distributed.checkpoint's own save and load; and the speed of the candidate
 
     python benchmarks/bench_checkpoint.py                  # 200 MB, 7 repetitions, sharded on 2 ranks
     python benchmarks/bench_checkpoint.py --mb 50 --reps 5 --no-sharded
+    python benchmarks/bench_checkpoint.py --sharded-only --reps 9
 
 Rows: with checksum / without, the median, the fastest and the median CPU time (of rank 0 for the
 sharded rows) of --reps repetitions interleaved in a rotating order, and the three ratios:
@@ -18,7 +19,10 @@ sharded rows) of --reps repetitions interleaved in a rotating order, and the thr
                 own, the same unpickling): with checksum / this is what the check itself costs
   A/A           the save without checksum against itself: the noise floor
   sharded       od.save_checkpoint / od.load_checkpoint of an FSDP model on 2 gloo ranks (each rank
-                its shards, checksummed) against DCP's save / load of the same state dict
+                its shards, checksummed) against DCP's save / load (+ set_model_state_dict) of the
+                same state dict; the load's "no check" row as above, "DCP's read" onedist's load
+                with each tensor read by DCP's own code (torch.load into new memory, then copied)
+                instead of straight into the parameter, and "load A/A" DCP's load against itself
 The files go to a temporary folder under --dir (default: the system's temporary folder).
 """
 
@@ -43,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 import onedist as od
-from onedist.training import checksums, shard_checksums
+from onedist.training import checksums, shard_checksums, shard_reader
 from onedist.training.checksums import crc32_of
 from onedist.training.files import fsync_dir
 
@@ -195,13 +199,24 @@ def _unchecked() -> Iterator[None]:
             crc_of(f, os.fstat(f.fileno()).st_size - checksums.RECORD_SIZE)
         return True
 
-    saved = checksums._check, checksums.crc32, shard_checksums.verify_shards
+    saved = checksums._check, checksums.crc32, shard_checksums._fault_of
     checksums._check, checksums.crc32 = unchecked, lambda data, value=0: value
-    shard_checksums.verify_shards = lambda directory: True  # type: ignore[assignment]
+    shard_checksums._fault_of = lambda path, crc, size: None  # each shard file: intact, unread
     try:
         yield
     finally:
-        checksums._check, checksums.crc32, shard_checksums.verify_shards = saved
+        checksums._check, checksums.crc32, shard_checksums._fault_of = saved
+
+
+def with_dcps_read(run: Callable[[], None]) -> None:
+    """``run()`` (a sharded load) with each tensor read by DCP's own code (``torch.load`` of each
+    saved tensor into new memory, then copied into the parameter) instead of straight into it."""
+    straight = shard_reader.read_straight
+    shard_reader.read_straight = lambda *args: False  # type: ignore[assignment]
+    try:
+        run()
+    finally:
+        shard_reader.read_straight = straight  # type: ignore[assignment]
 
 
 # ============================================================================ sharded, 2 ranks
@@ -232,8 +247,10 @@ def sharded(local_rank: int, mb: int, reps: int, folder: str) -> dict[str, Timin
 
     loads: dict[str, Callable[[], None]] = {
         "load plain": dcp_load,
+        "load plain again": dcp_load,
         "load onedist": od_load,
         "load onedist no check": lambda: without_check(od_load),
+        "load onedist dcp read": lambda: with_dcps_read(od_load),
     }
     seconds.update(interleaved_seconds(loads, reps, od.barrier))
     return seconds
@@ -248,6 +265,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--dir", default=None, help="where the temporary folder goes")
     parser.add_argument("--no-sharded", action="store_true", help="skip the 2-rank sharded rows")
+    parser.add_argument("--sharded-only", action="store_true", help="only the 2-rank sharded rows")
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
     torch.set_num_threads(1)
@@ -258,15 +276,8 @@ def main() -> None:
             f"checkpoints in {folder}; {args.reps} interleaved repetitions; CRC-32 by "
             f"{checksums.CRC32_BY}; load average {os.getloadavg()[0]:.1f}"
         )
-        speeds = hash_speeds(args.mb, folder)
-        print("  hashes (GB/s): " + ", ".join(f"{name} {gbs:.2f}" for name, gbs in speeds.items()))
-        got = one_file(args.mb, args.reps, folder)
-        _row("save", got["save onedist"], got["save plain"], f"{got['bytes'] / 1e6:.0f} MB, one file")
-        _row("... zlib", got["save onedist zlib"], got["save plain"], "zlib's CRC-32, as without isal")
-        _row("load", got["load onedist"], got["load plain"], "into the live model")
-        _row("... zlib", got["load onedist zlib"], got["load plain"], "zlib's CRC-32, as without isal")
-        _row("... no check", got["load onedist"], got["load onedist no check"], "onedist's load without it")
-        _row("A/A", got["save A/A"], got["save plain"], "the plain save against itself")
+        if not args.sharded_only:
+            _one_file_rows(args.mb, args.reps, folder)
         if not args.no_sharded:
             out = od.spawn("gloo", sharded, args=(args.mb, args.reps, str(folder)), nproc_per_node=2)[0]
             for kind in ("save", "load"):
@@ -279,8 +290,23 @@ def main() -> None:
             _row(
                 "... no check", out["load onedist"], out["load onedist no check"], "onedist's load without it"
             )
+            dcp_read = out["load onedist dcp read"]
+            _row("... DCP's read", dcp_read, out["load plain"], "each tensor via torch.load")
+            _row("load A/A", out["load plain again"], out["load plain"], "DCP's load against itself")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _one_file_rows(mb: int, reps: int, folder: Path) -> None:
+    speeds = hash_speeds(mb, folder)
+    print("  hashes (GB/s): " + ", ".join(f"{name} {gbs:.2f}" for name, gbs in speeds.items()))
+    got = one_file(mb, reps, folder)
+    _row("save", got["save onedist"], got["save plain"], f"{got['bytes'] / 1e6:.0f} MB, one file")
+    _row("... zlib", got["save onedist zlib"], got["save plain"], "zlib's CRC-32, as without isal")
+    _row("load", got["load onedist"], got["load plain"], "into the live model")
+    _row("... zlib", got["load onedist zlib"], got["load plain"], "zlib's CRC-32, as without isal")
+    _row("... no check", got["load onedist"], got["load onedist no check"], "onedist's load without it")
+    _row("A/A", got["save A/A"], got["save plain"], "the plain save against itself")
 
 
 def _row(name: str, onedist: Timing, plain: Timing, what: str) -> None:

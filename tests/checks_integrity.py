@@ -67,6 +67,15 @@ def _flip(data: bytearray, at: int) -> None:
     data[at] ^= 0x10
 
 
+def flip_middle_bit(path: str) -> None:
+    """Flip the lowest bit of the byte in the middle of the file at ``path``, in place."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 1]))
+
+
 def _member_offset(data: bytes, suffix: str) -> tuple[int, int]:
     """Where the data of the zip member whose name ends with ``suffix`` starts, and its size."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -194,11 +203,7 @@ def check_a_damaged_shard(folder: str) -> dict[str, Any]:
     od.save_training_state(folder, 2, model=model, optimizer=optimizer)
     shard = os.path.join(od.checkpoint_path(folder, 2), f"__{od.get_world_size() - 1}_0.distcp")
     if od.get_rank() == 0:
-        with open(shard, "r+b") as f:
-            f.seek(os.path.getsize(shard) // 2)
-            byte = f.read(1)[0]
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte ^ 1]))
+        flip_middle_bit(shard)
     od.barrier()
     fresh, fresh_optimizer = trained_sharded(0)
     try:

@@ -1,14 +1,16 @@
 """Checksums of a sharded checkpoint's files: each rank's shards hashed as torch.distributed.checkpoint
-(DCP) writes them, every file checked before DCP reads it.
+(DCP) writes them, every file checked before DCP reads it into a tensor.
 
 * :class:`ChecksummedFileSystem` is DCP's ``FileSystem`` with every file it writes passing through
   a :class:`~onedist.training.checksums.Crc32Writer`: each rank keeps the CRC-32 and size of the
   files it wrote (its ``__<rank>_0.distcp``; rank 0 also DCP's ``.metadata``).
 * :func:`write_manifest` writes them, gathered from every rank, to ``checksums.json`` in the
   directory (``rest.pt`` carries its own checksum record).
-* :func:`verify_shards` checks every listed file before a load, each rank a share (its own shard
-  file when the world size is the saving one's): a damaged file raises
-  :class:`~onedist.CheckpointCorruptError` on every rank, naming the directory and the file.
+* :class:`ShardCheck` checks every listed file as a load begins, each rank a share (its own shard
+  file when the world size is the saving one's), in a thread while the load plans; the load's
+  reader (:mod:`.shard_reader`) lets no rank write a tensor before every rank's share matched, and a
+  damaged file raises :class:`~onedist.CheckpointCorruptError` on every rank, naming the directory
+  and the file.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -27,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from ..errors import CheckpointCorruptError
 from .checksums import Crc32Writer, corrupt, crc32_of
 
-__all__ = ["MANIFEST", "ChecksummedFileSystem", "verify_shards", "write_manifest"]
+__all__ = ["MANIFEST", "ChecksummedFileSystem", "ShardCheck", "write_manifest"]
 
 logger = logging.getLogger("onedist")
 
@@ -35,6 +38,7 @@ logger = logging.getLogger("onedist")
 MANIFEST = "checksums.json"
 _FORMAT = "onedist checksums 1"
 _OWN_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+_METADATA = ".metadata"  # DCP's plan of the files, which every rank reads
 
 
 class ChecksummedFileSystem(FileSystem):
@@ -87,51 +91,82 @@ def write_manifest(directory: Path, digests: dict[str, tuple[int, int]]) -> None
         os.fsync(f.fileno())
 
 
-def verify_shards(directory: Path) -> bool:
-    """Check the files ``checksums.json`` lists in ``directory``, each rank a share; every rank
-    must call it. True when they match, False when there is no list (a directory of an older
-    onedist, loaded unverified with a warning); CheckpointCorruptError on every rank otherwise.
+class ShardCheck:
+    """The check of a sharded checkpoint's files, begun as a load begins: ``checksums.json`` and DCP's
+    ``.metadata`` are checked at once (every rank; DCP reads them next), this rank's share of the
+    shards (:func:`_share`) in a thread of its own, while the load reads ``rest.pt``, DCP's metadata
+    and plans. :meth:`faults` waits for it; the load writes no tensor before every rank's faults are
+    known (:class:`~onedist.training.shard_reader.CheckedReader`). Every rank makes one.
+
+    ``verified`` is False when there is no list (a directory of an older onedist: its shards load
+    unverified, with a warning on rank 0).
 
     Example:
         >>> import tempfile
         >>> folder = Path(tempfile.mkdtemp())
         >>> _ = (folder / "__0_0.distcp").write_bytes(b"abc")
         >>> write_manifest(folder, {"__0_0.distcp": (891568578, 3)})
-        >>> verify_shards(folder)
-        True
+        >>> check = ShardCheck(folder)
+        >>> check.verified, check.faults()
+        (True, {})
     """
-    from ..collectives import all_gather_object
-    from ..context import current
 
-    b = current()
-    faults: dict[str, str] = {}
-    listed: Optional[dict[str, tuple[int, int]]] = None
-    try:
-        listed = _read_manifest(directory)
-    except CheckpointCorruptError as e:
-        faults.update(e.faults)
-    for name in _share(listed or {}, b.rank, b.world_size):
-        fault = _fault_of(directory / name, *(listed or {})[name])
+    def __init__(self, directory: Path) -> None:
+        from ..context import current
+
+        b = current()
+        self.directory = directory
+        #: the faults found before the thread started: the list's, DCP's ``.metadata``'s
+        self.early: dict[str, str] = {}
+        listed: Optional[dict[str, tuple[int, int]]] = None
+        try:
+            listed = _read_manifest(directory)
+        except CheckpointCorruptError as e:
+            self.early.update(e.faults)
+        self.verified = listed is not None
+        if listed is None and not self.early and b.rank == 0:
+            logger.warning(
+                "onedist.load_checkpoint: %s has no %s (written before onedist wrote them): its shards are "
+                "loaded without verification",
+                directory,
+                MANIFEST,
+            )
+        listed = listed or {}
+        if _METADATA in listed:  # every rank reads it next (DCP's plan): none may unpickle it unchecked
+            self._note(_METADATA, *listed[_METADATA])
+        self._found: dict[str, str] = {}
+        share = [name for name in _share(listed, b.rank, b.world_size) if name != _METADATA]
+        self._thread = threading.Thread(
+            target=self._check, args=(share, listed), name="onedist-shard-check", daemon=True
+        )
+        self._thread.start()
+
+    def _note(self, name: str, crc: int, size: int) -> None:
+        fault = _fault_of(self.directory / name, crc, size)
         if fault is not None:
-            faults[str(directory / name)] = fault
-    if b.world_size > 1:
-        faults = {k: v for found in all_gather_object(faults) for k, v in found.items()}
-    if faults:
+            self.early[str(self.directory / name)] = fault
+
+    def _check(self, share: list[str], listed: dict[str, tuple[int, int]]) -> None:
+        for name in share:  # the CRC-32 lets go of the GIL: the load's planning runs meanwhile
+            fault = _fault_of(self.directory / name, *listed[name])
+            if fault is not None:
+                self._found[str(self.directory / name)] = fault
+
+    def faults(self) -> dict[str, str]:
+        """This rank's share of the faults (each damaged file and what did not match), once its
+        check is done: empty when its share is intact."""
+        self._thread.join()
+        return {**self.early, **self._found}
+
+    def error(self, faults: dict[str, str]) -> CheckpointCorruptError:
+        """The error every rank raises on ``faults`` (those of every rank)."""
         listing = "".join(f"\n  {where}: {fault}" for where, fault in sorted(faults.items()))
-        raise CheckpointCorruptError(
-            f"onedist.load_checkpoint: the sharded checkpoint {str(directory)!r} is damaged:{listing}\n"
+        return CheckpointCorruptError(
+            f"onedist.load_checkpoint: the sharded checkpoint {str(self.directory)!r} is damaged:{listing}\n"
             "HINT: a file changed after onedist wrote it (a bad disk, a torn or unfinished copy); load "
             "an earlier checkpoint, or copy it again from an intact one",
             faults,
         )
-    if listed is None and b.rank == 0:
-        logger.warning(
-            "onedist.load_checkpoint: %s has no %s (written before onedist wrote them): its shards are "
-            "loaded without verification",
-            directory,
-            MANIFEST,
-        )
-    return listed is not None
 
 
 def _read_manifest(directory: Path) -> Optional[dict[str, tuple[int, int]]]:

@@ -228,17 +228,39 @@ def load_sharded(target: Path, to: Any, location: Any, weights_only: bool, load_
     (``rest.pt``'s values, each DCP entry replaced by the state dict loaded). Every rank calls it.
 
     ``load_into(live, saved, where)`` loads the other entries (checkpoint.py's loader)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from .shard_checksums import ShardCheck
+
+    check = ShardCheck(target)  # each rank's share of the files, hashed while the load plans
+    try:
+        rest, plan = on_every_rank(lambda: _plan(target, to, location, weights_only), _load_failed)
+    except BaseException:
+        check.faults()  # no thread left reading the files when rest.pt failed
+        raise
+    _load_checked(target, check, {key: template for key, (_, template, _) in plan.items()})
+    return on_every_rank(lambda: _apply(plan, rest, to, load_into), _load_failed)
+
+
+def _load_checked(target: Path, check: Any, entries: dict[str, Any]) -> None:
+    """DCP's load of ``entries`` from ``target`` through a :class:`~.shard_reader.CheckedReader`: no
+    tensor changes unless every rank's share of the files matched; CheckpointCorruptError on every
+    rank naming each damaged file otherwise."""
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    from .shard_checksums import verify_shards
+    from ..collectives import all_gather_object
+    from ..context import current
+    from .shard_reader import CheckedReader
 
-    verify_shards(target)  # before anything is read or built from them; raises on every rank
-    rest, plan = on_every_rank(lambda: _plan(target, to, location, weights_only), _load_failed)
-    entries = {key: template for key, (_, template, _) in plan.items()}
-    with _quiet_without_process_group() as no_dist:  # DCP raises on every rank when one fails
-        load(entries, storage_reader=FileSystemReader(str(target)), no_dist=no_dist)
-    return on_every_rank(lambda: _apply(plan, rest, to, load_into), _load_failed)
+    try:
+        with _quiet_without_process_group() as no_dist:  # DCP raises on every rank when one fails
+            load(entries, storage_reader=CheckedReader(str(target), check), no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException
+        faults = check.faults()
+        if isinstance(e, CheckpointException) and current().world_size > 1:  # raised on every rank
+            faults = {k: v for found in all_gather_object(faults) for k, v in found.items()}
+        if faults:
+            raise check.error(faults) from e
+        raise
 
 
 def _load_failed(rank: int) -> str:
