@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,6 +105,7 @@ def _serial(out_dir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[list[str
     spec.loader.exec_module(script)
     capsys.readouterr()
     script.main(0, str(out_dir))
+    od.loggers()  # closes the script's loggers, as the exit of its process does
     lines = [line for line in capsys.readouterr().err.splitlines() if "train: " in line]
     return lines, (out_dir / "metrics.csv").read_text()
 
@@ -177,7 +179,8 @@ def test_a_job_ended_by_sigterm_closes_its_loggers_first(tmp_path):
     """A preempted job (SIGTERM to every process, as SLURM sends it): each rank prints where it was
     and ends by the signal, without Python's exit handlers, which used to lose what a logger buffers
     until it is closed (here one that writes only then, as Lightning's CSVLogger buffers until
-    save). onedist closes the loggers first: steps 1-5 are in its file."""
+    save). onedist closes the loggers first: steps 1-5 are in its file, and in the CSV file, whose
+    rows the script's CSVLogger(flush_s=3600) queues until it is closed."""
     proc = subprocess.Popen(
         [*onedist_command("-n", "2"), SCRIPT, str(tmp_path), "gloo", "preempted"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True,
@@ -195,6 +198,9 @@ def test_a_job_ended_by_sigterm_closes_its_loggers_first(tmp_path):
     sums = [float(sum(range(6 * s, 6 * s + 6))) for s in range(5)]
     logged = json.loads((tmp_path / "buffered-0.json").read_text())  # the main process's
     assert logged == [[s, v] for s, v in zip(range(1, 6), sums)]
+    # the CSV logger's queued rows too (its writer thread waits an hour: only the close wrote them)
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "metrics.csv").read_text())))
+    assert [(int(r["step"]), float(r["sum"])) for r in rows] == list(zip(range(1, 6), sums))
 
 
 class _Terminal(io.StringIO):
@@ -269,6 +275,10 @@ def test_progress_lines_every_s_and_an_unknown_total():
         (lambda: od.loggers(object()), r"onedist.loggers: targets\[0\] has type object"),
         (lambda: od.CSVLogger(3), r"onedist.CSVLogger: directory has type int"),
         (lambda: od.CSVLogger(".", name="a/b.csv"), r"onedist.CSVLogger: name='a/b.csv' is not allowed"),
+        (
+            lambda: od.CSVLogger(".", flush_s=-1),
+            r"onedist.CSVLogger: flush_s=-1 is not allowed; allowed: a number",
+        ),
         (lambda: od.peak_flops(dtype="bf16"), r"onedist.peak_flops: dtype has type str"),
     ],
 )
@@ -309,15 +319,65 @@ def test_a_loop_left_early_writes_its_last_line_and_loggers_replace_each_other(t
         if i == 3:
             break
     assert out.getvalue().startswith("3/10 it 30% | ")
-    first, second = od.CSVLogger(tmp_path, "a.csv"), od.CSVLogger(tmp_path, "b.csv")
+    first, second = od.CSVLogger(tmp_path, "a.csv", flush_s=0), od.CSVLogger(tmp_path, "b.csv")
     od.loggers(first)
     assert od.log_metrics({"x": 1}, 1) == {"x": 1.0}
-    assert first.file is not None and (tmp_path / "a.csv").read_text() == "step,x\n1,1.0\n"  # flushed
+    assert first.file is not None and (tmp_path / "a.csv").read_text() == "step,x\n1,1.0\n"  # flush_s=0
     od.loggers(second)  # closes the first
     assert first.file is None
     od.log_metrics({"x": 2}, 2)
     od.loggers()
     assert (tmp_path / "b.csv").read_text() == "step,x\n2,2.0\n" and second.file is None
+
+
+def test_csv_rows_are_queued_and_written_by_a_thread_every_flush_s_and_at_close(tmp_path):
+    """The training thread only queues a row: an hour's flush_s writes nothing until flush() or the
+    close; a short one's thread writes the rows without either; a row with a new metric, queued
+    behind others, rewrites the file with its column."""
+    late = od.CSVLogger(tmp_path, "late.csv", flush_s=3600)
+    with od.loggers(late):
+        od.log_metrics({"x": 1}, 1)
+        od.log_metrics({"x": 2}, 2)
+        assert not (tmp_path / "late.csv").exists() and len(late.queued) == 2  # nothing written yet
+        late.flush()
+        assert (tmp_path / "late.csv").read_text() == "step,x\n1,1.0\n2,2.0\n"
+        od.log_metrics({"x": 3, "y": 0.5}, 3)
+        od.log_metrics({"y": 0.25}, None)
+    assert (tmp_path / "late.csv").read_text() == "step,x,y\n1,1.0,\n2,2.0,\n3,3.0,0.5\n,,0.25\n"
+    soon = od.CSVLogger(tmp_path, "soon.csv", flush_s=0.05)
+    with od.loggers(soon):
+        od.log_metrics({"x": 1}, 1)
+        assert "onedist-csv-writer" in [t.name for t in threading.enumerate()]
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "soon.csv").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert soon.file is not None  # written by the thread, the loggers still open
+    assert (tmp_path / "soon.csv").read_text() == "step,x\n1,1.0\n"
+
+
+def test_csv_rows_queued_are_written_at_a_normal_exit_and_a_writer_error_is_raised(tmp_path):
+    """A process that ends without closing its loggers (od.loggers' or a CSVLogger used alone)
+    has every row in the files; a row the thread cannot write raises at the next log_metrics."""
+    code = (
+        "import sys, onedist as od\n"
+        "od.loggers(od.CSVLogger(sys.argv[1], 'a.csv', flush_s=3600))\n"
+        "alone = od.CSVLogger(sys.argv[1], 'b.csv', flush_s=3600)\n"
+        "for step in range(3):\n"
+        "    od.log_metrics({'x': step}, step)\n"
+        "    alone.log_metrics({'x': float(step)}, step)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("a.csv", "b.csv"):
+        assert (tmp_path / name).read_text() == "step,x\n0,0.0\n1,1.0\n2,2.0\n", name
+    (tmp_path / "taken").write_text("a file where the logger's directory should be")
+    broken = od.CSVLogger(tmp_path / "taken", flush_s=0.01)
+    broken.log_metrics({"x": 1.0}, 1)
+    deadline = time.monotonic() + 30
+    while broken.failed is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(OSError):
+        broken.log_metrics({"x": 2.0}, 2)
 
 
 def test_digits_logs_its_epochs_to_csv(tmp_path):

@@ -51,7 +51,10 @@ def main(local_rank: int, out_dir: str, mode: str = "") -> None:
     loader = od.auto_dataloader(TensorDataset(torch.arange(60.0)), batch_size=6, shuffle=False)
     throughput = od.Throughput(every=5)
     windows = []
-    targets = [od.CSVLogger(out_dir), *([od.TensorBoardLogger(out_dir)] if find_spec("tensorboard") else [])]
+    # flush_s: the CSV rows reach the file only when the loggers are closed (at the exit, or
+    # before onedist ends the rank), which the tests check
+    csv_logger = od.CSVLogger(out_dir, flush_s=3600)
+    targets = [csv_logger, *([od.TensorBoardLogger(out_dir)] if find_spec("tensorboard") else [])]
     if mode == "preempted":
         targets.append(Buffered(f"{out_dir}/buffered-{od.get_rank()}.json"))
     od.loggers(*targets)

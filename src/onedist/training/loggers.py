@@ -7,8 +7,10 @@ writes, and the others return at once, unless ``reduce=`` asks for the metrics o
 then every rank takes part in one all_reduce (see
 :func:`~onedist.training.rank_rows.rank_rows`), whatever the mix of mean, sum, max and min.
 
-Nothing is lost when the job ends early: a CSV row is flushed as it is written; TensorBoard's
-writer flushes every ``flush_s`` seconds; every logger is flushed and closed at the end of a
+Nothing is lost when the job ends early. The training thread only queues a CSV row (writing it
+there cost a step tens of microseconds: a step leaves the CPU's caches cold for this code); the
+CSV logger's thread writes the queued rows every ``flush_s`` seconds, as TensorBoard's writer
+flushes every ``flush_s`` seconds; every logger is flushed and closed at the end of a
 ``with od.loggers(...):`` block, when ``od.loggers`` replaces them, and at the exit of the
 process, which is how a rank leaves when another rank failed (onedist raises
 :class:`~onedist.RemoteRankError` in it, and the exception ends the process normally). Where
@@ -24,12 +26,18 @@ import atexit
 import csv
 import math
 import os
+import threading
+import weakref
 import zlib
+from collections import deque
 from collections.abc import Mapping
 from importlib.util import find_spec
 from types import TracebackType
 from typing import IO, Any, Optional, Protocol, Union, runtime_checkable
 
+import torch
+
+from ..context import is_main_process
 from ..errors import CollectiveMismatchError, OnedistRuntimeError, bad_type, bad_value
 from ..failures import on_forced_exit
 
@@ -50,9 +58,14 @@ class MetricLogger(Protocol):
 class CSVLogger:
     """Metrics to ``directory/name``: a header ``step,<metric>,...`` and one row per call.
 
-    Written by the main process only, created at its first row (an existing file is replaced);
-    every row is flushed as it is written. A metric that appears later adds a column (the file is
-    rewritten once with it); a row leaves the metrics it does not have empty.
+    Written by the main process only, created at its first row (an existing file is replaced).
+    The training thread only queues a row (a few microseconds); a thread of the logger writes the
+    rows queued every ``flush_s`` seconds, and every row left is written at :meth:`flush` and
+    :meth:`close`, which ``od.loggers`` calls at the end of its block, at the exit of the process
+    and before onedist ends a rank without its exit handlers (SIGTERM, ...). ``flush_s=0``: each
+    row is written and flushed in the call, by the training thread. A metric that appears later
+    adds a column (the file is rewritten once with it); a row leaves the metrics it does not have
+    empty.
 
     Example:
         >>> import onedist as od
@@ -67,25 +80,85 @@ class CSVLogger:
         2,0.25,0.9
     """
 
-    def __init__(self, directory: PathLike, name: str = "metrics.csv") -> None:
+    def __init__(self, directory: PathLike, name: str = "metrics.csv", flush_s: float = 1.0) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise bad_type("CSVLogger", "directory", directory, "a str or os.PathLike")
         if not isinstance(name, str) or not name or os.sep in name:
             raise bad_value(
                 "CSVLogger", "name", name, "a file name (a non-empty str without a path separator)"
             )
+        if isinstance(flush_s, bool) or not isinstance(flush_s, (int, float)) or not flush_s >= 0:
+            raise bad_value("CSVLogger", "flush_s", flush_s, "a number of seconds >= 0")
         self.path = os.path.join(os.fspath(directory), name)
+        self.flush_s = float(flush_s)
         self.columns: list[str] = []
         self.file: Optional[IO[str]] = None
+        # rows queued by the training thread (deque: append and popleft are atomic, no lock)
+        self.queued: deque[tuple[Optional[int], dict[str, Any]]] = deque()
+        self.lock = threading.Lock()  # one writer at a time: the logger's thread, flush, close
+        self.stop: Optional[threading.Event] = None  # set: the writer thread ends
+        self.failed: Optional[BaseException] = None  # what stopped the writer thread
+        self.hooked = False  # closed at the exit of the process
 
     def log_metrics(self, metrics: Mapping[str, float], step: Optional[int]) -> None:
-        """Append one row (``step`` first)."""
-        new = [k for k in metrics if k not in self.columns]
-        if self.file is None or new:
-            self._reopen(new)
+        """Queue one row (``step`` first); with ``flush_s=0``, write it now."""
+        self.queued.append((step, dict(metrics)))  # a copy: the caller may change its dict later
+        if self.stop is None:
+            if self.flush_s == 0:
+                self.flush()
+            else:
+                self._start_writer()
+        elif self.failed is not None:  # the thread could not write: say why, here
+            failed, self.failed = self.failed, None
+            self.stop.set()
+            self.stop = None
+            raise failed
+
+    def _start_writer(self) -> None:
+        """The thread that writes the queued rows every ``flush_s`` seconds (a daemon: the exit
+        of the process closes the logger, through ``od.loggers`` or :func:`_close_csv_at_exit`)."""
+        stop = self.stop = threading.Event()
+
+        def write_every_flush_s() -> None:
+            while not stop.wait(self.flush_s):
+                try:
+                    self.flush()
+                except Exception as e:  # raised by the next log_metrics, on the training thread
+                    self.failed = e
+                    return
+
+        threading.Thread(target=write_every_flush_s, name="onedist-csv-writer", daemon=True).start()
+        if not self.hooked:
+            atexit.register(_close_csv_at_exit, weakref.ref(self))
+            self.hooked = True
+
+    def flush(self) -> None:
+        """Write and flush the rows queued so far."""
+        with self.lock:
+            rows = []
+            while self.queued:
+                rows.append(self.queued.popleft())
+            if rows:
+                self._write(rows)
+
+    def _write(self, rows: list[tuple[Optional[int], dict[str, Any]]]) -> None:
+        """Append ``rows`` to the file (opened at the first row; rewritten when a column is new)."""
+        start = 0
+        for i, (_, metrics) in enumerate(rows):
+            new = [k for k in metrics if k not in self.columns]
+            if self.file is None or new:
+                self._append(rows[start:i])
+                self._reopen(new)
+                start = i
+        self._append(rows[start:])
+
+    def _append(self, rows: list[tuple[Optional[int], dict[str, Any]]]) -> None:
+        if not rows:
+            return
         assert self.file is not None
-        row = {"step": "" if step is None else step, **metrics}
-        csv.DictWriter(self.file, ["step", *self.columns]).writerow(row)
+        columns = self.columns
+        table = [["" if step is None else step, *(m.get(c, "") for c in columns)] for step, m in rows]
+        csv.writer(self.file).writerows(table)
         self.file.flush()
 
     def _reopen(self, new: list[str]) -> None:
@@ -104,17 +177,25 @@ class CSVLogger:
             writer.writerows(rows)
         self.file = open(self.path, "a", newline="")  # noqa: SIM115 (kept open between rows)
 
-    def flush(self) -> None:
-        """Nothing left to write (every row is flushed); here for :class:`MetricLogger`'s callers."""
-        if self.file is not None:
-            self.file.flush()
-
     def close(self) -> None:
-        """Close the file (a later row reopens it and rewrites it)."""
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-            self.columns = []
+        """Write the rows queued, stop the writer thread and close the file (a later row reopens
+        the file and rewrites it)."""
+        if self.stop is not None:
+            self.stop.set()
+            self.stop = None
+        self.flush()
+        with self.lock:
+            if self.file is not None:
+                self.file.close()
+                self.file = None
+                self.columns = []
+
+
+def _close_csv_at_exit(ref: weakref.ref[CSVLogger]) -> None:
+    """Close a CSV logger at the exit of the process (one used without ``od.loggers`` too)."""
+    logger = ref()
+    if logger is not None:
+        logger.close()
 
 
 class TensorBoardLogger:
@@ -308,26 +389,39 @@ def log_metrics(
         >>> od.log_metrics({"loss": torch.tensor(0.25), "correct": 30}, step=10, reduce={"correct": "sum"})
         {'loss': 0.25, 'correct': 30.0}
     """
-    from ..context import is_main_process
-
     values = _floats(metrics)
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+    # (the checks' exact classes first: this runs every step, after the step has evicted this
+    # code from the CPU's caches, where each Python operation costs several times its warm time)
+    if (
+        step is not None
+        and (step.__class__ is not int or step < 0)
+        and (isinstance(step, bool) or not isinstance(step, int) or step < 0)
+    ):
         raise bad_value("log_metrics", "step", step, "None or an int >= 0")
-    ops = _reductions(reduce, values)
-    if ops:
-        values = _reduce(values, ops)
-    if _active.current is not None and is_main_process():
-        _active.current.write(values, step)
+    if reduce is not None:
+        ops = _reductions(reduce, values)
+        if ops:
+            values = _reduce(values, ops)
+    active = _active.current
+    if active is not None and is_main_process():
+        active.write(values, step)
     return values
 
 
 def _floats(metrics: Any) -> dict[str, float]:
-    if not isinstance(metrics, Mapping):
+    if metrics.__class__ is not dict and not isinstance(metrics, Mapping):
         raise bad_type("log_metrics", "metrics", metrics, "a dict of metric name -> number")
     values: dict[str, float] = {}
     for name, value in metrics.items():
-        if not isinstance(name, str):
+        if name.__class__ is not str and not isinstance(name, str):
             raise bad_type("log_metrics", "metrics' key", name, "a str (the metric's name)")
+        cls = value.__class__
+        if cls is torch.Tensor and value.numel() == 1:
+            value = value.item()  # a one-element tensor (a GPU's waits for its value here)
+            cls = value.__class__
+        if cls is float or cls is int:
+            values[name] = float(value)
+            continue
         if hasattr(value, "numel") and value.numel() == 1:
             value = value.item()  # a one-element tensor (a GPU's waits for its value here)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -365,21 +459,21 @@ def _reduce(values: dict[str, float], ops: dict[str, str]) -> dict[str, float]:
     from .rank_rows import rank_rows
 
     names = sorted(ops)  # the ranks may have built their dicts in any order
-    rows = rank_rows([zlib.crc32("\0".join(names).encode()), *(values[n] for n in names)])
-    if len(set(rows[:, 0].tolist())) > 1:  # every rank sees it: every rank raises
+    # as Python numbers at once: a torch call per column cost more than the numbers
+    rows = rank_rows([zlib.crc32("\0".join(names).encode()), *(values[n] for n in names)]).tolist()
+    checksums, *columns = zip(*rows)
+    if len(set(checksums)) > 1:  # every rank sees it: every rank raises
         raise CollectiveMismatchError(
             f"onedist.log_metrics: the ranks reduce metrics of different names; this rank's: {names}"
             "\nHINT: call od.log_metrics with the same metric names on every rank"
         )
-    rows = rows[:, 1:]
     out = dict(values)
-    for i, name in enumerate(names):
-        column = rows[:, i]
+    for name, column in zip(names, columns):
         op = ops[name]
         if op == "mean":
-            out[name] = math.fsum(column.tolist()) / len(column)
+            out[name] = math.fsum(column) / len(column)
         elif op == "sum":
-            out[name] = math.fsum(column.tolist())
+            out[name] = math.fsum(column)
         else:
-            out[name] = float(column.max() if op == "max" else column.min())
+            out[name] = float(max(column) if op == "max" else min(column))
     return out

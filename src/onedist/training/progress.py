@@ -141,14 +141,14 @@ class Progress(Generic[T]):
 
     def _shown(self) -> Iterator[T]:
         self._start()
-        step = self.world_size
+        step, bar, clock = self.world_size, self.bar, time.monotonic
         try:
             for item in self.iterable:
                 yield item
                 self.n += step
-                if self.bar is not None:
-                    self.bar.update(step)
-                elif time.monotonic() - self.last_line >= self.every_s:
+                if bar is not None:
+                    bar.update(step)
+                elif clock() - self.last_line >= self.every_s:
                     self._line()
         finally:
             self.close()

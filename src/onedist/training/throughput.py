@@ -1,7 +1,7 @@
 """``od.Throughput``: the job's samples/s, tokens/s, FLOP/s and utilisation, over every rank.
 
 Each rank counts its own steps locally; every ``every`` steps (and at :meth:`Throughput.compute`)
-the ranks exchange their counts and their window's time in one all_reduce of ``world_size x 6``
+the ranks exchange their counts and their window's time in one all_reduce of ``world_size x 7``
 float64s (:func:`~onedist.training.rank_rows.rank_rows`), none in between. The window's rate is
 the job's: the samples of every rank over the slowest rank's time, so ranks with uneven batches
 count right. ``od.measure_flops`` counts a model's FLOPs per batch with
@@ -117,21 +117,26 @@ class Throughput:
     ) -> Optional[Rates]:
         """Count one step of this rank: ``samples`` (its batch size), ``tokens`` and ``flops``
         (None: ``flops_per_batch``). Returns the window's rates on every ``every``-th call."""
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+        # (an int's exact class first: this runs every step, right after the step)
+        if (samples.__class__ is not int or samples < 0) and (
+            isinstance(samples, bool) or not isinstance(samples, int) or samples < 0
+        ):
             raise bad_value("Throughput.update", "samples", samples, "an int >= 0 (this rank's batch size)")
-        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
-            raise bad_value("Throughput.update", "tokens", tokens, "None or an int >= 0")
-        _check_number("Throughput.update", "flops", flops)
-        self.steps += 1
-        self.samples += samples
         if tokens is not None:
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise bad_value("Throughput.update", "tokens", tokens, "None or an int >= 0")
             self.tokens += tokens
             self.has_tokens = True
-        flops = self.flops_per_batch if flops is None else flops
+        if flops is None:
+            flops = self.flops_per_batch
+        else:
+            _check_number("Throughput.update", "flops", flops)
         if flops is not None:
             self.flops += flops
             self.has_flops = True
-        if self.every is not None and self.steps >= self.every:
+        self.samples += samples
+        steps = self.steps = self.steps + 1
+        if self.every is not None and steps >= self.every:
             return self.compute()
         return None
 
@@ -139,16 +144,17 @@ class Throughput:
         """End the window now: its rates over every rank (one collective; call it on every rank)."""
         now = time.perf_counter()
         local = [self.steps, self.samples, self.tokens, self.has_tokens, self.flops, self.has_flops]
-        rows = rank_rows([*map(float, local), now - self.started])
-        sums = rows.sum(0).tolist()
-        elapsed = float(rows[:, 6].max())
+        # as Python numbers at once: a torch call per sum or maximum cost more than the numbers
+        rows = rank_rows([*local, now - self.started]).tolist()
+        sums = [sum(column) for column in zip(*rows)]
+        elapsed = max(row[6] for row in rows)
         samples = round(sums[1])
         self.total_samples += samples
         per_s = 1.0 / elapsed if elapsed > 0 else 0.0
         flops_per_s = sums[4] * per_s if sums[5] else None
-        peak = None if self.peak is None else self.peak * rows.shape[0]
+        peak = None if self.peak is None else self.peak * len(rows)
         self.last = Rates(
-            steps=round(rows[0, 0].item()),
+            steps=round(rows[0][0]),
             elapsed_s=elapsed,
             samples=samples,
             samples_per_s=samples * per_s,
