@@ -71,8 +71,10 @@ def _train(model: torch.nn.Module, rows: slice) -> None:
 
 
 def _mapped(path: str) -> bool:
+    """Whether this process maps the file at ``path`` (its full path: a pool's worker may still map
+    another test's file of the same name)."""
     with open("/proc/self/maps") as f:
-        return os.path.basename(path) in f.read()
+        return any(line.rstrip("\n").endswith(" " + os.path.realpath(path)) for line in f)
 
 
 def _warm_up(path: str) -> None:

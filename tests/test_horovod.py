@@ -258,7 +258,8 @@ def test_spawn_timeout_names_the_rank_that_never_arrived(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", _env()["PYTHONPATH"])
     message, slept = od.spawn("horovod", ch.worker_timeout, nproc_per_node=2, timeout=2)
     assert slept == "slept"
-    assert "all_reduce on rank 0" in message and "timed out after 2.0 s" in message, message
+    # the time the rank waited: the 2 s timeout, and whatever a busy machine adds before it raises
+    assert "all_reduce on rank 0" in message and re.search(r"timed out after 2\.\d s", message), message
     assert "Ranks that never arrived: [1]" in message, message
 
 
