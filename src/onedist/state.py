@@ -13,7 +13,8 @@ join context. Only the modules below write it, each its own part; everyone else 
     collectives.debug     debug
     collectives.helpers   one_rank_depth
     failures.channel      published
-    failures.watcher      published, watcher, watch_stop
+    failures.explain      explained
+    failures.watcher      published, explained, watcher, watch_stop
     failures.hooks        hook_installed, previous_hook
     training.join         join
 

@@ -95,13 +95,14 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
         try:
             count = int(store.add(FAILED_COUNT, 0))
             failed = {}
-            if count > handled and not world.published and not world.explaining:
+            busy = world.explaining or world.explained  # see World.explained: raised once only
+            if count > handled and not world.published and not busy:
                 handled = count
                 failed = failed_reports(range(world_size), rank)
             # the store's host may leave at any moment (the job ends): asking a store that is gone
             # makes torch print a C++ stack trace, so look again before each part of the poll
             verdict = found = None
-            if stall is not None and not failed and not world.explaining and not probe.gone():
+            if stall is not None and not failed and not busy and not probe.gone():
                 verdict = stall.sample()
                 if verdict is None and not probe.gone():
                     found = history.sample()
@@ -114,10 +115,6 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
             return
         if found is not None:  # calls that completed although the ranks disagreed
             _end_on_history(stop, store, probe, found, rank, main_ident, failed_before)
-            return
-        if failed and world.explained:
-            # the main thread's own call raised it already (its guard read it from the store): a
-            # second, asynchronous one would land in the program's handler of the first
             return
         if failed:
             r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
