@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -63,21 +62,6 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
 
 
 def explain(name: str, e: BaseException, group: Any, started: float, seq: int = -1) -> BaseException:
-    """The backend's error ``e`` of collective ``name`` as onedist explains it: the stall verdict,
-    a peer's published failure, a timeout naming the ranks, a peer gone; ``e`` itself otherwise."""
-    err = _explain(name, e, group, started, seq)
-    _note_if_from_store(err, e)
-    return err
-
-
-def _note_if_from_store(err: Any, e: BaseException) -> None:
-    """Mark that the main thread got a verdict or a peer's failure (see World.explained)."""
-    from_store = err is not e and isinstance(err, (CollectiveMismatchError, RemoteRankError))
-    if from_store and threading.get_ident() == threading.main_thread().ident:
-        world.explained = True
-
-
-def _explain(name: str, e: BaseException, group: Any, started: float, seq: int = -1) -> BaseException:
     try:
         rank, world_size = rank_and_world()
     except Exception:
@@ -150,14 +134,11 @@ def known_cause(name: str, e: BaseException, rank: int, world_size: int) -> Any:
     store = side_store()
     verdict = read_verdict(store, sys.maxsize, rank, world_size)
     if verdict is not None:
-        err: BaseException = CollectiveMismatchError(verdict)
-    else:
-        failed = failed_reports(range(world_size), rank)
-        if not failed:
-            return None
-        err = _remote_failure(name, rank, call_site(user_frame(sys._getframe(1), _TORCH_DIR)), failed)
-    _note_if_from_store(err, e)
-    return err
+        return CollectiveMismatchError(verdict)
+    failed = failed_reports(range(world_size), rank)
+    if not failed:
+        return None
+    return _remote_failure(name, rank, call_site(user_frame(sys._getframe(1), _TORCH_DIR)), failed)
 
 
 def _peer_gone_error(

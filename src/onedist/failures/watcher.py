@@ -95,14 +95,13 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
         try:
             count = int(store.add(FAILED_COUNT, 0))
             failed = {}
-            busy = world.explaining or world.explained  # see World.explained: raised once only
-            if count > handled and not world.published and not busy:
+            if count > handled and not world.published and not world.explaining:
                 handled = count
                 failed = failed_reports(range(world_size), rank)
             # the store's host may leave at any moment (the job ends): asking a store that is gone
             # makes torch print a C++ stack trace, so look again before each part of the poll
             verdict = found = None
-            if stall is not None and not failed and not busy and not probe.gone():
+            if stall is not None and not failed and not world.explaining and not probe.gone():
                 verdict = stall.sample()
                 if verdict is None and not probe.gone():
                     found = history.sample()
@@ -307,7 +306,7 @@ def start_watch() -> None:
         return
     if store is None:
         return
-    world.published = world.explained = False  # a new group: nothing raised of it yet
+    world.published = False
     recorded_log.explain_failure = _explain_failure
     recorded_log.known_cause = functools.partial(known_cause, rank=rank, world_size=world_size)
     try:
