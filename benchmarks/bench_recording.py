@@ -1,9 +1,12 @@
 """What putting every call on record costs (issue 49): the same calls on a recorded gloo group and on
 torch's plain gloo group, in the same worker processes, interleaved (``--backend mpi``: onedist's
-mpi4py group with and without its record, ``ONEDIST_RECORD=0``, started through mpirun).
+mpi4py group with and without its record, ``ONEDIST_RECORD=0``, started through mpirun;
+``--backend horovod``: Horovod's own ``hvd.*`` calls with onedist's record installed and removed
+between repetitions, in the same processes started through ``horovod.run``).
 
-    python benchmarks/bench_recording.py                 # 2 gloo ranks, CPU
-    python benchmarks/bench_recording.py --backend mpi   # 2 mpi4py ranks under mpirun
+    python benchmarks/bench_recording.py                     # 2 gloo ranks, CPU
+    python benchmarks/bench_recording.py --backend mpi       # 2 mpi4py ranks under mpirun
+    python benchmarks/bench_recording.py --backend horovod   # 2 Horovod ranks (gloo controller)
     python benchmarks/bench_recording.py --json out.json
 
 Rows (each a ratio to the plain group: 1.00 = free):
@@ -14,15 +17,21 @@ Rows (each a ratio to the plain group: 1.00 = free):
   od.all_reduce, 1 float         onedist's, on each group (``group=``)
   DDP step                       forward, backward (the gradient buckets), SGD step of an MLP
                                  (128 -> 256 -> 256 -> 2, 64 samples a rank): DDP over each group
-The A/A row (the plain group against a second plain group) is the noise floor.
+The A/A row (the plain group against a second plain group) is the noise floor. Horovod's rows:
+``hvd.allreduce`` of 1 float and of 64 KiB (unnamed, as most scripts call it), and a step of
+``hvd.DistributedOptimizer`` on the same MLP; each ratio is to the record removed, with the CPU
+time of the rank's process (Horovod's background thread included) beside the wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,15 +65,20 @@ class _Forwarding(NamedGroup):
         return self.inner.allreduce(tensors, opts or _c10d.AllreduceOptions())
 
 
-def _ddp_step(group: Any) -> Callable[[], None]:
+def _mlp() -> torch.nn.Module:
+    """The model of the DDP step rows (MLP 128-256-256-2), the same weights every time."""
     torch.manual_seed(0)
-    mlp = torch.nn.Sequential(
+    return torch.nn.Sequential(
         torch.nn.Linear(128, 256),
         torch.nn.ReLU(),
         torch.nn.Linear(256, 256),
         torch.nn.ReLU(),
         torch.nn.Linear(256, 2),
     )
+
+
+def _ddp_step(group: Any) -> Callable[[], None]:
+    mlp = _mlp()
     model = torch.nn.parallel.DistributedDataParallel(mlp, process_group=group)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(64, 128), torch.randint(0, 2, (64,))
@@ -126,18 +140,102 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]
     return results
 
 
+# ---------------------------------------------------------------------------- --backend horovod
+def _hvd_timeit(hvd: Any, fn: Callable[[], Any], iters: int) -> tuple[float, float]:
+    """Wall and CPU seconds per call of ``fn``, both ranks starting together; rank 0's view."""
+    fn()
+    hvd.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(iters):
+        fn()
+    hvd.barrier()
+    return (time.perf_counter() - t0) / iters, (time.process_time() - c0) / iters
+
+
+class _Submit:
+    """``hvd.allreduce_async`` of 1 float, submitted ``iters`` times and timed alone (the calling
+    thread's cost, which the record adds to; Horovod's round trip, which noise dominates on a busy
+    machine, is not in it); its CPU time is the calling thread's (``thread_time``: Horovod's
+    background thread works meanwhile). The handles are synchronised after the clock stops."""
+
+    def __init__(self, hvd: Any) -> None:
+        self.hvd, self.t = hvd, torch.ones(1)
+
+    def timeit(self, iters: int) -> tuple[float, float]:
+        hvd = self.hvd
+        hvd.barrier()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        handles = [hvd.allreduce_async(self.t) for _ in range(iters)]
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        for h in handles:
+            hvd.synchronize(h)
+        return wall / iters, cpu / iters
+
+
+def _hvd_cases(hvd: Any) -> dict[str, Callable[[int], tuple[float, float]]]:
+    """Each case as a function timing ``iters`` calls: (wall, CPU) seconds per call."""
+    t, big = torch.ones(1), torch.ones(16384)
+    mlp = _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(mlp.parameters(), lr=0.01), mlp.named_parameters())
+    x, y = torch.randn(64, 128), torch.randint(0, 2, (64,))
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(mlp(x), y).backward()
+        opt.step()
+
+    calls: dict[str, Callable[[], Any]] = {
+        "hvd.allreduce, 1 float": lambda: hvd.allreduce(t),
+        "hvd.allreduce, 64 KiB": lambda: hvd.allreduce(big),
+        "DistributedOptimizer step": step,
+    }
+    cases = {"hvd.allreduce_async submitted, 1 float": _Submit(hvd).timeit}
+    cases.update({name: functools.partial(_hvd_timeit, hvd, fn) for name, fn in calls.items()})
+    return cases
+
+
+def run_horovod(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Each case with the record on, off, and off again (A/A), the three interleaved in rotating
+    order; the record is installed or removed between repetitions (its nonce allreduce untimed)."""
+    import horovod.torch as hvd
+
+    from onedist.backends.recorded import horovod_calls
+
+    torch.set_num_threads(1)
+    states = ("plain", "recorded", "plain again (A/A)")
+    results: dict[str, dict[str, float]] = {}
+    for case, timed in _hvd_cases(hvd).items():
+        iters = args.iters // 10 if "step" in case else args.iters
+        wall: dict[str, list[float]] = {k: [] for k in states}
+        cpu: dict[str, list[float]] = {k: [] for k in states}
+        for rep in range(args.reps):
+            for state in states[rep % 3 :] + states[: rep % 3]:
+                if state == "recorded":
+                    horovod_calls.install(hvd)
+                w, c = timed(iters)
+                horovod_calls.uninstall()
+                wall[state].append(w)
+                cpu[state].append(c)
+        base, base_cpu = statistics.median(wall["plain"]), statistics.median(cpu["plain"])
+        results[case] = {k: statistics.median(v) / base for k, v in wall.items()}
+        results[case]["recorded, CPU"] = statistics.median(cpu["recorded"]) / base_cpu
+        results[case]["plain, us"] = base * 1e6
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backend", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument("--backend", choices=("gloo", "mpi", "horovod"), default="gloo")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iters", type=int, default=300, help="calls per timed repetition (DDP: a tenth)")
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    results = od.spawn(args.backend, run, args=(args,), nproc_per_node=args.world_size)[0]
+    worker = run_horovod if args.backend == "horovod" else run
+    results = od.spawn(args.backend, worker, args=(args,), nproc_per_node=args.world_size)[0]
     where = f"torch {torch.__version__}, {args.backend}, {args.world_size} ranks, {os.cpu_count()} CPUs"
     lines = [f"{where}; x the plain group"]
     for case, row in results.items():

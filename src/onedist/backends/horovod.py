@@ -29,6 +29,9 @@ and ``auto_optim``):
   wraps the optimizer in ``hvd.DistributedOptimizer`` and broadcasts rank 0's state.
 * ``timeout``: Horovod waits forever for a rank that never joins a collective; with a timeout,
   onedist polls the operation and raises after that long, naming the ranks that did not arrive.
+* Every Horovod call of the process (the user's ``hvd.*``, ``hvd.DistributedOptimizer``'s,
+  onedist's) is on record while onedist's context lives (``recorded/horovod_calls.py``;
+  ``ONEDIST_RECORD=0``: none), so the failure watcher names ranks blocked in different calls.
 
 Example (``horovodrun -np 2 -H localhost:2 --gloo python train.py``; tests/test_horovod.py runs
 such scripts)::
@@ -64,6 +67,7 @@ from ._environ import restore_env, set_env
 from ._horovod_store import StoreMessages, start_side_store
 from ._horovod_training import HorovodTraining
 from .interface import Backend, Layout, Work
+from .recorded import horovod_calls as recorded_horovod
 
 __all__ = ["HorovodBackend"]
 
@@ -322,8 +326,10 @@ class HorovodBackend(HorovodTraining, StoreMessages):
                 store = start_side_store(hvd, timeout)
             backend_ = cls(owned=True, env_set=env_set, store=store, timeout=timeout)
             backend_._share_cores()
+            recorded_horovod.install(hvd)  # every hvd.* call on record (ONEDIST_RECORD=0: none)
             return backend_
         except BaseException:
+            recorded_horovod.uninstall()
             hvd.shutdown()
             restore_env(env_set)
             raise
@@ -353,6 +359,8 @@ class HorovodBackend(HorovodTraining, StoreMessages):
         try:
             if self._store is not None:
                 self._keep_store_for_others()
+            if self.owned:
+                recorded_horovod.uninstall()
             if self._hvd.is_initialized():
                 self._hvd.shutdown()
         finally:

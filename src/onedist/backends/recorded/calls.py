@@ -159,15 +159,19 @@ def describe(sig: tuple[int, ...], step: int = 0) -> str:
     return text
 
 
-def user_site(frame: Optional[FrameType]) -> str:
-    """``file:line`` of the first frame outside torch and onedist from ``frame`` outward."""
-    skipped = _SKIPPED
+def user_site(
+    frame: Optional[FrameType], skip_dirs: tuple[str, ...] = (), skipped: Optional[dict[Any, bool]] = None
+) -> str:
+    """``file:line`` of the first frame outside torch and onedist from ``frame`` outward (or
+    outside ``skip_dirs``, with its own cache ``skipped`` of code object -> skipped)."""
+    if skipped is None:
+        skip_dirs, skipped = _SKIP_DIRS, _SKIPPED
     while frame is not None:
         code = frame.f_code
         skip = skipped.get(code)
         if skip is None:
             name = code.co_filename
-            skip = skipped[code] = name.startswith(_SKIP_DIRS) or name.startswith("<frozen")
+            skip = skipped[code] = name.startswith(skip_dirs) or name.startswith("<frozen")
         if not skip:
             return f"{code.co_filename}:{frame.f_lineno}"
         frame = frame.f_back
