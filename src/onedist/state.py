@@ -13,7 +13,8 @@ join context. Only the modules below write it, each its own part; everyone else 
     collectives.debug     debug
     collectives.helpers   one_rank_depth
     failures.channel      published
-    failures.watcher      published, watcher, watch_stop
+    failures.explain      explained
+    failures.watcher      published, explained, watcher, watch_stop
     failures.hooks        hook_installed, previous_hook
     training.join         join
 
@@ -70,6 +71,7 @@ class World:
         "backend",
         "call",
         "debug",
+        "explained",
         "explaining",
         "group_calls",
         "hook_installed",
@@ -94,6 +96,10 @@ class World:
         #: > 0 while the main thread turns a failed collective into its own error (a timeout
         #: report takes seconds): the failure watcher leaves it alone meanwhile
         self.explaining = 0
+        #: the main thread raised a stall verdict or a peer's failure read from the store (its own
+        #: call explained it): the failure watcher does not raise it into the main thread again,
+        #: where it would land in the program's handler of the first (failures.watcher)
+        self.explained = False
         #: this rank published its own failure to the store
         self.published = False
         #: the failure excepthook is installed; the hook it replaced

@@ -13,9 +13,11 @@ When the communication library raises in a collective:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -62,6 +64,25 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
 
 
 def explain(name: str, e: BaseException, group: Any, started: float, seq: int = -1) -> BaseException:
+    """The backend's error ``e`` of collective ``name`` as onedist explains it: the stall verdict,
+    a peer's published failure, a timeout naming the ranks, a peer gone; ``e`` itself otherwise."""
+    err = _explain(name, e, group, started, seq)
+    _note_if_from_store(err, e)
+    return err
+
+
+def _note_if_from_store(err: Any, e: BaseException) -> None:
+    """Mark that the main thread got a verdict or a peer's failure (see World.explained), and
+    take back the same error the failure watcher may have raised into it meanwhile (it breaks a
+    plain call's group after raising the verdict into the thread: that one would wait for the
+    next bytecode, past this raise, and land in the program's handler of it)."""
+    from_store = err is not e and isinstance(err, (CollectiveMismatchError, RemoteRankError))
+    if from_store and threading.get_ident() == threading.main_thread().ident:
+        world.explained = True
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
+
+
+def _explain(name: str, e: BaseException, group: Any, started: float, seq: int = -1) -> BaseException:
     try:
         rank, world_size = rank_and_world()
     except Exception:
@@ -134,11 +155,14 @@ def known_cause(name: str, e: BaseException, rank: int, world_size: int) -> Any:
     store = side_store()
     verdict = read_verdict(store, sys.maxsize, rank, world_size)
     if verdict is not None:
-        return CollectiveMismatchError(verdict)
-    failed = failed_reports(range(world_size), rank)
-    if not failed:
-        return None
-    return _remote_failure(name, rank, call_site(user_frame(sys._getframe(1), _TORCH_DIR)), failed)
+        err: BaseException = CollectiveMismatchError(verdict)
+    else:
+        failed = failed_reports(range(world_size), rank)
+        if not failed:
+            return None
+        err = _remote_failure(name, rank, call_site(user_frame(sys._getframe(1), _TORCH_DIR)), failed)
+    _note_if_from_store(err, e)
+    return err
 
 
 def _peer_gone_error(

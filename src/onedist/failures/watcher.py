@@ -115,6 +115,8 @@ def _poll(stop: Any, store: Any, probe: ServerProbe, rank: int, world_size: int,
         if found is not None:  # calls that completed although the ranks disagreed
             _end_on_history(stop, store, probe, found, rank, main_ident, failed_before)
             return
+        if failed and world.explained:  # its own call raised it already: see World.explained
+            return
         if failed:
             r, report = min(failed.items(), key=lambda kv: kv[1].get("time", 0.0))
             if report.get("type") == CollectiveMismatchError.__name__:  # the same verdict on every rank
@@ -306,7 +308,7 @@ def start_watch() -> None:
         return
     if store is None:
         return
-    world.published = False
+    world.published = world.explained = False  # a new group: nothing raised of it yet
     recorded_log.explain_failure = _explain_failure
     recorded_log.known_cause = functools.partial(known_cause, rank=rank, world_size=world_size)
     try:
