@@ -2,7 +2,8 @@
 
 Runs a command (by default onedist's test suite) with a hook that every Python process it starts,
 at any depth, runs at interpreter start: a ``.pth`` file in site-packages that acts only where
-``ONEDIST_CENSUS`` names this run's folder. Each process writes one line when it starts and one at
+``PYCENSUS_DIR`` names this run's folder (not ``ONEDIST_``: the tests strip those from the
+processes they start). Each process writes one line when it starts and one at
 exit: its pid, the pytest test that was running when it was started (``PYTEST_CURRENT_TEST``, which
 children inherit), its command line, whether it imported torch, and its own CPU time (children
 excluded). A process ended by a signal or ``os._exit`` has no exit line: it is counted, its CPU
@@ -32,8 +33,8 @@ from pathlib import Path
 
 PTH = Path(sysconfig.get_paths()["purelib"]) / "onedist-census.pth"
 PTH_LINE = (
-    'import os; os.environ.get("ONEDIST_CENSUS") and '
-    'exec(open(os.path.join(os.environ["ONEDIST_CENSUS"], "hook.py")).read(), {})\n'
+    'import os; os.environ.get("PYCENSUS_DIR") and '
+    'exec(open(os.path.join(os.environ["PYCENSUS_DIR"], "hook.py")).read(), {})\n'
 )
 # run in every Python process of the command, at interpreter start (before the program)
 HOOK = """
@@ -45,7 +46,7 @@ def _census_line(kind, _start=_t.monotonic()):
         use = _r.getrusage(_r.RUSAGE_SELF)
         row.update(cpu=use.ru_utime + use.ru_stime, wall=_t.monotonic() - _start,
                    torch="torch" in _s.modules)
-    with open(_o.path.join(_o.environ["ONEDIST_CENSUS"], "rows.jsonl"), "a") as f:
+    with open(_o.path.join(_o.environ["PYCENSUS_DIR"], "rows.jsonl"), "a") as f:
         f.write(_j.dumps(row) + "\\n")
 _census_line("start")
 _a.register(_census_line, "exit")
@@ -100,7 +101,7 @@ def main() -> int:
     command = opts.command or [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     folder = Path(tempfile.mkdtemp(prefix="census-"))
     (folder / "hook.py").write_text(HOOK, encoding="utf-8")
-    env = {**os.environ, "ONEDIST_CENSUS": str(folder)}
+    env = {**os.environ, "PYCENSUS_DIR": str(folder)}
     PTH.write_text(PTH_LINE, encoding="utf-8")
     start = time.monotonic()
     try:
