@@ -7,7 +7,9 @@ to torchrun:
     python benchmarks/bench_startup.py --reps 9 --nproc 4
 
 Launchers: ``onedist run -n N``, ``torchrun --nproc-per-node N``, ``torch.multiprocessing.spawn``
-(a script calling it), and ``onedist.spawn`` (a script calling it).
+(a script calling it), and ``onedist.spawn`` (a script calling it, start method "spawn" and
+"forkserver"); then the second ``onedist.spawn`` of a script that calls it twice, timed alone
+(a sweep, a notebook, a test suite: the fork server, torch loaded, is already there).
 """
 
 from __future__ import annotations
@@ -55,7 +57,23 @@ OD_SPAWN = textwrap.dedent(
         od.all_reduce(torch.ones(1))
 
     if __name__ == "__main__":
-        od.spawn("gloo", work, nproc_per_node=int(sys.argv[1]))
+        od.spawn("gloo", work, nproc_per_node=int(sys.argv[1]), start_method=sys.argv[2])
+    """
+)
+
+# a program that starts workers again (a sweep, a notebook, a test suite): its second od.spawn
+OD_SPAWN_AGAIN = textwrap.dedent(
+    """
+    import sys, time, torch, onedist as od
+
+    def work(local_rank):
+        od.all_reduce(torch.ones(1))
+
+    if __name__ == "__main__":
+        od.spawn("gloo", work, nproc_per_node=int(sys.argv[1]), start_method=sys.argv[2])
+        start = time.perf_counter()
+        od.spawn("gloo", work, nproc_per_node=int(sys.argv[1]), start_method=sys.argv[2])
+        print(time.perf_counter() - start)
     """
 )
 
@@ -73,7 +91,8 @@ def main() -> None:
     n = str(args.nproc)
     with tempfile.TemporaryDirectory() as tmp:
         files = {}
-        for name, text in (("worker.py", WORKER), ("mp_spawn.py", MP_SPAWN), ("od_spawn.py", OD_SPAWN)):
+        scripts = (("worker.py", WORKER), ("mp_spawn.py", MP_SPAWN), ("od_spawn.py", OD_SPAWN))
+        for name, text in (*scripts, ("od_spawn_again.py", OD_SPAWN_AGAIN)):
             files[name] = os.path.join(tmp, name)
             with open(files[name], "w") as f:
                 f.write(text)
@@ -91,14 +110,17 @@ def main() -> None:
             ],
             "onedist run": lambda: [py, "-m", "onedist", "run", "-n", n, files["worker.py"]],
             "torch.multiprocessing.spawn": lambda: [py, files["mp_spawn.py"], n, str(free_port())],
-            "onedist.spawn": lambda: [py, files["od_spawn.py"], n],
+            "onedist.spawn": lambda: [py, files["od_spawn.py"], n, "spawn"],
+            "onedist.spawn (forkserver)": lambda: [py, files["od_spawn.py"], n, "forkserver"],
         }
+        again = {method: [py, files["od_spawn_again.py"], n, method] for method in ("spawn", "forkserver")}
         env = {
             k: v
             for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         }
         samples: dict[str, list[float]] = {k: [] for k in commands}
+        seconds_again: dict[str, list[float]] = {method: [] for method in again}
         names = list(commands)
         for rep in range(args.reps):
             shift = rep % len(names)
@@ -109,6 +131,11 @@ def main() -> None:
                 if proc.returncode != 0:
                     raise SystemExit(f"{name} failed:\n{proc.stdout}\n{proc.stderr}")
                 samples[name].append(elapsed)
+            for method, command in again.items():  # the second call's own time, as the script measured it
+                proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+                if proc.returncode != 0:
+                    raise SystemExit(f"od.spawn twice ({method}) failed:\n{proc.stdout}\n{proc.stderr}")
+                seconds_again[method].append(float(proc.stdout.split()[-1]))
     t_import = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -123,6 +150,9 @@ def main() -> None:
     for name, values in samples.items():
         med = statistics.median(values)
         print(f"  {name:30s} {med:6.2f} s   x{med / ref:.2f} of torchrun")
+    for method, values in seconds_again.items():
+        label = f"2nd od.spawn ({method})"
+        print(f"  {label:30s} {statistics.median(values):6.2f} s   (the call alone, after a first)")
 
 
 if __name__ == "__main__":

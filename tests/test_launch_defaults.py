@@ -309,6 +309,38 @@ def test_spawned_workers_get_one_omp_thread_from_either_start_method(start_metho
         assert len(parents) == 1 and os.getpid() not in parents, out
 
 
+FORKSERVER_TWICE = """
+import os, onedist as od
+
+def probe(local_rank):
+    with open(f"/proc/{os.getppid()}/maps") as maps:  # the fork server's memory
+        return os.environ.get("FLAG"), "libtorch_cpu" in maps.read()
+
+if __name__ == "__main__":
+    os.environ["FLAG"] = "before"
+    print(od.spawn("gloo", probe, nproc_per_node=2, start_method="forkserver", timeout=120))
+    os.environ["FLAG"] = "after"  # the fork server runs on, with the environment it started with
+    print(od.spawn("gloo", probe, nproc_per_node=2, start_method="forkserver", timeout=120))
+"""
+
+
+@pytest.mark.launcher
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
+def test_forkserver_workers_fork_with_torch_loaded_and_get_the_callers_environment(tmp_path):
+    """start_method="forkserver": the server has torch loaded before it forks a worker (none of
+    the workers imports it again), and a worker gets the caller's environment at od.spawn's call,
+    not the one the server started with."""
+    script = tmp_path / "twice.py"
+    script.write_text(FORKSERVER_TWICE)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=clean_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = proc.stdout.strip().splitlines()[-2:]
+    assert first == str([("before", True)] * 2), proc.stdout
+    assert second == str([("after", True)] * 2), proc.stdout
+
+
 INTERACTIVE = """
 import logging, onedist as od
 logging.basicConfig(level=logging.INFO)

@@ -44,6 +44,11 @@ _EXIT_HINT = (
 )
 
 
+#: what start method "forkserver"'s server imports before it forks any worker: a worker then starts
+#: in ~0.02 s instead of importing torch itself (~1 CPU-s; docs/performance.md, "Start-up")
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "onedist")
+
+
 def _die_with_parent(parent_pid: Optional[int]) -> None:
     """Ask Linux to SIGKILL this worker when the process that started it dies (``parent_pid``:
     the launcher, when it is the direct parent; None under forkserver, whose server is)."""
@@ -75,17 +80,25 @@ def _worker_main(
 ) -> None:
     """Entry point of every worker: initialise, run ``fn``, report, finalise."""
     _die_with_parent(cfg["parent_pid"])
+    if cfg["environ"] is not None:  # forkserver: the caller's environment now, not the server's
+        os.environ.clear()
+        os.environ.update(cfg["environ"])
     os.environ.update(cfg["env"])
     if cfg["store_socket"] is not None:
         os.environ[STORE_FD_ENV] = str(cfg["store_socket"].detach())
-    if cfg["forked"] or "OMP_NUM_THREADS" in cfg["env"]:
+    if (
+        cfg["forked"]
+        or "OMP_NUM_THREADS" in cfg["env"]
+        or (cfg["environ"] and "OMP_NUM_THREADS" in os.environ)
+    ):
         import torch
 
         # A forked child inherits the parent's OpenMP thread pool in a broken state (libgomp):
         # its first parallel region would hang if the parent ever ran one. One thread avoids
         # parallel regions; OMP_NUM_THREADS, when the user set it, is honoured. A spawned child
         # imported torch (unpickling fn re-imports the script) before OMP_NUM_THREADS=1 reached
-        # its environment, so torch's pool must be resized here too.
+        # its environment, so torch's pool must be resized here too; so must a child of the fork
+        # server, whose torch read the server's environment.
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..context import finalize, initialize
 
@@ -243,6 +256,10 @@ def _start_workers(
     """Start one process per local rank, each added to ``supervisor`` as it starts; rank 0 gets
     ``store_sock`` (closed here once it has its copy)."""
     ctx = multiprocessing.get_context(spec.start_method)
+    forkserver = spec.start_method == "forkserver"
+    if forkserver:
+        # the server imports them once (when it starts); each worker forks with them loaded
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     threads = worker_threads_env(spec.nproc_per_node)
     # torchrun's names for the attempt, read by od.restart_count()
     restarts = {
@@ -265,8 +282,10 @@ def _start_workers(
                 "timeout": spec.timeout,
                 "rank": None if spec.env_rendezvous else spec.rank(local_rank),
                 "world_size": None if spec.env_rendezvous else spec.world_size,
-                "parent_pid": None if spec.start_method == "forkserver" else os.getpid(),
+                "parent_pid": None if forkserver else os.getpid(),
                 "forked": spec.start_method == "fork",
+                # a forked server keeps the environment it started with: the caller's goes along
+                "environ": dict(os.environ) if forkserver else None,
                 "store_socket": store_sock if local_rank == 0 else None,
             }
             reader, writer = ctx.Pipe(duplex=False)

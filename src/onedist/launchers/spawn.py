@@ -68,7 +68,9 @@ def spawn(
         init_method: None / "env://" (default), "tcp://host:port" or "file:///path".
         timeout: rendezvous and collective timeout (``timedelta`` or seconds).
         start_method: "spawn" (default, safe with CUDA), "fork" (fast; no CUDA before it) or
-            "forkserver".
+            "forkserver" (safe with CUDA; the server imports torch and onedist once, so every
+            later ``spawn`` of the program starts its workers in a fraction of a second; each
+            worker gets the caller's environment at the call).
         hosts: backend "horovod" only: ``horovod.run``'s host list ``"host1:slots,host2:slots"``,
             as ignite passes it; ``nproc_per_node`` is then the number of processes over all of
             them. Hosts other than this one are reached with ssh, as horovodrun does.
