@@ -260,6 +260,8 @@ def _start_workers(
     if forkserver:
         # the server imports them once (when it starts); each worker forks with them loaded
         ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    # a forked server keeps the environment it started with: the caller's goes along
+    caller_environ = dict(os.environ) if forkserver else None
     threads = worker_threads_env(spec.nproc_per_node)
     # torchrun's names for the attempt, read by od.restart_count()
     restarts = {
@@ -284,8 +286,7 @@ def _start_workers(
                 "world_size": None if spec.env_rendezvous else spec.world_size,
                 "parent_pid": None if forkserver else os.getpid(),
                 "forked": spec.start_method == "fork",
-                # a forked server keeps the environment it started with: the caller's goes along
-                "environ": dict(os.environ) if forkserver else None,
+                "environ": caller_environ,
                 "store_socket": store_sock if local_rank == 0 else None,
             }
             reader, writer = ctx.Pipe(duplex=False)
