@@ -8,11 +8,15 @@ training one model with one optimizer, so that they differ only in what they add
   bare        the training step alone
   bare again  the same loop again: the control, whose ratio to bare is this machine's noise
   monitored   the same steps over od.progress (plain lines, rank 0: a line every 10 s and one
-              at the end, to /dev/null), od.Throughput.update every step (one all_reduce every
-              --every steps) and od.log_metrics({"loss": ...}) every step to a CSVLogger (rank 0
-              queues a row, its writer thread writes them every second; no collective)
+              at the end, to /dev/null), od.Throughput.update every step (one all_gather every
+              --every steps: 100, Throughput's default) and od.log_metrics({"loss": ...}) every
+              step to a CSVLogger (rank 0 queues a row, its writer thread writes them every
+              second; no collective); the rows left queued are written at the end of each
+              repetition, within its time: otherwise the writer thread's work would fall in
+              the next variant's repetition (it did: the control read x1.05, coming after
+              monitored+)
   monitored+  monitored, with od.log_metrics(..., reduce="mean") every --every steps (one more
-              small all_reduce per window)
+              small all_gather per window)
 Repetitions of --steps steps are interleaved (the order rotates; every rank starts each one
 together). For each repetition, each variant's wall time and CPU time (every thread of every
 rank: time.process_time summed over the ranks) per step; the ratios to bare are taken within a
@@ -49,6 +53,7 @@ def _loop(
     monitor: int,
     sink: Any,
     step: list[int],
+    csv: Any,
 ) -> Callable[[int], list[int]]:
     """Train ``n`` steps of ``model`` (``step[0]``: the steps so far, of every variant) and return
     the nanoseconds spent outside each step (from an optimizer step's end to the next step's
@@ -75,6 +80,8 @@ def _loop(
                 od.log_metrics({"loss": loss.detach()}, step[0])
                 if monitor == 2 and step[0] % args.every == 0:
                     od.log_metrics({"mean_loss": loss.detach()}, step[0], reduce="mean")
+        if monitor:  # its rows written within its own time, not in the next variant's (see above)
+            csv.flush()
         outside.append(clock() - mark)  # the loop's end: the progress's last line
         return outside
 
@@ -114,9 +121,10 @@ def run(local_rank: int, args: argparse.Namespace, log_dir: str) -> Times:
     model = od.auto_model(_mlp(args.features, args.hidden))
     opt = od.auto_optim(torch.optim.SGD(model.parameters(), lr=0.01))
     step = [0]
-    with open(os.devnull, "w") as sink, od.loggers(od.CSVLogger(log_dir)):
+    csv = od.CSVLogger(log_dir)
+    with open(os.devnull, "w") as sink, od.loggers(csv):
         names = {"bare": 0, "monitored": 1, "monitored+": 2, "bare again": 0}
-        variants = {name: _loop(model, opt, batches, args, m, sink, step) for name, m in names.items()}
+        variants = {name: _loop(model, opt, batches, args, m, sink, step, csv) for name, m in names.items()}
         for fn in variants.values():  # warm-up: buckets, the CSV file
             fn(2 * args.every)
         return interleaved_times(variants, args.steps, args.reps)
@@ -136,11 +144,13 @@ def main() -> None:
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--backend", default="gloo", help="gloo or shm (CPU)")
-    parser.add_argument("--every", type=int, default=50, help="steps per Throughput window")
+    parser.add_argument(
+        "--every", type=int, default=100, help="steps per Throughput window (100: od.Throughput's default)"
+    )
     add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=128, help="global batch size")
     parser.add_argument("--steps", type=int, default=100, help="steps per timed repetition")
-    parser.add_argument("--reps", type=int, default=25)
+    parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU benchmark, also on a GPU machine
     load = os.getloadavg()

@@ -247,6 +247,9 @@ def check_each_collective_over_the_ranks_still_in_their_loops() -> int:
             assert gathered == (active if rank == last else []), gathered
             assert od.broadcast(torch.tensor([step * 10 + last]), src=last).item() == step * 10 + last
             assert od.broadcast_object({"from": last} if rank == last else None, src=last) == {"from": last}
+            reduce = {"r": "mean", "low": "min"}
+            logged = od.log_metrics({"r": float(rank), "low": rank + 1.0}, step, reduce=reduce)
+            assert logged == {"r": sum(active) / len(active), "low": active[0] + 1.0}, logged
             od.barrier()
             steps += 1
     return steps

@@ -4,7 +4,7 @@
 or any object with ``log_metrics(metrics, step)`` (Lightning's loggers, your own).
 ``od.log_metrics(metrics, step)`` is called on every rank; only the main process (global rank 0)
 writes, and the others return at once, unless ``reduce=`` asks for the metrics over every rank:
-then every rank takes part in one all_reduce (see
+then every rank takes part in one all_gather (see
 :func:`~onedist.training.rank_rows.rank_rows`), whatever the mix of mean, sum, max and min.
 
 Nothing is lost when the job ends early. The training thread only queues a CSV row (writing it
@@ -455,7 +455,7 @@ def _reductions(reduce: Any, values: dict[str, float]) -> dict[str, str]:
 
 
 def _reduce(values: dict[str, float], ops: dict[str, str]) -> dict[str, float]:
-    """``values`` with the metrics of ``ops`` reduced over every rank (one all_reduce)."""
+    """``values`` with the metrics of ``ops`` reduced over every rank (one all_gather)."""
     from .rank_rows import rank_rows
 
     names = sorted(ops)  # the ranks may have built their dicts in any order

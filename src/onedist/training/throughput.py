@@ -1,8 +1,8 @@
 """``od.Throughput``: the job's samples/s, tokens/s, FLOP/s and utilisation, over every rank.
 
 Each rank counts its own steps locally; every ``every`` steps (and at :meth:`Throughput.compute`)
-the ranks exchange their counts and their window's time in one all_reduce of ``world_size x 7``
-float64s (:func:`~onedist.training.rank_rows.rank_rows`), none in between. The window's rate is
+the ranks exchange their counts and their window's time in one all_gather of a row of 7 float64s
+from each rank (:func:`~onedist.training.rank_rows.rank_rows`), none in between. The window's rate is
 the job's: the samples of every rank over the slowest rank's time, so ranks with uneven batches
 count right. ``od.measure_flops`` counts a model's FLOPs per batch with
 ``torch.utils.flop_counter.FlopCounterMode``; with the device's peak (``od.peak_flops``, or given)
