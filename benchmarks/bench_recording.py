@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_collectives import compare
+from bench_collectives import timeit
 
 import onedist as od
 from onedist.backends._pygroup import NamedGroup
@@ -133,11 +133,31 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]
     iters = {"DDP step": args.iters // 10}
     results: dict[str, dict[str, float]] = {}
     for case, variants in cases.items():
-        medians = compare(variants, iters.get(case, args.iters), args.reps)
-        base = medians["plain"]
-        results[case] = {name: medians[name] / base for name in variants}
-        results[case]["plain, us"] = base * 1e6
+        results[case] = paired(variants, iters.get(case, args.iters), args.reps)
     return results
+
+
+def paired(variants: dict[str, Callable[[], Any]], iters: int, reps: int) -> dict[str, float]:
+    """Each variant's time over the plain group's in the same repetition (the order rotating), the
+    median over the repetitions and its quartiles ("<name> q1", "<name> q3"); "plain, us": the
+    plain group's median microseconds a call. Pairing within a repetition takes out what drifts
+    between repetitions (a ratio of each variant's own median did not: its A/A row read
+    0.95-1.06 in runs where the paired one reads 0.99-1.01)."""
+    names = list(variants)
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    plain: list[float] = []
+    for rep in range(reps):
+        shift = rep % len(names)
+        seconds = {name: timeit(variants[name], iters) for name in names[shift:] + names[:shift]}
+        plain.append(seconds["plain"])
+        for name in names:
+            ratios[name].append(seconds[name] / seconds["plain"])
+    row: dict[str, float] = {}
+    for name in names:
+        q1, median, q3 = statistics.quantiles(ratios[name], n=4)
+        row.update({name: median, f"{name} q1": q1, f"{name} q3": q3})
+    row["plain, us"] = statistics.median(plain) * 1e6
+    return row
 
 
 # ---------------------------------------------------------------------------- --backend horovod
@@ -230,7 +250,7 @@ def main() -> None:
     parser.add_argument("--backend", choices=("gloo", "mpi", "horovod"), default="gloo")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iters", type=int, default=300, help="calls per timed repetition (DDP: a tenth)")
-    parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--reps", type=int, default=41)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -240,7 +260,11 @@ def main() -> None:
     lines = [f"{where}; x the plain group"]
     for case, row in results.items():
         lines.append(f"{case} (plain: {row.pop('plain, us'):.1f} us)")
-        lines += [f"  {name:24s} x{ratio:.3f}" for name, ratio in row.items()]
+        for name, ratio in row.items():
+            if name.endswith((" q1", " q3")):
+                continue
+            spread = f"  [{row[name + ' q1']:.3f}-{row[name + ' q3']:.3f}]" if name + " q1" in row else ""
+            lines.append(f"  {name:24s} x{ratio:.3f}{spread}")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(

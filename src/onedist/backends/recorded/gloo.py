@@ -248,7 +248,7 @@ class RecordedGloo(NamedGroup):
             raise
         if waited:
             work = _CompleteOnceWaited(work, entry)
-        log.started(entry, work)
+        log.started(entry, work, synchronous=not later)
         return RecordedWork(work, entry) if later and not waited else work
 
     # ------------------------------------------------------------------ point-to-point

@@ -81,7 +81,7 @@ _SKIP_DIRS = tuple(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # onedist/backends -> onedist
     )
 )
-_SKIPPED: dict[Any, bool] = {}  # code object -> whether its frames are skipped (asked once per code)
+_SKIPPED: dict[str, bool] = {}  # file name -> whether its frames are skipped (asked once per file)
 _entry = tuple.__new__  # an Entry from all its fields, without NamedTuple's slower constructor
 
 
