@@ -381,6 +381,11 @@ def _raise_on_rank_1_in_debug_mode(local_rank: int) -> None:
 def test_debug_mode_keeps_a_crashed_rank_s_error(monkeypatch):
     """Debug mode's exchange runs inside the guard: rank 0 learns rank 1's error, not gloo's
     "Connection closed by peer" (which it used to publish as its own failure)."""
+    from onedist.state import world  # made here if not yet: debug mode from this process's own env
+
+    # ONEDIST_DEBUG below is for the workers; this process's debug mode is restored after the test
+    # (a World first made under it stayed in debug mode: test_recorded then counted one call more)
+    monkeypatch.setattr(world, "debug", world.debug)
     monkeypatch.setenv("ONEDIST_DEBUG", "1")
     with pytest.raises(od.WorkerFailedError) as info:
         with od.Parallel(backend="gloo", nproc_per_node=2, timeout=30) as parallel:
