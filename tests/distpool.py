@@ -5,7 +5,7 @@ size, and no launcher variables (LOCAL_RANK, ...) in its environment, so the lay
 answered from what the ranks published, not from the environment. A check is a module-level
 function; :meth:`DistPool.run` calls it on every rank and returns the per-rank results, or raises
 with every failing rank's traceback. A check that hangs is a failure: the pool is killed after
-``timeout`` seconds and a fresh one is made for the next test.
+``timeout`` seconds and a fresh one is made for the next test, as after any failed check.
 """
 
 from __future__ import annotations
@@ -142,7 +142,14 @@ class DistPool:
             raise CheckFailed("pool is broken")
         for c in self.conns:
             c.send((fn, args))
-        return collect(fn, self.conns, timeout, self.close)
+        try:
+            return collect(fn, self.conns, timeout, self.close)
+        except CheckFailed:
+            # a failed check may leave the group unusable (a stall verdict breaks its calls): the
+            # next test gets a fresh pool, not the same failure again (one failing check once
+            # failed every later check of its world size)
+            self.close()
+            raise
 
     def close(self) -> None:
         self.broken = True

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import weakref
 from collections import deque
@@ -224,7 +225,8 @@ class CallLog:
         #: explained, so its completed calls are no longer compared (see failures.history)
         self.failed = False
         self._last_done: Any = None  # the last collective's work let go of by the caller (see _prune)
-        self._synchronous: Any = None  # the last call's work, when its caller waits for it at once
+        #: the last call's work and its thread, when that thread waits for it before going on
+        self._synchronous: Any = None
         self._before = (0, 0)  # seq and chain before the last call begun (see abandon)
         _LOGS.add(self)
 
@@ -254,7 +256,7 @@ class CallLog:
         """``work`` is what ``entry`` waits for (kept until it completes); ``synchronous``: its
         caller waits for it before it makes another call (torch's function does)."""
         self.pending.append((entry, work))
-        self._synchronous = work if synchronous else None
+        self._synchronous = (work, threading.get_ident()) if synchronous else None
 
     def abandon(self, entry: Entry) -> None:
         """The call of ``entry`` (the last begun) raised before it started: it was never made."""
@@ -291,10 +293,17 @@ class CallLog:
         the caller keeps its last completed collective's work for that question instead (a failed
         group's later calls fail too). A group's calls are made by one thread at a time, as
         torch's ordering of collectives across ranks needs."""
-        pending = self.pending
-        if len(pending) == 1 and pending[0][1] is self._synchronous:
-            # the previous call was waited for by its caller before this one: done, and not asked
-            # (the work's is_completed() was a fifth of the record's cost on a back-to-back call)
+        pending, synchronous = self.pending, self._synchronous
+        if (
+            synchronous is not None
+            and len(pending) == 1
+            and pending[0][1] is synchronous[0]
+            and synchronous[1] == threading.get_ident()
+        ):
+            # this thread waited for its previous call before making this one: done, not asked (the
+            # work's is_completed() was a fifth of the record's cost on a back-to-back call). Another
+            # thread's call may come while it waits (PowerSGD's hook issues calls from gloo's
+            # callback threads): then the work is asked, below.
             self._synchronous = None
             entry, work = pending.popleft()
             if entry.sig[0] < SEND:
