@@ -18,7 +18,9 @@ mismatch aborts gloo. A finished rank matching its peers' buckets (torch's ``Joi
 ``_match_all_reduce_for_bwd_pass``) counts each matched step as its peers count their forward passes.
 
 Cost: nothing is exchanged; two more gloo groups per recorded group (one thread each). Steps an
-even number apart still pair (a rank that skipped two backwards). A forward pass with gradients
+even number apart still pair (a rank that skipped two backwards). A model with a Python
+communication hook (PowerSGD, fp16) is not counted: its hook's calls may run in future callbacks on
+gloo's threads, outside the backward on one rank and inside it on another. A forward pass with gradients
 that only some ranks make (an evaluation outside ``torch.no_grad()``) shifts that model's count:
 its next backward waits, and the stall check names it.
 """
@@ -76,6 +78,13 @@ def _count(ddp: Any) -> Any:
     log = getattr(ddp.process_group, "calls", None)
     if not isinstance(log, CallLog):
         return None
+    if getattr(ddp, "_comm_hooks", None):
+        # a Python communication hook (PowerSGD) makes its later calls in future callbacks, which
+        # run inline inside the backward on one rank and on gloo's thread after it on another:
+        # routed by step they went to different gloo groups and paired a bucket's P with another
+        # call (a load-dependent false mismatch). Its calls stay on the group's own gloo group.
+        log.ddp_step = 0
+        return log
     ddp._onedist_steps = getattr(ddp, "_onedist_steps", 0) + 1
     log.ddp_step = ddp._onedist_steps
     return log
