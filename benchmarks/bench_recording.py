@@ -141,8 +141,8 @@ def paired(variants: dict[str, Callable[[], Any]], iters: int, reps: int) -> dic
     """Each variant's time over the plain group's in the same repetition (the order rotating), the
     median over the repetitions and its quartiles ("<name> q1", "<name> q3"); "plain, us": the
     plain group's median microseconds a call. Pairing within a repetition takes out what drifts
-    between repetitions (a ratio of each variant's own median did not: its A/A row read
-    0.95-1.06 in runs where the paired one reads 0.99-1.01)."""
+    between repetitions; on a 2-core machine most of the noise is within one (the quartiles show
+    it: about ±15 % for a 1-float call here, the A/A row's median x0.95-1.05 between runs)."""
     names = list(variants)
     ratios: dict[str, list[float]] = {name: [] for name in names}
     plain: list[float] = []

@@ -291,8 +291,10 @@ class CallLog:
         wait left cold). Whether a call failed is asked on the watcher's side only: a work's
         ``wait()`` releases the GIL, which on the caller's path cost ~3 % of a small all_reduce;
         the caller keeps its last completed collective's work for that question instead (a failed
-        group's later calls fail too). A group's calls are made by one thread at a time, as
-        torch's ordering of collectives across ranks needs."""
+        group's later calls fail too). A group's calls mostly come from one thread, as torch's
+        ordering of collectives across ranks needs; a communication hook's future callbacks
+        (PowerSGD) make theirs from gloo's threads, which is why the fast path below checks the
+        thread."""
         pending, synchronous = self.pending, self._synchronous
         if (
             synchronous is not None
