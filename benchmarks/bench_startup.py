@@ -1,12 +1,13 @@
 """Startup: how long it takes to start 2 workers that initialise gloo, all_reduce once and exit.
 
-Every launcher runs the same trivial work, interleaved, and the report gives medians and the ratio
-to torchrun:
+Every launcher runs the same trivial work, interleaved, and the report gives medians, the ratio
+to torchrun and the CPU time of the launch with its workers:
 
     python benchmarks/bench_startup.py             # 5 repetitions, world size 2
     python benchmarks/bench_startup.py --reps 9 --nproc 4
 
-Launchers: ``onedist run -n N``, ``torchrun --nproc-per-node N``, ``torch.multiprocessing.spawn``
+Launchers: ``onedist run -n N`` (its workers forked, and with ``--start-method spawn``),
+``torchrun --nproc-per-node N``, ``torch.multiprocessing.spawn``
 (a script calling it), and ``onedist.spawn`` (a script calling it, start method "spawn" and
 "forkserver"); then the second ``onedist.spawn`` of a script that calls it twice, timed alone
 (a sweep, a notebook, a test suite: the fork server, torch loaded, is already there).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -78,6 +80,12 @@ OD_SPAWN_AGAIN = textwrap.dedent(
 )
 
 
+def _children_cpu() -> float:
+    """CPU seconds of the ended processes this one waited for (a launcher's workers included)."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -97,6 +105,7 @@ def main() -> None:
             with open(files[name], "w") as f:
                 f.write(text)
         py = sys.executable
+        run = [py, "-m", "onedist", "run", "-n", n]
         commands = {
             "torchrun": lambda: [
                 py,
@@ -108,7 +117,8 @@ def main() -> None:
                 str(free_port()),
                 files["worker.py"],
             ],
-            "onedist run": lambda: [py, "-m", "onedist", "run", "-n", n, files["worker.py"]],
+            "onedist run": lambda: [*run, files["worker.py"]],
+            "onedist run --start-method spawn": lambda: [*run, "--start-method", "spawn", files["worker.py"]],
             "torch.multiprocessing.spawn": lambda: [py, files["mp_spawn.py"], n, str(free_port())],
             "onedist.spawn": lambda: [py, files["od_spawn.py"], n, "spawn"],
             "onedist.spawn (forkserver)": lambda: [py, files["od_spawn.py"], n, "forkserver"],
@@ -120,17 +130,19 @@ def main() -> None:
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         }
         samples: dict[str, list[float]] = {k: [] for k in commands}
+        cpu: dict[str, list[float]] = {k: [] for k in commands}  # of the launch and its workers
         seconds_again: dict[str, list[float]] = {method: [] for method in again}
         names = list(commands)
         for rep in range(args.reps):
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), _children_cpu()
                 proc = subprocess.run(commands[name](), capture_output=True, text=True, env=env, timeout=300)
                 elapsed = time.perf_counter() - t0
                 if proc.returncode != 0:
                     raise SystemExit(f"{name} failed:\n{proc.stdout}\n{proc.stderr}")
                 samples[name].append(elapsed)
+                cpu[name].append(_children_cpu() - cpu0)
             for method, command in again.items():  # the second call's own time, as the script measured it
                 proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
                 if proc.returncode != 0:
@@ -146,13 +158,14 @@ def main() -> None:
         f"start {n} workers (init gloo + one all_reduce + exit), {os.cpu_count()} CPUs, median of {args.reps}"
     )
     label = "python -c 'import torch'"
-    print(f"  {label:30s} {statistics.median(t_import):6.2f} s")
+    print(f"  {label:34s} {statistics.median(t_import):6.2f} s")
     for name, values in samples.items():
         med = statistics.median(values)
-        print(f"  {name:30s} {med:6.2f} s   x{med / ref:.2f} of torchrun")
+        seconds = statistics.median(cpu[name])
+        print(f"  {name:34s} {med:6.2f} s   x{med / ref:.2f} of torchrun   {seconds:5.2f} CPU-s")
     for method, values in seconds_again.items():
         label = f"2nd od.spawn ({method})"
-        print(f"  {label:30s} {statistics.median(values):6.2f} s   (the call alone, after a first)")
+        print(f"  {label:34s} {statistics.median(values):6.2f} s   (the call alone, after a first)")
 
 
 if __name__ == "__main__":

@@ -95,47 +95,64 @@ def test_nproc_auto_backend_and_ignored_pet_variables_in_one_run(tmp_path):
     assert not logs.exists()  # torchrun would write the workers' logs there
 
 
-COUNTS_WORKERS_BEFORE_TORCH = """
-import subprocess, sys
+REPORTS_HOW_IT_STARTED = """
+import atexit, json, os, signal, sys, threading, time
+preloaded = "torch" in sys.modules  # before this script imports anything of its own
+import numpy as np
+import torch
 
-started = []
-
-
-class Popen(subprocess.Popen):
-    def __init__(self, args, *rest, **kwargs):
-        super().__init__(args, *rest, **kwargs)
-        if "onedist.launchers.bootstrap" in args:
-            started.append(self.pid)
-
-
-class TorchImport:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch":
-            sys.meta_path.remove(self)
-            print(f"torch imported after {len(started)} workers started", file=sys.stderr, flush=True)
-
-
-subprocess.Popen = Popen
-sys.meta_path.insert(0, TorchImport())
-from onedist.cli import main
-
-sys.exit(main(sys.argv[1:]))
+rank = int(os.environ["RANK"])
+out = os.path.dirname(os.path.abspath(sys.argv[0]))
+os.chdir("/")  # __file__ must still name the script
+json.dump({
+    "preloaded": preloaded, "file": __file__, "argv": sys.argv, "path0": sys.path[0],
+    "own_session": os.getsid(0) == os.getpid(), "threads": torch.get_num_threads(),
+    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "random": np.random.randint(1 << 30),
+}, open(f"{out}/{rank}.json", "w"))
+left_open = open(f"{out}/{rank}.unclosed", "w")
+left_open.write("flushed at exit")  # never closed: Python's exit flushes it
+atexit.register(lambda: open(f"{out}/{rank}.atexit", "w").close())
+threading.Thread(target=lambda: (time.sleep(0.3), open(f"{out}/{rank}.thread", "w").close())).start()
 """
 
 
 @pytest.mark.launcher
-def test_the_launcher_imports_torch_only_after_every_worker_started(tmp_path):
-    script = tmp_path / "hello.py"
-    script.write_text("print('hello', flush=True)\n")
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_worker_starts_and_ends_as_python_script_py_would(start_method, tmp_path):
+    """--start-method fork (the default) forks the workers from the launcher once it imported
+    torch; spawn starts a new interpreter each. Either way the script sees what `python script.py`
+    gives it and ends as Python ends (exit handlers, threads, unclosed files)."""
+    script = tmp_path / "report.py"
+    script.write_text(REPORTS_HOW_IT_STARTED)
+    env = clean_env(PET_START_METHOD=start_method)
     proc = subprocess.run(
-        [sys.executable, "-c", COUNTS_WORKERS_BEFORE_TORCH, "run", "-n", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean_env(),
+        [*onedist_command("-n", "2"), "report.py", "x"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
+    for r, report in enumerate(reports):
+        assert report["preloaded"] is (start_method == "fork"), report
+        assert report["file"] == str(script) and report["argv"] == ["report.py", "x"], report
+        assert report["path0"] == str(tmp_path) and report["own_session"], report
+        assert report["threads"] == 1 and report["sigint"] and report["sigterm"], report
+        assert (tmp_path / f"{r}.unclosed").read_text() == "flushed at exit"
+        assert (tmp_path / f"{r}.atexit").exists() and (tmp_path / f"{r}.thread").exists()
+    assert reports[0]["random"] != reports[1]["random"]  # numpy seeded in each, as a new process is
+
+
+def test_the_launcher_forks_only_while_it_runs_one_thread():
+    code = (
+        "import threading, time\n"
+        "from onedist.launchers.forked import can_fork\n"
+        "alone = can_fork()\n"
+        "threading.Thread(target=time.sleep, args=(2,), daemon=True).start()\n"
+        "print(alone, can_fork())"
     )
-    assert proc.returncode == 0 and proc.stdout.count("hello") == 2, proc.stdout + proc.stderr
-    assert "torch imported after 2 workers started" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["True", "False"], proc.stdout + proc.stderr
 
 
 EXITS_3_AFTER_AN_EARLY_RETURN = """

@@ -1,5 +1,5 @@
 """What ``ONEDIST_INJECT_FAILURE`` (``onedist run --inject-failure``) asks for, read without torch:
-the launcher checks it before its workers start, and imports torch only after they did. The
+the launcher checks it before it imports torch and starts its workers. The
 failure itself is :mod:`onedist.failures.injection`'s."""
 
 from __future__ import annotations

@@ -31,11 +31,13 @@ __all__ = [
     "LAUNCH_ARGUMENTS",
     "RUN_ONLY_ARGUMENTS",
     "SHAPE",
+    "START_METHODS",
     "Argument",
     "add_flags",
     "at_least_one",
     "from_keywords",
     "in_port_range",
+    "known_start_method",
     "live_without_restarts",
     "min_not_above_max",
     "needs_c10d",
@@ -51,6 +53,11 @@ __all__ = [
 ]
 
 
+#: how a worker process is made: multiprocessing's start methods (``onedist run``: "fork" forks
+#: its workers from the launcher, the others start a new interpreter each)
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
 # ============================================================================ the rules, once each
 def at_least_one(value: int) -> bool:
     """``nproc_per_node`` and ``nnodes``: a count of processes or nodes."""
@@ -60,6 +67,11 @@ def at_least_one(value: int) -> bool:
 def not_negative(value: int) -> bool:
     """``max_restarts`` (and ``--node-rank`` before ``--nnodes`` bounds it)."""
     return value >= 0
+
+
+def known_start_method(value: Any) -> bool:
+    """``start_method``: how a worker process is made (:data:`START_METHODS`)."""
+    return value in START_METHODS
 
 
 def node_rank_below(node_rank: int, nnodes: int) -> bool:
@@ -292,7 +304,13 @@ LAUNCH_ARGUMENTS: tuple[Argument, ...] = (
     Argument("init_method", "Optional[str]", parallel="init",
              allowed="None, 'env://', 'tcp://host:port' or 'file:///path'"),
     Argument("timeout", "Optional[timedelta]", parallel="spawn_kwargs"),
-    Argument("start_method", "str", "spawn", parallel="spawn_kwargs"),
+    Argument("start_method", "str", "spawn", parallel="spawn_kwargs", rule=known_start_method,
+             flags=("--start-method", "--start_method"), variable="PET_START_METHOD", run_default="fork",
+             flag_allowed="'fork', 'spawn' or 'forkserver'",
+             help="'fork' (default): each worker is forked from this launcher once it imported torch "
+             "(where it runs one thread and sees no GPU; else as 'spawn'); 'spawn' or 'forkserver': each "
+             "worker is a new interpreter (torchrun's workers), e.g. for a library that must not be loaded "
+             "before a fork"),
     Argument("hosts", "Optional[str]", parallel="spawn_kwargs",
              allowed="a str 'host1:slots,host2:slots' (slots: an int >= 1)"),
     Argument("max_restarts", "int", 0, parallel="spawn_kwargs", allowed=_RESTARTS, rule=not_negative,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -52,6 +53,7 @@ from .._net import rendezvous_port
 from .._recovery import ENV as RECOVERY_ENV, GENERATION_ENV, LIVE
 from ..environments import detect_cluster, kubernetes_job
 from ..errors import OnedistValueError
+from . import forked
 from .arguments import add_flags, rendezvous_conf
 from .elastic import Membership
 from .launcher import Launcher, restart_verdict, restarts_left
@@ -59,7 +61,7 @@ from .nodes import Agents, AgentsError
 from .pet import apply_pet_defaults, ignored_variables
 from .replacement import LiveRecovery
 from .report import Failure, failure_report
-from .run_spec import RunSpec, check_run_nproc_against, check_run_values, run_command
+from .run_spec import RunSpec, check_run_nproc_against, check_run_values, run_command, visible_gpus
 from .supervisor import TERM_S, PopenWorker, Supervisor
 from .worker import torchrun_env, worker_threads_env
 
@@ -177,11 +179,35 @@ def _base_env(spec: RunSpec) -> dict[str, str]:
 
 
 def _start_workers(
-    spec: RunSpec, port: int, tmpdir: str, supervisor: Supervisor[PopenWorker], attempt: int = 0
+    spec: RunSpec,
+    port: int,
+    tmpdir: str,
+    supervisor: Supervisor[PopenWorker],
+    attempt: int = 0,
+    held: tuple[Any, ...] = (),
 ) -> None:
-    """Start the workers of this node, each added to ``supervisor`` as it starts."""
+    """Start the workers of this node, each added to ``supervisor`` as it starts: forked from
+    this process once it imported torch where it runs one thread and sees no GPU (:mod:`.forked`),
+    else each a new interpreter. ``held``: what of this process a forked worker must not keep (the
+    store's socket)."""
+    fork = False
+    # no GPU: CUDA's driver, once asked (torch.cuda.is_available() by --backend auto), breaks in a
+    # forked child
+    if spec.start_method == "fork" and not visible_gpus() and forked.can_fork():
+        forked.preload(_base_env(spec).get("OMP_NUM_THREADS"))
+        fork = forked.can_fork()  # importing torch started no thread
+    start = functools.partial(_fork_worker, spec, supervisor, held) if fork else None
     for local_rank in range(spec.nproc_per_node):
-        supervisor.workers.append(_start_worker(spec, local_rank, port, tmpdir, attempt))
+        supervisor.workers.append(_start_worker(spec, local_rank, port, tmpdir, attempt, start=start))
+
+
+def _fork_worker(
+    spec: RunSpec, supervisor: Supervisor[PopenWorker], held: tuple[Any, ...], env: dict[str, str]
+) -> forked.ForkedProcess:
+    """A worker forked from this process; the pipes of those forked before it, and ``held``, are
+    closed in it (a worker holding another's write end would keep that pipe open after it ended)."""
+    pipes = [s for w in supervisor.workers for s in (w.popen.stdout, w.popen.stderr) if s is not None]
+    return forked.fork_worker(env, spec.command, [*pipes, *held])
 
 
 def _start_worker(
@@ -192,6 +218,7 @@ def _start_worker(
     attempt: int,
     extra: Optional[dict[str, str]] = None,
     spare: Optional[subprocess.Popen[bytes]] = None,
+    start: Optional[Callable[[dict[str, str]], forked.ForkedProcess]] = None,
 ) -> PopenWorker:
     """Start local rank ``local_rank`` (``extra``: more variables, a live replacement's; ``spare``:
     a started :mod:`.standby` process that becomes this rank, instead of a new process)."""
@@ -216,7 +243,8 @@ def _start_worker(
         spare.stdin.close()
         return PopenWorker(rank, local_rank, spare, error_file, early=False)
     # its report counts once it ended: until then it may still be printing its traceback
-    return PopenWorker(rank, local_rank, _popen("bootstrap", spec, env), error_file, early=False)
+    process = _popen("bootstrap", spec, env) if start is None else start(env)
+    return PopenWorker(rank, local_rank, process, error_file, early=False)
 
 
 def _popen(entry: str, spec: RunSpec, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -417,7 +445,7 @@ def _attempt(
     spares: Optional[_Replacements] = None
     try:
         if not received:
-            _start_workers(spec, port, tmpdir, supervisor, attempt)
+            _start_workers(spec, port, tmpdir, supervisor, attempt, held=(store_sock,) if store_sock else ())
             pumps = _start_pumps(supervisor.workers, no_prefix, show, lock)
         if store_sock is not None:  # after the last fork: the store runs threads of its own
             stores.append(_agent_store(store_sock, spec.master_addr, spec.world_size))

@@ -28,6 +28,7 @@ from .arguments import (
     ARGUMENTS,
     at_least_one,
     in_port_range,
+    known_start_method,
     live_without_restarts,
     min_not_above_max,
     needed_with_nodes,
@@ -62,6 +63,7 @@ class RunSpec:
     role: str = "default"
     inject_failure: Optional[str] = None
     recovery: str = "restart"
+    start_method: str = "fork"
 
     @classmethod
     def build(cls, args: argparse.Namespace, nproc: int) -> RunSpec:
@@ -140,6 +142,10 @@ def check_run_values(args: argparse.Namespace) -> int:
         raise _run_error(args, "rdzv_backend", args.rdzv_backend, ARGUMENTS["rdzv_backend"].flag_text)
     if args.inject_failure is not None:
         parse_injection(args.inject_failure, "--inject-failure")  # its error names the flag
+    if args.start_method is None:
+        args.start_method = ARGUMENTS["start_method"].run_default
+    if not known_start_method(args.start_method):
+        raise _run_error(args, "start_method", args.start_method, ARGUMENTS["start_method"].flag_text)
     if args.recovery is None:  # no PET_* variable: torchrun has no such flag
         args.recovery = ARGUMENTS["recovery"].run_default
     if not recovery_mode(args.recovery):

@@ -39,8 +39,10 @@ from .arguments import (
     ENDPOINT,
     LAUNCH_ARGUMENTS,
     SHAPE,
+    START_METHODS,
     at_least_one,
     in_port_range,
+    known_start_method,
     needed_with_nodes,
     node_rank_below,
     not_negative,
@@ -65,8 +67,6 @@ __all__ = [
     "port_number",
 ]
 
-#: multiprocessing's start methods that spawn takes (those this platform has)
-START_METHODS = ("spawn", "fork", "forkserver")
 
 #: backends whose workers a launcher of their own starts, on one host: the hint their errors give
 OWN_LAUNCHERS = {
@@ -485,7 +485,7 @@ def check_parallel_kwargs(spawn_kwargs: Mapping[str, Any]) -> None:
             "Parallel", unknown[0], spawn_kwargs[unknown[0]], "keyword arguments " + ", ".join(SPAWN_KWARGS)
         )
     method = spawn_kwargs.get("start_method", "spawn")
-    if method not in (*START_METHODS, "subprocess"):
+    if method != "subprocess" and not known_start_method(method):
         raise bad_value("Parallel", "start_method", method, [*available_start_methods(), "subprocess"])
     if method == "subprocess" and spawn_kwargs.get("hosts") is not None:
         raise bad_value(

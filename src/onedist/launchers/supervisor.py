@@ -19,11 +19,12 @@ import subprocess
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Optional, TypeVar
+from typing import IO, Any, Generic, Optional, Protocol, TypeVar
 
 from .report import Failure, read_failure
 
 __all__ = [
+    "ChildProcess",
     "GRACE_S",
     "INTERRUPT_S",
     "POLL_S",
@@ -173,6 +174,19 @@ class ProcessWorker(Worker):
         return failure
 
 
+class ChildProcess(Protocol):
+    """What :class:`PopenWorker` uses of its process: a :class:`subprocess.Popen`, or a worker
+    ``onedist run`` forked (:class:`~.forked.ForkedProcess`)."""
+
+    pid: int
+    stdout: Optional[IO[bytes]]
+    stderr: Optional[IO[bytes]]
+
+    def poll(self) -> Optional[int]: ...
+
+    def wait(self, timeout: Optional[float] = None) -> int: ...
+
+
 class PopenWorker(Worker):
     """A subprocess that writes its failure to ``error_file`` (read by
     :func:`~.report.read_failure`); exiting 0 is a success. ``early``: a report counts as soon as
@@ -182,7 +196,7 @@ class PopenWorker(Worker):
         self,
         rank: int,
         local_rank: int,
-        popen: subprocess.Popen[bytes],
+        popen: ChildProcess,
         error_file: str,
         exit_hint: str = "",
         early: bool = True,
