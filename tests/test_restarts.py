@@ -29,10 +29,13 @@ EVERY = 5
 pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in the test extra)")
 
 
-def _digits(ckpt: Path, final: Path, *launcher: str, sharding: bool = False) -> list[str]:
+def _digits(
+    ckpt: Path, final: Path, *launcher: str, sharding: bool = False, start_method: str = "fork"
+) -> list[str]:
     launcher = launcher or ("-n", "2")
     return onedist_command(
-        *launcher, "--max-restarts", "3", DIGITS, "--backend", "gloo", "--epochs", EPOCHS,
+        *launcher, "--start-method", start_method, "--max-restarts", "3",
+        DIGITS, "--backend", "gloo", "--epochs", EPOCHS,
         "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--save-final", str(final),
         *(("--sharding", "fsdp") if sharding else ()),
     )  # fmt: skip
@@ -86,6 +89,12 @@ def bind_check(ports: set[int]) -> str:
         "    s.bind(('', port)); s.close()\n"
         "print('free')\n"
     )
+
+
+#: the workers of a Run are new interpreters: it reads each one's rank from /proc/<pid>/environ,
+#: which in a forked worker holds the launcher's variables (the kernel keeps a process's first
+#: block); a forked run's restart: test_an_injected_failure_restarts_once_...
+RUN_READS_ENVIRON = "spawn"
 
 
 class Run:
@@ -205,9 +214,8 @@ def test_a_killed_worker_resumes_to_bit_identical_weights(seed, uninterrupted, t
     kill_after = random.Random(seed).randrange(EVERY, 70, EVERY)  # the checkpoint to wait for
     victim = seed % 2  # rank 1 once (rank 0 hosts no store here: the launcher does), rank 0 once
     ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
-    run = Run(
-        [subprocess.Popen(_digits(ckpt, final), stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt
-    )
+    argv = _digits(ckpt, final, start_method=RUN_READS_ENVIRON)
+    run = Run([subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt)
     run.kill(kill_after, victim)
     [(out, err)] = run.finish()
     assert run.procs[0].returncode == 0, out[-3000:] + err[-3000:]
@@ -227,7 +235,7 @@ def test_a_killed_worker_of_a_sharded_run_resumes_to_bit_identical_weights(tmp_p
     restarted workers load them and end with the uninterrupted sharded run's weights, bit for bit."""
     expected = _uninterrupted(tmp_path / "uninterrupted", sharding=True)
     ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
-    argv = _digits(ckpt, final, sharding=True)
+    argv = _digits(ckpt, final, sharding=True, start_method=RUN_READS_ENVIRON)
     run = Run([subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt)
     run.kill(35, 1)  # the shards of step 35 written: mid-epoch 2, by a rank that hosts no store
     [(out, err)] = run.finish()

@@ -22,6 +22,7 @@ from test_netns import hosts, needs_netns  # noqa: F401  (hosts: the namespace h
 from test_restarts import (
     EVERY,
     FAILS_ON_THE_FIRST_ATTEMPT,
+    RUN_READS_ENVIRON,
     Run,
     _digits,
     bind_check,
@@ -131,7 +132,14 @@ def test_a_killed_worker_on_two_namespace_hosts_resumes_to_bit_identical_weights
     run = Run(
         [
             # one thread per worker, as `-n 2` gives each on one node: the same arithmetic
-            hosts(node, ["env", "OMP_NUM_THREADS=1", *_digits(ckpt, final, *cmd, "--node-rank", str(k))])
+            hosts(
+                node,
+                [
+                    "env",
+                    "OMP_NUM_THREADS=1",
+                    *_digits(ckpt, final, *cmd, "--node-rank", str(k), start_method=RUN_READS_ENVIRON),
+                ],
+            )
             for k, node in enumerate(("nodeA", "nodeB"))
         ],
         ckpt,

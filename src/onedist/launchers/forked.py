@@ -3,7 +3,7 @@
 A new interpreter spends ~1 CPU-second importing torch before the script's first line; ``onedist
 run`` imports it anyway (its store), so on one node it imports torch first and forks each worker
 from itself: the worker starts at once, and the node pays for one import instead of one per
-worker plus one (``docs/performance.md``, "Start-up"). The child becomes what ``python -m
+worker plus one (``docs/performance.md``, "Startup"). The child becomes what ``python -m
 onedist.launchers.bootstrap script.py`` would be (:func:`become_worker`): its own session, its
 variables, fresh standard streams, Python's default signal handlers and no exit handler of the
 launcher's, and it never returns into the launcher's frames: it ends with ``os._exit`` after the
