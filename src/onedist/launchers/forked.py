@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from typing import IO, Any, Optional
 
@@ -139,8 +140,9 @@ def fork_worker(env: dict[str, str], command: Sequence[str], held: Sequence[Any]
             os.close(out_r)
             os.close(err_r)
             code = become_worker(env, list(command), out_w, err_w, held, launcher, blocked)
-        except BaseException:  # before the script ran: the launcher reports the exit status
-            pass
+        except BaseException:  # onedist's own step failed (the script's errors are bootstrap's)
+            traceback.print_exc()
+            sys.stderr.flush()
         finally:
             os._exit(code)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
