@@ -20,7 +20,6 @@ replacement and with ``--start-method spawn``, each worker is a new interpreter,
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import io
 import os
@@ -33,13 +32,9 @@ import traceback
 from collections.abc import Sequence
 from typing import IO, Any, Optional
 
-__all__ = ["ForkedProcess", "PRELOAD", "can_fork", "fork_worker", "preload"]
+from .worker import die_with_parent
 
-#: what the launcher imports before it forks: what every worker imports first. Not torch._dynamo
-#: (DDP's constructor imports it: 1.2 CPU-s more, for every launch); onedist's own modules are
-#: left to the workers (~0.1 s; imported here, a module that reads a variable at import would read
-#: the launcher's environment instead of the worker's)
-PRELOAD = ("torch", "torch.distributed")
+__all__ = ["ForkedProcess", "can_fork", "fork_worker", "preload"]
 
 _SIGNALS_RESET = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGALRM")
 _POLL_S = 0.01
@@ -57,14 +52,18 @@ def can_fork() -> bool:
 
 
 def preload(omp_num_threads: Optional[str]) -> None:
-    """Import :data:`PRELOAD` here, before the first fork, with the workers' ``OMP_NUM_THREADS``
-    (``None``: unset): the thread pools that read it at load time (OpenBLAS, which numpy and torch
-    load, starts its threads then) are sized as in a new worker, and with one thread per worker
-    start none, so that this process still runs one thread and may fork."""
+    """Import torch and ``torch.distributed`` here, before the first fork: what every worker
+    imports first. Not torch._dynamo (DDP's constructor imports it: 1.2 CPU-s more, for every
+    launch); onedist's own modules are left to the workers (~0.1 s; imported here, a module that
+    reads a variable at import would read the launcher's environment instead of the worker's).
+    With the workers' ``OMP_NUM_THREADS`` (``None``: unset): the thread pools that read it at load
+    time (OpenBLAS, which numpy and torch load, starts its threads then) are sized as in a new
+    worker, and with one thread per worker start none, so that this process still runs one
+    thread and may fork."""
     before = os.environ.get("OMP_NUM_THREADS")
     _set_variable("OMP_NUM_THREADS", omp_num_threads)
     try:
-        import torch.distributed  # noqa: F401  (:data:`PRELOAD`: torch with it)
+        import torch.distributed  # noqa: F401  (imported to have it loaded)
     finally:
         _set_variable("OMP_NUM_THREADS", before)
 
@@ -77,9 +76,8 @@ def _set_variable(name: str, value: Optional[str]) -> None:
 
 
 class ForkedProcess:
-    """The part of :class:`subprocess.Popen` the launcher uses, for a forked worker."""
-
-    stdin: Optional[IO[bytes]] = None
+    """The part of :class:`subprocess.Popen` the launcher uses (:class:`~.supervisor.ChildProcess`),
+    for a forked worker; signals go to its pid (:meth:`~.supervisor.Worker.send`)."""
 
     def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
         self.pid = pid
@@ -106,19 +104,6 @@ class ForkedProcess:
             time.sleep(_POLL_S)
         assert self.returncode is not None
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def fork_worker(env: dict[str, str], command: Sequence[str], held: Sequence[Any]) -> ForkedProcess:
@@ -162,7 +147,7 @@ def become_worker(
 ) -> int:
     """In the forked child: become the worker and run the script; its exit status."""
     os.setsid()  # as start_new_session: a terminal's Ctrl-C reaches the launcher only
-    _die_with(launcher)
+    die_with_parent(launcher)
     for thing in held:
         thing.close()
     _reset_signals(mask)
@@ -179,15 +164,6 @@ def become_worker(
     except SystemExit as e:
         code = _exit_code(e.code)
     return _exit_as_python(code)
-
-
-def _die_with(launcher: int) -> None:
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != launcher:  # the launcher died before prctl took effect
-        os._exit(1)
 
 
 def _reset_signals(mask: set[Any]) -> None:

@@ -11,7 +11,6 @@ orphans.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -21,7 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 from .._net import STORE_FD_ENV, rendezvous_port
 from ..errors import OnedistRuntimeError, format_user_traceback
@@ -30,7 +29,7 @@ from .launcher import Launcher
 from .report import Failure
 from .spec import LaunchSpec
 from .supervisor import ProcessWorker, Supervisor
-from .worker import call_worker_fn, exit_failed, torchrun_env, worker_threads_env
+from .worker import call_worker_fn, die_with_parent, exit_failed, torchrun_env, worker_threads_env
 
 __all__ = ["ProcessLauncher"]
 
@@ -49,20 +48,6 @@ _EXIT_HINT = (
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "onedist")
 
 
-def _die_with_parent(parent_pid: Optional[int]) -> None:
-    """Ask Linux to SIGKILL this worker when the process that started it dies (``parent_pid``:
-    the launcher, when it is the direct parent; None under forkserver, whose server is)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if parent_pid is not None and os.getppid() != parent_pid:  # died before prctl took effect
-        os._exit(1)
-
-
 def _report(conn: Any, message: tuple[Any, ...]) -> None:
     try:
         conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -79,7 +64,7 @@ def _worker_main(
     conn: Any,
 ) -> None:
     """Entry point of every worker: initialise, run ``fn``, report, finalise."""
-    _die_with_parent(cfg["parent_pid"])
+    die_with_parent(cfg["parent_pid"])
     if cfg["environ"] is not None:  # forkserver: the caller's environment now, not the server's
         os.environ.clear()
         os.environ.update(cfg["environ"])

@@ -7,10 +7,12 @@ its failure where the parent reads them (atomically), and leaving at once after 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import pickle
+import signal
 import sys
 import time
 import traceback
@@ -21,6 +23,7 @@ from ..errors import format_user_traceback
 
 __all__ = [
     "call_worker_fn",
+    "die_with_parent",
     "exit_failed",
     "torchrun_env",
     "worker_threads_env",
@@ -58,6 +61,21 @@ def worker_threads_env(nproc_per_node: int) -> dict[str, str]:
         logger.info("onedist: OMP_NUM_THREADS=1 in each worker (set it to override)")
         return {"OMP_NUM_THREADS": "1"}
     return {}
+
+
+def die_with_parent(parent_pid: Optional[int]) -> None:
+    """Ask Linux to SIGKILL this worker when the process that started it dies (``parent_pid``:
+    that process, when it is the direct parent, checked to be alive still; None under a fork
+    server, whose server is the parent)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:  # died before prctl took effect
+        os._exit(1)
 
 
 def call_worker_fn(
