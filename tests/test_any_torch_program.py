@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import pyfork
 from launch_env import clean_env
 from prereqs import mpi4py_missing, mpirun_missing
 
@@ -38,7 +39,7 @@ def _needs(module: str) -> None:
 def _launch(*args: str, launcher: tuple[str, ...] = TORCHRUN, **env_set: str) -> dict[int, str]:
     """Run a script on 2 ranks (``launcher``: the command before the script's path); each rank's
     ``rank R ...`` lines, joined."""
-    done = subprocess.run(
+    done = pyfork.run(
         [*launcher, *args], cwd=SCRIPTS, env=clean_env(**env_set), capture_output=True, text=True, timeout=240
     )
     lines: dict[int, str] = {0: "", 1: ""}

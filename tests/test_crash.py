@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+import pyfork
 from launch_env import clean_env
 from run_helpers import onedist_command
 from test_slurm import slurm  # noqa: F401  (the module-scoped fixture: a real one-node SLURM)
@@ -176,7 +177,7 @@ def _run(launcher: str, how: str, rank: int, tmp_path_factory, env: dict[str, st
     out.mkdir()
     tmp.mkdir()
     env = {**env, "AGREE_FAIL_RANK": str(rank), "AGREE_FAIL_HOW": how, "TMPDIR": str(tmp)}
-    proc = subprocess.Popen(
+    proc = pyfork.popen(
         _command(launcher, out),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

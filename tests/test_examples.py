@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import pyfork
 from launch_env import clean_env
 from onedist.backends.shm import supported
 
@@ -39,7 +39,7 @@ pytest.importorskip("sklearn", reason="the digits example needs scikit-learn (in
     ids=["serial", "gloo", "gloo-bf16", "shm-bf16-accumulate2", "gloo-fsdp-bf16"],
 )
 def test_digits_trains_to_95_percent(args, world):
-    proc = subprocess.run(
+    proc = pyfork.run(
         [sys.executable, DIGITS, *args], capture_output=True, text=True, timeout=300, env=clean_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 import checks_join
+import pyfork
 from conftest import Runner
 from onedist.backends.shm import supported as shm_supported
 from prereqs import mpirun_missing
@@ -105,7 +105,7 @@ def test_uneven_loop_under_parallel_and_onedist_run(launcher, backend, n):
         cmd = [sys.executable, SCRIPT, backend, str(n)]
     else:
         cmd = [sys.executable, "-m", "onedist", "run", "-n", str(n), SCRIPT, backend, "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=HERE)
+    proc = pyfork.run(cmd, capture_output=True, text=True, timeout=240, cwd=HERE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert [o["steps"] for o in out] == [10 + 3 * r for r in range(n)], out
@@ -120,7 +120,7 @@ def test_digits_uneven_ends_with_identical_parameters(launcher):
         cmd = [sys.executable, DIGITS, "--nproc-per-node", "3", "--backend", "gloo"]
     else:
         cmd = [sys.executable, "-m", "onedist", "run", "-n", "2", DIGITS, "--backend", "gloo"]
-    proc = subprocess.run(
+    proc = pyfork.run(
         [*cmd, "--uneven", "--epochs", "2", "--target", "0.5"],
         capture_output=True,
         text=True,

@@ -6,7 +6,6 @@ weights, bit for bit. Refusals: at once, naming what is supported."""
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import onedist as od
+import pyfork
 from launch_env import clean_env
 from run_helpers import onedist_command
 
@@ -34,7 +34,7 @@ def _run(tmp: Path, backend: str, *flags: str, script_args: tuple[str, ...] = ()
         "-n", "3", "--backend", backend, *flags,
         SCRIPT, "--epochs", EPOCHS, "--final", str(final), *script_args,
     )  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=clean_env("ONEDIST_"))
+    proc = pyfork.run(argv, capture_output=True, text=True, timeout=240, env=clean_env("ONEDIST_"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, torch.load(final, weights_only=True)
 
@@ -211,7 +211,7 @@ def test_a_loop_without_od_steps_keeps_todays_restart(tmp_path):
         "-n", "2", "--backend", "gloo", "--max-restarts", "1", "--recovery", "live",
         "--inject-failure", "rank=1,step=3", str(script),
     )  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=clean_env("ONEDIST_"))
+    proc = pyfork.run(argv, capture_output=True, text=True, timeout=120, env=clean_env("ONEDIST_"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "restarting the workers (attempt 1 of 1)" in proc.stderr, proc.stderr[-3000:]
     assert "live recovery" not in proc.stderr
@@ -235,7 +235,7 @@ def test_a_loop_without_od_steps_keeps_todays_restart(tmp_path):
 )  # fmt: skip
 def test_onedist_run_refuses_what_live_recovery_cannot_do_before_any_worker_starts(flags, says, tmp_path):
     argv = onedist_command("-n", "2", *flags, SCRIPT)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env("ONEDIST_"))
+    proc = pyfork.run(argv, capture_output=True, text=True, timeout=60, env=clean_env("ONEDIST_"))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert says in proc.stderr, proc.stderr[-3000:]
     assert "pid " not in proc.stdout  # no worker started
@@ -271,7 +271,7 @@ def test_parallel_recovery_live_only_initialises_under_onedist_run(tmp_path):
     argv = onedist_command(
         "-n", "2", "--backend", "gloo", "--max-restarts", "1", "--recovery", "live", str(script)
     )
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=clean_env("ONEDIST_"))
+    proc = pyfork.run(argv, capture_output=True, text=True, timeout=120, env=clean_env("ONEDIST_"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 of 2" in proc.stdout and "rank 1 of 2" in proc.stdout
 
@@ -309,7 +309,7 @@ def test_od_steps_refuses_a_sharded_model_or_another_backend_at_once(backend, mo
     script.write_text(REFUSED_IN_THE_LOOP)
     argv = onedist_command("-n", "2", "--backend", backend, str(script), model)
     env = clean_env("ONEDIST_", ONEDIST_RECOVERY="live", ONEDIST_RECORD=record)
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    proc = pyfork.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     if says is None:
         assert proc.stdout.count("backend shm") == 2 and "refused" not in proc.stdout, proc.stdout[-3000:]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import onedist as od
+import pyfork
 from launch_env import clean_env
 from prereqs import mpirun_missing
 
@@ -75,7 +76,7 @@ def _run(
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), MISUSE]
     else:
         command = [python, MISUSE]
-    proc = subprocess.run(
+    proc = pyfork.run(
         [*command, str(tmp_path), scenario, str(timeout_s)],
         capture_output=True,
         text=True,

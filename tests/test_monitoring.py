@@ -22,6 +22,7 @@ import pytest
 
 import checks_monitoring
 import onedist as od
+import pyfork
 from conftest import Runner
 from launch_env import clean_env
 from onedist.backends.shm import supported
@@ -130,7 +131,7 @@ def test_one_progress_stream_with_the_global_count_and_the_csv_of_a_serial_run(
     assert serial_lines[-1].startswith("train: 10/10 batch 100% | ")
     out_dir = tmp_path / backend
     start = [*TORCHRUN, str(n)] if launcher == "torchrun" else onedist_command("-n", str(n))
-    proc = subprocess.run(
+    proc = pyfork.run(
         [*start, SCRIPT, str(out_dir), backend], capture_output=True, text=True, timeout=120, env=clean_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -152,7 +153,7 @@ def test_the_loggers_hold_every_step_logged_before_another_rank_failed(tmp_path)
     """Rank 1 raises at step 6; rank 0 leaves through the RemoteRankError onedist raises in it, and
     the exit of its process closes the loggers the script never closed: steps 1-5 are in the CSV
     file and, when tensorboard is installed, in the event file."""
-    proc = subprocess.run(
+    proc = pyfork.run(
         [*onedist_command("-n", "2"), SCRIPT, str(tmp_path), "gloo", "fail"],
         capture_output=True,
         text=True,
@@ -396,7 +397,7 @@ def test_digits_logs_its_epochs_to_csv(tmp_path):
         "--log-dir",
         str(tmp_path),
     ]
-    proc = subprocess.run(
+    proc = pyfork.run(
         [sys.executable, digits, *argv], capture_output=True, text=True, timeout=120, env=clean_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import onedist as od
+import pyfork
 from launch_env import clean_env
 from onedist.launchers.reexec import command_line
 
@@ -30,7 +31,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 def _run(tmp_path: Path, cmd: list[str], timeout: float = 120, **extra: str) -> subprocess.CompletedProcess:
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    return subprocess.run(
+    return pyfork.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=_env(tmp_path, **extra), cwd=SCRIPTS
     )
 
@@ -212,7 +213,7 @@ def test_a_signal_to_the_parent_stops_the_children(sig, tmp_path):
     # rank 1 sleeps; the parent (rank 0) waits for it in a barrier, inside gloo
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen(
+    proc = pyfork.popen(
         [sys.executable, SCRIPT, str(out), "2"],
         stderr=subprocess.PIPE,
         text=True,

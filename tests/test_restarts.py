@@ -17,6 +17,7 @@ from subprocess import PIPE
 import pytest
 import torch
 
+import pyfork
 from launch_env import clean_env
 from run_helpers import onedist_command
 
@@ -195,7 +196,7 @@ def check_restart_reported(err: str, victim: int, out: str, kill_after: int) -> 
 
 
 def _uninterrupted(tmp: Path, sharding: bool) -> dict[str, torch.Tensor]:
-    proc = subprocess.run(
+    proc = pyfork.run(
         _digits(tmp / "ckpt", tmp / "final.pt", sharding=sharding),
         capture_output=True, text=True, timeout=180, env=clean_env(),
     )  # fmt: skip
@@ -215,7 +216,7 @@ def test_a_killed_worker_resumes_to_bit_identical_weights(seed, uninterrupted, t
     victim = seed % 2  # rank 1 once (rank 0 hosts no store here: the launcher does), rank 0 once
     ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
     argv = _digits(ckpt, final, start_method=RUN_READS_ENVIRON)
-    run = Run([subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt)
+    run = Run([pyfork.popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt)
     run.kill(kill_after, victim)
     [(out, err)] = run.finish()
     assert run.procs[0].returncode == 0, out[-3000:] + err[-3000:]
@@ -236,7 +237,7 @@ def test_a_killed_worker_of_a_sharded_run_resumes_to_bit_identical_weights(tmp_p
     expected = _uninterrupted(tmp_path / "uninterrupted", sharding=True)
     ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
     argv = _digits(ckpt, final, sharding=True, start_method=RUN_READS_ENVIRON)
-    run = Run([subprocess.Popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt)
+    run = Run([pyfork.popen(argv, stdout=PIPE, stderr=PIPE, text=True, env=clean_env())], ckpt)
     run.kill(35, 1)  # the shards of step 35 written: mid-epoch 2, by a rank that hosts no store
     [(out, err)] = run.finish()
     assert run.procs[0].returncode == 0, out[-3000:] + err[-3000:]
@@ -252,7 +253,7 @@ def test_an_injected_failure_restarts_once_and_resumes_to_bit_identical_weights(
     resumes from step 35 to the uninterrupted run's weights."""
     ckpt, final = tmp_path / "ckpt", tmp_path / "final.pt"
     argv = _digits(ckpt, final, "-n", "2", "--inject-failure", "rank=1,step=37")
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=clean_env())
+    proc = pyfork.run(argv, capture_output=True, text=True, timeout=180, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = "onedist: rank 1 ends itself by SIGKILL after optimizer step 37, as ONEDIST_INJECT_FAILURE asks"
     assert proc.stderr.count(said) == 1, proc.stderr[-3000:]
@@ -275,7 +276,7 @@ od.all_reduce(1)
 def test_restarts_until_success_or_the_limit(fails, max_restarts, code, tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(FAILS_ON_THE_FIRST_ATTEMPT)
-    proc = subprocess.run(
+    proc = pyfork.run(
         onedist_command("-n", "2", "--max-restarts", str(max_restarts), str(script), str(fails)),
         capture_output=True,
         text=True,
@@ -307,7 +308,7 @@ time.sleep(60)
 def test_sigterm_to_the_launcher_does_not_restart(tmp_path):
     script = tmp_path / "sleeps.py"
     script.write_text(SLEEPS)
-    proc = subprocess.Popen(
+    proc = pyfork.popen(
         onedist_command("-n", "2", "--max-restarts", "3", str(script), str(tmp_path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -352,7 +353,7 @@ def test_parallel_restarts_a_killed_worker(max_restarts, tmp_path):
     script.write_text(KILLS_ITSELF)
     out.mkdir()
     shm_before = _shm()
-    proc = subprocess.run(
+    proc = pyfork.run(
         [sys.executable, str(script), str(out), str(max_restarts)],
         capture_output=True,
         text=True,

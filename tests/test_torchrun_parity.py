@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import pyfork
 from launch_env import clean_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -22,7 +23,7 @@ LAUNCHERS = {
 
 
 def _launch(launcher: str, nproc: int, *target: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return pyfork.run(
         [*LAUNCHERS[launcher], "--nproc-per-node", str(nproc), *target],
         cwd=SCRIPTS,  # `-m torchrun_plain.<script>` imports from here
         env=clean_env(),

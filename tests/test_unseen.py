@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import pyfork
 from launch_env import clean_env
 from prereqs import mpirun_missing
 
@@ -56,7 +57,7 @@ def _start(root: Path, scenario: str, backend: str, launcher: str, **env: str) -
     extra = {"ONEDIST_STALL_S": "1", "ONEDIST_DEBUG": "0", **env}
     if launcher in ("run", "mpirun"):
         extra["ONEDIST_UNDER_RUN"] = "1"
-    proc = subprocess.Popen(
+    proc = pyfork.popen(
         _command(out, scenario, backend, launcher),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
