@@ -258,7 +258,7 @@ class _Server:
 
         self.proc = subprocess.Popen(
             [sys.executable, __file__, self.path, str(ready_w), str(os.getpid())],
-            env=clean_env("ONEDIST_"),
+            env=clean_env("ONEDIST_", base=_SESSION_ENV),
             pass_fds=(ready_w,),
             stdin=subprocess.DEVNULL,
         )
@@ -283,6 +283,9 @@ class _Server:
         os.rmdir(self.dir)
 
 
+#: the variables the server imports torch with: the session's at collection, not those of the test
+#: that happens to start the first process (it may have set some for its own processes)
+_SESSION_ENV = dict(os.environ)
 _SERVER: Optional[_Server] = None
 _SERVER_LOCK = threading.Lock()
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import onedist as od
+import pyfork
 import workers
 from launch_env import SLURM_MPI_PREFIXES, clean_env, strip_launcher_vars
 from onedist.backends import mpi as od_mpi
@@ -113,7 +114,7 @@ def test_onedist_run_backend_sets_onedist_backend_in_the_workers(tmp_path):
     script.write_text(REPORT)
     ports = []
     for n, name in (("2", "gloo"), ("1", "shm")):
-        proc = subprocess.run(
+        proc = pyfork.run(
             onedist_command("-n", n, "--backend", name, str(script)),
             capture_output=True,
             text=True,

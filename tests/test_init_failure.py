@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+import pyfork
+
 pytestmark = pytest.mark.slow
 
 _SCRIPT = textwrap.dedent(
@@ -60,7 +62,7 @@ def _run_two(bad_ranks: str, ready: Path, **late: str) -> dict[int, dict[str, ob
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
     env.update(BAD_RANKS=bad_ranks, READY_DIR=str(ready), **late)
     procs = {
-        r: subprocess.Popen(
+        r: pyfork.popen(
             [sys.executable, "-c", _SCRIPT],
             env=dict(env, RANK=str(r)),
             stdout=subprocess.PIPE,

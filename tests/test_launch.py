@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import onedist as od
+import pyfork
 import workers
 from conftest import TORCHRUN_WORKER_ENV
 from launch_env import clean_env
@@ -249,7 +250,7 @@ def test_same_script_under_python_and_torchrun(launcher, tmp_path):
         ]
     else:
         cmd = [sys.executable, str(script), str(tmp_path), "spawn"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env(), cwd=tmp_path)
+    proc = pyfork.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import json
 
@@ -280,7 +281,7 @@ def test_worker_error_under_python_script_exits_nonzero_with_rank_traceback(tmp_
             """
         )
     )
-    proc = subprocess.run(
+    proc = pyfork.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path
     )
     assert proc.returncode != 0

@@ -330,7 +330,7 @@ def test_init_names_the_ranks_that_never_joined():
 
     port = str(free_port())
     procs = [
-        subprocess.Popen(
+        pyfork.popen(
             [sys.executable, "-c", _JOIN, str(r), port],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -359,7 +359,7 @@ def test_a_busy_rank_stops_soon_after_another_rank_fails(how):
 
     env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [
-        subprocess.Popen(
+        pyfork.popen(
             [sys.executable, BUSY, how], env={**env, "RANK": str(r)}, stderr=subprocess.PIPE, text=True
         )
         for r in (0, 1)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import onedist as od
+import pyfork
 import workers
 from launch_env import clean_env
 from netutil import is_loopback_listener
@@ -29,7 +30,7 @@ def test_spawn_one_node_listens_on_loopback_only(start_method):
 
 @pytest.mark.launcher
 def test_onedist_run_one_node_listens_on_loopback_only(tmp_path):
-    proc = subprocess.run(
+    proc = pyfork.run(
         onedist_command("-n", "2", LISTENERS, str(tmp_path)),
         capture_output=True,
         text=True,
@@ -85,7 +86,7 @@ def test_spawn_port_in_use_fails_before_starting_workers():
 def test_onedist_run_port_in_use_is_a_usage_error(nnodes, tmp_path):
     with _taken_port() as s:
         port = str(s.getsockname()[1])
-        proc = subprocess.run(
+        proc = pyfork.run(
             onedist_command("--nnodes", nnodes, "--master-port", port, "-n", "1", LISTENERS, str(tmp_path)),
             capture_output=True,
             text=True,

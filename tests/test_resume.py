@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import onedist as od
+import pyfork
 from onedist.training.resume import newest_step
 
 
@@ -216,7 +217,7 @@ def test_resume_says_where_it_resumed_from_with_default_logging(tmp_path):
         "od.save_training_state(sys.argv[1], 7, model=m)\n"
         "print(od.resume(sys.argv[1], model=m))\n"
     )
-    out = subprocess.run(
+    out = pyfork.run(
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.split() == ["0", "7"], out

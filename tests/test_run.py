@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import pyfork
 from conftest import TORCHRUN_WORKER_ENV
 from launch_env import clean_env
 from onedist._net import free_port
@@ -40,7 +41,7 @@ def test_rank_0_ending_first_leaves_no_store_errors(tmp_path):
     # succeeded; the watcher now stops when its idle connection to the store reads end-of-file
     script = tmp_path / "rank0_first.py"
     script.write_text(RANK_0_ENDS_FIRST)
-    proc = subprocess.run(
+    proc = pyfork.run(
         onedist_command("-n", "2", str(script)), capture_output=True, text=True, timeout=120, env=clean_env()
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -50,7 +51,7 @@ def test_rank_0_ending_first_leaves_no_store_errors(tmp_path):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_onedist_run_starts_n_workers_with_prefixed_output(n, tmp_path):
-    proc = subprocess.run(
+    proc = pyfork.run(
         onedist_command("-n", str(n), AGREE_SCRIPT, str(tmp_path)),
         capture_output=True,
         text=True,
@@ -64,7 +65,7 @@ def test_onedist_run_starts_n_workers_with_prefixed_output(n, tmp_path):
 
 
 def test_onedist_run_module_mode_and_output_filter(tmp_path):
-    proc = subprocess.run(
+    proc = pyfork.run(
         onedist_command(
             "--nproc_per_node",
             "2",
@@ -89,7 +90,7 @@ def test_onedist_run_module_mode_and_output_filter(tmp_path):
 @pytest.mark.parametrize("how", ["raise", "exit", "kill"])
 def test_onedist_run_failing_worker_stops_every_worker_within_5s(how, tmp_path):
     t0 = time.time()
-    proc = subprocess.run(
+    proc = pyfork.run(
         onedist_command("-n", "3", AGREE_SCRIPT, str(tmp_path)),
         capture_output=True,
         text=True,
@@ -116,7 +117,7 @@ def test_onedist_run_failing_worker_stops_every_worker_within_5s(how, tmp_path):
 
 
 def test_onedist_run_forwards_sigterm(tmp_path):
-    proc = subprocess.Popen(
+    proc = pyfork.popen(
         onedist_command("-n", "2", AGREE_SCRIPT, str(tmp_path)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -152,7 +153,7 @@ while True:
 def test_worker_traceback_starts_at_the_script_with_one_rank_prefix(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(RAISES_IN_A_COLLECTIVE_LOOP)
-    proc = subprocess.run(
+    proc = pyfork.run(
         onedist_command("-n", "2", str(script), str(tmp_path)),
         capture_output=True,
         text=True,
@@ -233,7 +234,7 @@ def test_onedist_run_usage_errors(args, message, tmp_path):
     """Refused before any worker starts: exit status 2 and the launcher's one line (a missing
     script was each worker's runpy error, after its start-up)."""
     target = [] if args[-1] in ("missing.py", "no_such_module") else [AGREE_SCRIPT, str(tmp_path)]
-    proc = subprocess.run(
+    proc = pyfork.run(
         onedist_command(*args, *target),
         capture_output=True,
         text=True,
@@ -267,7 +268,7 @@ def test_a_script_sees_what_python_gives_it_and_every_argument_after_its_name(tm
     )
     expected = [str(tmp_path / "sub" / "probe.py"), command, True]
     assert json.loads(python.stdout) == expected, python.stderr
-    ran = subprocess.run(
+    ran = pyfork.run(
         onedist_command("-n", "2", "--no-prefix", *command),
         capture_output=True,
         text=True,
@@ -284,7 +285,7 @@ def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in
     script = tmp_path / "hello.py"
     script.write_text("print('ran in place')\nraise SystemExit(4)\n")
     env = clean_env(**TORCHRUN_WORKER_ENV)
-    refused = subprocess.run(
+    refused = pyfork.run(
         onedist_command("-n", "3", str(script)), capture_output=True, text=True, timeout=60, env=env
     )
     assert refused.returncode == 2, refused.stderr
@@ -294,7 +295,7 @@ def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in
     )
     # in place: rank 0's output, though --output-ranks names rank 1 only, with no prefix, and the
     # script's own exit status
-    ran = subprocess.run(
+    ran = pyfork.run(
         onedist_command("-n", "2", "--output-ranks", "1", str(script)),
         capture_output=True,
         text=True,
@@ -306,7 +307,7 @@ def test_under_a_launcher_a_disagreeing_n_is_refused_and_an_agreeing_one_runs_in
 
 def test_python_spawns_the_same_script(tmp_path):
     """`python agree.py OUT 2`: no launcher, so Parallel spawns the workers itself."""
-    proc = subprocess.run(
+    proc = pyfork.run(
         [sys.executable, AGREE_SCRIPT, str(tmp_path), "2"],
         capture_output=True,
         text=True,
@@ -370,7 +371,7 @@ def test_onedist_run_two_nodes_on_one_host(flags, tmp_path):
     else:
         where += ["--nnodes", "2"]
     procs = [
-        subprocess.Popen(
+        pyfork.popen(
             onedist_command("--node-rank", str(node), "-n", "2", *where, AGREE_SCRIPT, str(tmp_path)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -390,7 +391,7 @@ def test_open_mpi_mpirun(via, n, tmp_path):
     runner = [sys.executable] if via == "python" else onedist_command()
     flags = ["--allow-run-as-root", "--oversubscribe", "-np", str(n)]
     cmd = ["mpirun", *flags, *runner, AGREE_SCRIPT, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
+    proc = pyfork.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     check_agree(tmp_path, n)
 
@@ -407,9 +408,7 @@ def test_mpich_hydra_mpiexec(via, n, tmp_path):
     under MPICH ("suspicious MPI execution environment"): onedist does not ask it."""
     runner = [sys.executable] if via == "python" else onedist_command()
     cmd = ["mpiexec.hydra", "-n", str(n), *runner, AGREE_SCRIPT, str(tmp_path)]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, env=clean_env(AGREE_BACKEND="auto")
-    )
+    proc = pyfork.run(cmd, capture_output=True, text=True, timeout=240, env=clean_env(AGREE_BACKEND="auto"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "suspicious MPI" not in proc.stderr, proc.stderr
     got = check_agree(tmp_path, n)

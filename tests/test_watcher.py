@@ -8,6 +8,7 @@ returned without a word (no stall report on Horovod or ONEDIST_RECORD=0 any more
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -53,3 +54,32 @@ def test_onedist_s_own_call_on_a_group_without_record_is_reported_with_its_wait(
     line = next(n for n, text in enumerate(lines, 1) if text.endswith("# watcher: late barrier"))
     assert "rank 0 (pid" in err and f"waits in barrier() (call 1) at {__file__}:{line}, for " in err, err
     assert "rank 1 (pid" in err and "not in a collective on record" in err, err
+
+
+def test_a_sampled_plain_call_keeps_nothing_of_its_callers_alive():
+    """The stall check keeps its last sample of a plain torch.distributed call until the next one,
+    a second later: that sample must not hold the call's frame, whose callers' locals (here an
+    object; in the flaky checkpoint test, a load's memory-mapped tensors) would live on with it."""
+    import gc
+    import weakref
+
+    import torch
+
+    from onedist.failures.torch_calls import TorchCall
+
+    class Held:
+        pass
+
+    def caller() -> tuple[TorchCall, weakref.ref]:
+        held = Held()
+
+        def all_reduce(tensor: torch.Tensor, op: str = "SUM", group: object = None) -> TorchCall:
+            return TorchCall(sys._getframe(), group, 7)  # what the watcher takes of torch's frame
+
+        return all_reduce(torch.ones(2)), weakref.ref(held)
+
+    call, held = caller()
+    gc.collect()
+    assert held() is None
+    assert (call.name, call.args, call.seq) == ("all_reduce", {"op": "'SUM'", "tensor": "float32[2]"}, 7)
+    assert call.same(call) and "test_watcher.py:" in call.site

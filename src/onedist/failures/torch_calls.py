@@ -64,29 +64,40 @@ _VALUES = (
 
 
 class TorchCall:
-    """The plain collective the main thread is in: its frame (kept while it blocks) and number."""
+    """The plain collective the main thread is in, as one sample saw it: which frame (its identity,
+    not the frame), group and number, and what the ranks compare, taken at once. The frame is not
+    kept: a frame holds its callers' frames and every local of theirs (a checkpoint's mapped
+    tensors, a batch), which would then live until the next sample, a second after the call."""
 
-    __slots__ = ("frame", "group", "seq")
+    __slots__ = ("args", "frame_id", "group", "name", "seq", "site")
 
     def __init__(self, frame: FrameType, group: Any, seq: int) -> None:
-        self.frame, self.group, self.seq = frame, group, seq
+        self.frame_id, self.group, self.seq = id(frame), group, seq
+        local = frame.f_locals
+        self.name = frame.f_code.co_name
+        self.args = {k: _text(local[k]) for k in _SCALARS if local.get(k) is not None}
+        self.args.update({k: _text(local[k]) for k in _VALUES if k in local})
+        self.site = _site(frame)
 
     def same(self, other: Any) -> bool:
-        return isinstance(other, TorchCall) and other.frame is self.frame and other.seq == self.seq
+        """The same call: the same frame (alive while the call runs) of the same group's call."""
+        return (
+            isinstance(other, TorchCall)
+            and other.frame_id == self.frame_id
+            and other.group is self.group
+            and other.seq == self.seq
+        )
 
     def describe(self) -> dict[str, Any]:
         """What the ranks compare, as :func:`onedist.collectives.debug.describe_call` gives it."""
         import torch.distributed as dist
 
-        name, local = self.frame.f_code.co_name, self.frame.f_locals
-        args = {k: _text(local[k]) for k in _SCALARS if local.get(k) is not None}
-        args.update({k: _text(local[k]) for k in _VALUES if k in local})
-        shown = ", ".join(f"{k}={v}" for k, v in args.items())[:300]
-        sig = json.dumps({"call": name, **args}, sort_keys=True)
+        shown = ", ".join(f"{k}={v}" for k, v in self.args.items())[:300]
+        sig = json.dumps({"call": self.name, **self.args}, sort_keys=True)
         ranks = dist.get_process_group_ranks(self.group)
         default = self.group is dist.distributed_c10d._get_default_group()
         where = {"group": ranks, "default": default}
-        return {"call": f"torch.distributed.{name}({shown})", "site": _site(self.frame), "sig": sig, **where}
+        return {"call": f"torch.distributed.{self.name}({shown})", "site": self.site, "sig": sig, **where}
 
 
 def torch_call(main_ident: int) -> Optional[TorchCall]:
@@ -108,9 +119,9 @@ def torch_call(main_ident: int) -> Optional[TorchCall]:
         # torch numbers its C++ groups' calls; onedist's Python groups (mpi4py, shm) count their own
         counted = getattr(group, "collectives", None)
         seq = int(group._get_sequence_number_for_group() if counted is None else counted)
+        return TorchCall(outer, group, seq)
     except Exception:  # a backend that does not number its calls (another Python process group)
         return None
-    return TorchCall(outer, group, seq)
 
 
 def _text(value: Any) -> str:
