@@ -16,9 +16,11 @@ modules imported at the server's start were imported with the server's variables
 show the server's command line and variables (``os.environ`` is right); ``sys.flags`` and ``-X``
 options are the server's (none); without ``OMP_NUM_THREADS`` torch computes on one thread (a new
 interpreter would start one per core and a second thread at ``import torch``, and a launcher
-with that thread could not fork its own workers); its parent is the server, not the test (it ends when the
-server does, at the end of the session). The process ends with ``os._exit`` after Python's exit steps
-(non-daemon threads joined, ``atexit``, ``__main__`` released), not by interpreter finalization.
+with that thread could not fork its own workers); its parent is the server, not the test. A script
+or ``-m module`` runs as a worker that ``onedist run`` forks runs it (``onedist.launchers.bootstrap``,
+``runpy.run_module`` for a module) and ends as that worker ends (``onedist.launchers.forked``): with
+``os._exit`` after Python's exit steps (non-daemon threads joined, ``atexit``, ``__main__``
+released), not by interpreter finalization.
 
 Without ``os.pidfd_open`` (not Linux, kernel < 5.3) or where ``ONEDIST_TEST_FORK=0``, both are
 :mod:`subprocess`'s own.
@@ -27,11 +29,9 @@ Without ``os.pidfd_open`` (not Linux, kernel < 5.3) or where ``ONEDIST_TEST_FORK
 from __future__ import annotations
 
 import atexit
-import gc
 import io
 import json
 import os
-import runpy
 import select
 import selectors
 import signal
@@ -48,7 +48,6 @@ from typing import IO, Any, Optional
 __all__ = ["Popen", "popen", "run"]
 
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
-_SIGNALS_RESET = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGALRM")
 _MESSAGE_MAX = 1 << 20
 
 
@@ -374,7 +373,8 @@ def _send(conn: socket.socket, message: dict) -> None:
 
 def _become(request: dict, fds: list[int], conn: socket.socket) -> int:
     """In the child: the request's streams, session, directory and variables, Python's start-up
-    state, then its program; its exit status."""
+    state, then its program; its exit status. Its signals and its end are those of a worker that
+    ``onedist run`` forks (``onedist.launchers.forked``, imported once the variables are set)."""
     conn.close()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -383,33 +383,31 @@ def _become(request: dict, fds: list[int], conn: socket.socket) -> int:
     if request["new_session"]:
         os.setsid()
     os.chdir(request["cwd"])
-    for name in _SIGNALS_RESET:
-        signum = getattr(signal, name, None)
-        if signum is not None:
-            signal.signal(signum, signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(request["env"])
     _fresh_streams()
     _fresh_state()
+    from onedist.errors import user_traceback
+    from onedist.launchers.forked import _exit_as_python, _exit_code, _reset_signals
+
+    _reset_signals(signal.pthread_sigmask(signal.SIG_BLOCK, ()))  # the mask as it is
     try:
         _run_program(request["argv"])
         code = 0
     except SystemExit as e:
-        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
+        code = _exit_code(e.code)
     except BaseException as e:
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, _RUNPY):
-            tb = tb.tb_next  # the program's frames only, as Python prints them
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        tb = user_traceback(tb)  # and bootstrap's and runpy's: the program's frames, as Python prints
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         if isinstance(e, KeyboardInterrupt):  # as Python ends on an uncaught Ctrl-C
-            _python_exit_steps()
+            _exit_as_python(1)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         code = 1
-    _python_exit_steps()
-    return code & 0xFF
+    return _exit_as_python(code)
 
 
 def _fresh_streams() -> None:
@@ -452,52 +450,38 @@ def _fresh_state() -> None:
 
 
 def _run_program(argv: list[str]) -> None:
-    """``python argv...``: a script, ``-m module`` or ``-c code``, in a new ``__main__``."""
+    """``python argv...`` in a new ``__main__``: a script or ``-m module`` as a worker ``onedist run``
+    forks runs it (``onedist.launchers.bootstrap.run_target``), ``-c code`` here."""
+    from onedist.launchers.bootstrap import run_target
+
     main = types.ModuleType("__main__")
     _REPLACED.append(sys.modules["__main__"])
-    sys.modules["__main__"] = main
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]  # argv[0] becomes the module's file, as with `python -m`
-        sys.path.insert(0, os.getcwd())
-        runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]
-        return
+    sys.modules["__main__"] = main  # what runpy puts back after `-m`, and the exit steps release
     if argv[0] == "-c":
-        sys.argv, path0, name, source = ["-c", *argv[2:]], "", "<string>", argv[1]
-    else:
-        name = os.path.abspath(argv[0])
-        sys.argv, path0 = list(argv), os.path.dirname(name)
-        main.__dict__.update(__file__=name, __cached__=None)
-        with io.open_code(name) as f:
-            source = f.read()
-    sys.path.insert(0, path0)
-    main.__dict__["__builtins__"] = __builtins__
-    exec(compile(source, name, "exec", dont_inherit=True), main.__dict__)
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        main.__dict__["__builtins__"] = __builtins__
+        exec(compile(argv[1], "<string>", "exec", dont_inherit=True), main.__dict__)
+        return
+    if argv[0] == "-m":
+        sys.path[0] = os.getcwd()  # as `python -m` sets it (run_target relies on it)
+    run_target(argv)  # a script's own directory replaces sys.path[0] there
 
 
-def _python_exit_steps() -> None:
-    """Python's exit without finalization: non-daemon threads joined, ``atexit`` run, ``__main__``'s
-    globals released (their files flush and close), the streams flushed."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:
-        pass
-    atexit._run_exitfuncs()
-    main = sys.modules.get("__main__")
-    if main is not None:
-        main.__dict__.clear()
-    gc.collect()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+def _path_without_pythonpath() -> list[str]:
+    """``sys.path[1:]`` of a new interpreter without ``PYTHONPATH`` (asked of one: ~30 ms): a child
+    puts its own ``PYTHONPATH`` before it. Not this server's own path: a directory in both
+    ``PYTHONPATH`` and a ``.pth`` file (an editable install) is in it only once, where
+    ``PYTHONPATH`` put it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import json, sys; print(json.dumps(sys.path[1:]))"
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return list(json.loads(found.stdout))
 
 
-_RUNPY = runpy.__file__
 _REPLACED: list[Any] = []  # the server's own __main__, kept while a child's program is __main__
 _BASE_PATH: list[str] = []
 
 if __name__ == "__main__":
-    _BASE_PATH = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    _BASE_PATH = _path_without_pythonpath()
     atexit._clear()
     _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

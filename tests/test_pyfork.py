@@ -20,7 +20,7 @@ PROBE = """
 import atexit, json, os, signal, sys, threading
 import torch
 out = {
-    "argv": sys.argv, "file": globals().get("__file__"), "name": __name__, "path0": sys.path[0],
+    "argv": sys.argv, "file": globals().get("__file__"), "name": __name__, "path": sys.path,
     "cwd": os.getcwd(), "env": {k: v for k, v in os.environ.items() if k.startswith("PYFORK_")},
     "in_path": os.environ["PYFORK_EXTRA"] in sys.path, "sid_own": os.getsid(0) == os.getpid(),
     "int_handler": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
@@ -72,6 +72,7 @@ def test_a_forked_script_sees_what_python_gives_it(tmp_path, new_session):
     python, forked = outs
     assert forked == python
     assert python["argv"][0] == "probe.py" and python["file"] == str(script) and python["in_path"]
+    assert python["path"][:2] == [str(tmp_path), extra]  # the script's directory, then PYTHONPATH
     assert python["sid_own"] == new_session and python["threads"] == 1 and python["stdin"] == "from stdin"
 
 
