@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,11 @@ needs_ulfm = pytest.mark.skipif(
 )
 
 
-def _run(
+#: a started scenario: its process (pyfork's or subprocess's Popen), folder and number of ranks
+_Job = tuple[Any, Path, int]
+
+
+def _start(
     tmp_path: Path,
     scenario: str,
     debug: bool,
@@ -46,7 +51,8 @@ def _run(
     backend: str = "gloo",
     nproc: int = 2,
     ulfm: bool = False,
-) -> list[dict]:
+) -> _Job:
+    """The scenario's job started (see :func:`_results`): its process, folder and ranks."""
     env = clean_env(ONEDIST_DEBUG="1" if debug else "0", ONEDIST_STALL_S=stall_s)
     env.update(MISUSE_BACKEND=backend, MISUSE_NPROC=str(nproc))
     python = sys.executable
@@ -76,17 +82,98 @@ def _run(
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), MISUSE]
     else:
         command = [python, MISUSE]
-    proc = pyfork.run(
+    proc = pyfork.popen(
         [*command, str(tmp_path), scenario, str(timeout_s)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=120,
         env=env,
+        start_new_session=True,  # a job that outlives its limit is killed whole
     )
+    return proc, tmp_path, nproc
+
+
+def _results(job: _Job) -> list[dict]:
+    """Each rank's result file (``{"missing": <the job's output>}`` for a rank that wrote none),
+    once the job ended (killed, with its workers, after 120 s)."""
+    proc, tmp_path, nproc = job
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
     results = []
     for r in range(nproc):
         f = tmp_path / f"{r}.json"
-        results.append(json.loads(f.read_text()) if f.exists() else {"missing": proc.stdout + proc.stderr})
+        results.append(json.loads(f.read_text()) if f.exists() else {"missing": out + err})
+    return results
+
+
+def _run(tmp_path: Path, scenario: str, debug: bool, **kwargs: Any) -> list[dict]:
+    """The scenario run to its end (:func:`_start`'s arguments): each rank's result."""
+    return _results(_start(tmp_path, scenario, debug, **kwargs))
+
+
+def _stalled(scenario: str, launcher: str = "spawn", nproc: int = 2) -> dict[str, Any]:
+    """A scenario whose ranks block in different calls, found by the 3 s stall check."""
+    return dict(scenario=scenario, debug=False, timeout_s=0, stall_s="3", launcher=launcher, nproc=nproc)
+
+
+#: scenario -> the calls each rank's verdict names (the stall check's cases, each under spawn and run)
+_BLOCKED = {
+    "reduce_vs_barrier": [
+        "rank 0: all_reduce(op=SUM",
+        "misuse.py:21",
+        "rank 1: barrier() at",
+        "misuse.py:23",
+    ],
+    # rank 0 is named in its all_reduce, or in the barrier after it when gloo returned it
+    "reduce_vs_gather": ["rank 0: ", "rank 1: all_gather(value", "misuse.py:51"],
+    "only_rank0": ["rank 0: all_reduce(op=SUM", "misuse.py:30", "rank 1: barrier() at", "misuse.py:31"],
+    # gloo returns rank 0's 2-element call (a wrong sum), which then waits in the barrier while
+    # rank 1 waits for its 3rd element; when rank 0 was not returned yet, both wait in call 2
+    "shapes_then_barrier": ["rank 0: ", "rank 1: all_reduce(", "[3]", "misuse.py:54"],
+    "plain_reduce_vs_barrier": [
+        "rank 0: torch.distributed.all_reduce(op=SUM, tensor=float32[3]) at ",
+        "misuse.py:84",
+        "rank 1: torch.distributed.barrier() at ",
+        "misuse.py:86",
+    ],
+    # gloo returned rank 0's 2-element call: the calls on record name both ranks' call 2
+    "plain_shapes": [
+        "rank 0: all_reduce(SUM, float32 x 2) at",
+        "rank 1: torch.distributed.all_reduce(op=SUM, tensor=float32[3])",
+    ],
+}
+
+_TIMED_OUT = ("reduce_vs_barrier", "only_rank0")  # the scenarios a 3 s timeout ends
+
+#: the jobs that mostly wait (a 3 s stall check, a rank 8 s late, a 3 s timeout), run together by
+#: the `waited` fixture: name -> _start's arguments
+_WAITING: dict[str, dict[str, Any]] = {
+    **{f"blocked-{s}-{launcher}": _stalled(s, launcher) for s in _BLOCKED for launcher in ("spawn", "run")},
+    **{f"torchrun-{s}": _stalled(s, "torchrun") for s in ("reduce_vs_gather", "plain_shapes")},
+    **{f"last-{launcher}": _stalled("shapes_last", launcher) for launcher in ("spawn", "run")},
+    "subgroup": _stalled("subgroup_reduce_vs_barrier", nproc=3),
+    "slow": _stalled("slow"),
+    # a 3 s timeout, no stall check
+    **{f"timeout-{s}": dict(scenario=s, debug=False, timeout_s=3.0) for s in _TIMED_OUT},
+}
+_AT_ONCE = 4  # jobs running together: they wait, each on its own clock (the limits hold beside others)
+
+
+@pytest.fixture(scope="module")
+def waited(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """Every job of :data:`_WAITING`, ``_AT_ONCE`` at a time: name -> each rank's result."""
+    results: dict[str, list[dict]] = {}
+    pending = list(_WAITING)
+    running: list[tuple[str, _Job]] = []
+    while pending or running:
+        while pending and len(running) < _AT_ONCE:
+            name = pending.pop(0)
+            running.append((name, _start(tmp_path_factory.mktemp(name), **_WAITING[name])))
+        name, job = running.pop(0)
+        results[name] = _results(job)
     return results
 
 
@@ -124,45 +211,11 @@ def test_debug_mode_lets_correct_programs_through(tmp_path):
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "run"])
-@pytest.mark.parametrize(
-    "scenario, calls",
-    [
-        (
-            "reduce_vs_barrier",
-            ["rank 0: all_reduce(op=SUM", "misuse.py:21", "rank 1: barrier() at", "misuse.py:23"],
-        ),
-        # rank 0 is named in its all_reduce, or in the barrier after it when gloo returned it
-        ("reduce_vs_gather", ["rank 0: ", "rank 1: all_gather(value", "misuse.py:51"]),
-        ("only_rank0", ["rank 0: all_reduce(op=SUM", "misuse.py:30", "rank 1: barrier() at", "misuse.py:31"]),
-        # gloo returns rank 0's 2-element call (a wrong sum), which then waits in the barrier while
-        # rank 1 waits for its 3rd element; when rank 0 was not returned yet, both wait in call 2
-        ("shapes_then_barrier", ["rank 0: ", "rank 1: all_reduce(", "[3]", "misuse.py:54"]),
-        (
-            "plain_reduce_vs_barrier",
-            [
-                "rank 0: torch.distributed.all_reduce(op=SUM, tensor=float32[3]) at ",
-                "misuse.py:84",
-                "rank 1: torch.distributed.barrier() at ",
-                "misuse.py:86",
-            ],
-        ),
-        # gloo returned rank 0's 2-element call: the calls on record name both ranks' call 2
-        (
-            "plain_shapes",
-            [
-                "rank 0: all_reduce(SUM, float32 x 2) at",
-                "rank 1: torch.distributed.all_reduce(op=SUM, tensor=float32[3])",
-            ],
-        ),
-    ],
-)
-def test_ranks_blocked_in_different_collectives_raise_without_debug_or_timeout(
-    scenario, calls, launcher, tmp_path
-):
+@pytest.mark.parametrize("scenario", list(_BLOCKED))
+def test_ranks_blocked_in_different_collectives_raise_without_debug_or_timeout(scenario, launcher, waited):
     """The stall check (onedist.failures.stall): no debug mode, torch's 30-minute default timeout;
     onedist's calls and plain torch.distributed calls on the group onedist made."""
-    results = _run(tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", launcher=launcher)
-    _all_name_the_mismatch(results, calls)
+    _all_name_the_mismatch(waited[f"blocked-{scenario}-{launcher}"], _BLOCKED[scenario])
 
 
 def _all_name_the_mismatch(results: list[dict], calls: list[str]) -> None:
@@ -175,18 +228,16 @@ def _all_name_the_mismatch(results: list[dict], calls: list[str]) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["reduce_vs_gather", "plain_shapes"])
-def test_the_stall_check_works_under_torchrun(scenario, tmp_path):
-    results = _run(tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", launcher="torchrun")
-    _all_name_the_mismatch(results, ["rank 0: ", "rank 1: "])
+def test_the_stall_check_works_under_torchrun(scenario, waited):
+    _all_name_the_mismatch(waited[f"torchrun-{scenario}"], ["rank 0: ", "rank 1: "])
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "run"])
-def test_different_shapes_as_the_last_collective_raise_at_finalize(launcher, tmp_path):
+def test_different_shapes_as_the_last_collective_raise_at_finalize(launcher, waited):
     """gloo returns rank 0's 2-element all_reduce early (a wrong sum) while rank 1 waits for its
     3rd element; it was the program's last call, so rank 0 learns it at finalize, and both raise."""
-    results = _run(tmp_path, "shapes_last", debug=False, timeout_s=0, stall_s="3", launcher=launcher)
     _all_name_the_mismatch(
-        results,
+        waited[f"last-{launcher}"],
         ["rank 1 is blocked in call 2 on the default group, which rank 0 returned from", "misuse.py:57"],
     )
 
@@ -198,9 +249,9 @@ def test_finalize_does_not_wait_when_every_rank_arrives(tmp_path):
     assert all(r["finalize_s"] < 1.0 for r in results), results
 
 
-def test_a_sub_group_s_ranks_blocked_in_different_collectives_raise(tmp_path):
+def test_a_sub_group_s_ranks_blocked_in_different_collectives_raise(waited):
     """Group [0, 1] of 3 ranks: its calls are numbered per group; rank 2 is not involved."""
-    results = _run(tmp_path, "subgroup_reduce_vs_barrier", debug=False, timeout_s=0, stall_s="3", nproc=3)
+    results = waited["subgroup"]
     assert results[2]["error"] is None
     calls = ["call 1 on group [0, 1]", "rank 0: all_reduce(", "rank 1: barrier() at"]
     _all_name_the_mismatch(results[:2], calls)
@@ -285,14 +336,14 @@ def test_mpi_with_ulfm_raises_a_mismatch_on_every_rank(scenario, launcher, calls
     assert time.monotonic() - started < 30.0
 
 
-def test_a_rank_that_is_only_slow_is_left_alone(tmp_path):
+def test_a_rank_that_is_only_slow_is_left_alone(waited):
     """Rank 1 arrives 8 s late (past the 3 s stall check): the same call, so no error."""
-    assert [r["error"] for r in _run(tmp_path, "slow", debug=False, timeout_s=0, stall_s="3")] == [None, None]
+    assert [r.get("error", r) for r in waited["slow"]] == [None, None]
 
 
-@pytest.mark.parametrize("scenario", ["reduce_vs_barrier", "only_rank0"])
-def test_without_debug_the_timeout_names_the_ranks_and_their_calls(scenario, tmp_path):
-    results = _run(tmp_path, scenario, debug=False, timeout_s=3.0)
+@pytest.mark.parametrize("scenario", _TIMED_OUT)
+def test_without_debug_the_timeout_names_the_ranks_and_their_calls(scenario, waited):
+    results = waited[f"timeout-{scenario}"]
     for rank, r in enumerate(results):
         assert r.get("error") == "OnedistTimeoutError", results
         assert not r["chained"] and r["backend_error"] == "RuntimeError", r  # gloo's, kept aside
@@ -325,7 +376,8 @@ except Exception as e:
 
 
 def test_init_names_the_ranks_that_never_joined():
-    """WORLD_SIZE=3, only ranks 0 and 1 start: rank 0 names rank 2 at the timeout; rank 1 says rank 0 went."""
+    """WORLD_SIZE=3, only ranks 0 and 1 start: rank 0 names rank 2 at the timeout; rank 1 says rank 0
+    went, as soon as it did."""
     from onedist._net import free_port
 
     port = str(free_port())
@@ -345,6 +397,8 @@ def test_init_names_the_ranks_that_never_joined():
     )
     assert float(elapsed) < 3 + 2
     assert out[1].startswith(("OnedistRuntimeError", "OnedistTimeoutError")) and "rank 1 of 3" in out[1], out
+    # rank 1 raises once rank 0's store is gone; it does not wait to tell a host that went away
+    assert float(out[1].rsplit("|", 1)[1]) < 3 + 5, out
 
 
 BUSY = str(Path(__file__).parent / "scripts" / "busy.py")

@@ -128,4 +128,10 @@ if __name__ == "__main__":
     else:
         nproc = int(os.environ.get("MISUSE_NPROC", "2"))
         backend = os.environ.get("MISUSE_BACKEND", "gloo")
-        od.spawn(backend, main, args=(out, name), nproc_per_node=nproc, timeout=timeout or None)
+        # the scenarios are about the ranks' calls, not how a worker starts (test_launch and
+        # test_spawn_page start them the other ways): fork from this process, which has torch
+        # loaded, where the backend's workers are this launcher's own
+        start = "fork" if backend in ("gloo", "shm") else "spawn"
+        od.spawn(
+            backend, main, args=(out, name), nproc_per_node=nproc, timeout=timeout or None, start_method=start
+        )

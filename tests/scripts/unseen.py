@@ -140,5 +140,7 @@ if __name__ == "__main__":
         finally:
             od.finalize()
     else:
-        with od.Parallel(backend, nproc_per_node=2) as parallel:
+        # forked from this process, which has torch loaded: the cases are about the calls, not
+        # how a worker starts (test_launch and test_spawn_page start them the other ways)
+        with od.Parallel(backend, nproc_per_node=2, start_method="fork") as parallel:
             parallel.run(main, out_dir, name)

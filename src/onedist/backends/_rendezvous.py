@@ -227,7 +227,13 @@ def env_store(
             master_listen_fd=fd,
             use_libuv=True,
         )
-    _join(store, rank, world_size, store_timeout)
+    try:
+        _join(store, rank, world_size, store_timeout)
+    except Exception as e:
+        # rank 0's store was up: one that no longer listens when this failure is announced went
+        # away and will not come back, so announce_init_failure does not wait for it
+        setattr(e, _STORE_REACHED, True)
+        raise
     # the same key prefix torch's env:// path adds, so groups made either way look alike
     return dist.distributed_c10d.PrefixStore("default_pg", store), rank, world_size
 
@@ -238,6 +244,11 @@ _JOIN_POLL_S = 0.5  # how often a joining rank asks whether a peer failed in ini
 _FAILED_KEY = "onedist/init-failed/{}"
 _FAILED_COUNT = "onedist/init-failed-count"
 _READ_KEY = "onedist/init-failed-read/{}"
+#: set on the error of a rank that saw rank 0's store go away: its failure has no one to reach
+_HOST_GONE = "_onedist_rendezvous_host_gone"
+#: set on an error raised after this rank reached rank 0's store (see announce_init_failure)
+_STORE_REACHED = "_onedist_rendezvous_store_reached"
+_REACHED_CONNECT_S = 1.0  # how long a rank that reached the store before tries to reach it again
 _HOLD_S = 10.0  # how long a failed rank 0 hosts the store for its peers to read why
 # how long a failed rank tries to reach rank 0's store: as long as rank 0 holds it, because rank 0
 # may come up seconds later (its imports lag on a loaded machine); at 3 s, a healthy rank 0 that
@@ -261,7 +272,7 @@ def _join(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
     while not _joined(store, keys, rank, world_size):
         waited = time.monotonic() - start
         if waited >= timeout.total_seconds():
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            missing = _missing(store, keys, rank, world_size)
             raise OnedistTimeoutError(
                 f"onedist.initialize (rank {rank} of {world_size}): ranks {missing} did not join the "
                 f"rendezvous within {waited:.0f} s.\nHINT: check that they were started (a launcher that "
@@ -269,7 +280,7 @@ def _join(store: Any, rank: int, world_size: int, timeout: timedelta) -> None:
             )
         if time.monotonic() - last_log >= _JOIN_LOG_S:
             last_log = time.monotonic()
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            missing = _missing(store, keys, rank, world_size)
             logger.warning(
                 "onedist.initialize: rank %d has waited %.0f s for ranks %s to join the rendezvous",
                 rank,
@@ -287,14 +298,29 @@ def _joined(store: Any, keys: list[str], rank: int, world_size: int) -> bool:
             return True
         failed = int(store.add(_FAILED_COUNT, 0))
     except Exception as e:
-        raise OnedistRuntimeError(
-            f"onedist.initialize (rank {rank} of {world_size}): the rendezvous host (rank 0) went "
-            f"away while this rank waited for the others to join ({e}).\nHINT: look at rank 0's "
-            "output: it failed or timed out first"
-        ) from e
+        raise _host_gone(rank, world_size, e) from e
     if failed:
         raise _peer_failure(store, rank, world_size)
     return False
+
+
+def _missing(store: Any, keys: list[str], rank: int, world_size: int) -> list[int]:
+    """The ranks that have not joined yet."""
+    try:
+        return [r for r, k in enumerate(keys) if not store.check([k])]
+    except Exception as e:
+        raise _host_gone(rank, world_size, e) from e
+
+
+def _host_gone(rank: int, world_size: int, e: Exception) -> OnedistRuntimeError:
+    """The error of a rank whose rendezvous host stopped answering while it waited to join."""
+    gone = OnedistRuntimeError(
+        f"onedist.initialize (rank {rank} of {world_size}): the rendezvous host (rank 0) went "
+        f"away while this rank waited for the others to join ({e}).\nHINT: look at rank 0's "
+        "output: it failed or timed out first"
+    )
+    setattr(gone, _HOST_GONE, True)  # nobody to tell: announce_init_failure returns at once
+    return gone
 
 
 def _peer_failure(store: Any, rank: int, world_size: int) -> RemoteRankError:
@@ -321,9 +347,13 @@ def announce_init_failure(exc: BaseException) -> None:
     default). Best effort and bounded: another rank connects to rank 0's store and writes its
     error; rank 0, whose store did not exist yet, hosts it on MASTER_PORT and keeps
     it up until every peer has read the error, at most 10 s; another rank tries for as long (rank 0
-    may start later). Nothing without the variables of
-    ``env://`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or in a group of one.
+    may start later), or for 1 s where it had reached rank 0's store in this rendezvous already
+    (a store that stopped listening went away), and not at all where it saw the store go. Nothing
+    without the variables of ``env://`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or in a
+    group of one.
     """
+    if getattr(exc, _HOST_GONE, False):  # rank 0's store went: nobody to tell
+        return
     env = os.environ
     try:
         rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -334,8 +364,11 @@ def announce_init_failure(exc: BaseException) -> None:
         return
     agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("1", "true")
     hosting = rank == 0 and not agent_store
+    # a rank that never reached rank 0's store waits for it as long as rank 0 would hold it (it
+    # may start late); one that reached it before tries briefly: the store may have gone for good
+    connect_s = _REACHED_CONNECT_S if getattr(exc, _STORE_REACHED, False) else _ANNOUNCE_CONNECT_S
     try:
-        store = _failure_store(addr, port, world_size, hosting)
+        store = _failure_store(addr, port, world_size, hosting, connect_s)
         report = {
             "type": type(exc).__name__,
             "message": str(exc),
@@ -365,8 +398,8 @@ def _hold_for_peers(store: Any, world_size: int) -> None:
             time.sleep(0.05)
 
 
-def _failure_store(addr: str, port: int, world_size: int, hosting: bool) -> Any:
-    timeout = timedelta(seconds=_HOLD_S if hosting else _ANNOUNCE_CONNECT_S)
+def _failure_store(addr: str, port: int, world_size: int, hosting: bool, connect_s: float) -> Any:
+    timeout = timedelta(seconds=_HOLD_S if hosting else connect_s)
     if not hosting:
         _wait_for_listener(addr, port, timeout.total_seconds())
         return _TCPStore(addr, port, world_size, False, timeout=timeout)
