@@ -17,12 +17,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
+import pyfork
 from launch_env import clean_env
 from onedist._diagnose import warnings as launch_warnings
+from onedist._net import free_port
 from onedist.environments import (
     ClusterEnv,
     KubernetesJob,
@@ -316,12 +319,30 @@ def test_pet_nproc_per_node_starts_two_workers(tmp_path):
     assert "--nproc-per-node=2 (PET_NPROC_PER_NODE)" in proc.stderr
 
 
-def test_pytorchjob_pod_with_plain_python_fails_at_once_with_the_fix(tmp_path):
-    """nprocPerNode 2, the script started with plain python: a clear error, not a hang."""
-    pod = {**pytorchjob_pod(0, pods=2, nproc="2"), "MASTER_ADDR": "127.0.0.1", "PET_MASTER_ADDR": "127.0.0.1"}
-    proc = _run([sys.executable, AGREE_SCRIPT, str(tmp_path)], pod, timeout=60)
-    assert proc.returncode != 0
-    assert "onedist.initialize: this Kubeflow PyTorchJob pod's process was started without" in proc.stderr
+def test_pytorchjob_pods_with_plain_python_fail_at_once_with_the_fix(tmp_path):
+    """nprocPerNode 2, the script started with plain python in both pods (on this host): a clear
+    error in each, not a hang; pod 0, the rendezvous host, ends once pod 1 told it its failure."""
+    port = free_port()
+    pods = [
+        {
+            **pytorchjob_pod(k, pods=2, nproc="2", port=port),
+            "MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_ADDR": "127.0.0.1",
+        }
+        for k in (0, 1)
+    ]
+    started = time.monotonic()
+    procs = [
+        pyfork.popen([sys.executable, AGREE_SCRIPT, str(tmp_path)], env=clean_env(**pod),
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for pod in pods
+    ]  # fmt: skip
+    errors = [proc.communicate(timeout=60)[1] for proc in procs]
+    assert time.monotonic() - started < 8.0  # not pod 0's 10 s hold for a reader
+    for proc, err in zip(procs, errors):
+        assert proc.returncode != 0
+        assert "onedist.initialize: this Kubeflow PyTorchJob pod's process was started without" in err, err
+    pod = pods[0]
     info = _run([sys.executable, "-m", "onedist", "info", "--json"], pod, timeout=60)
     data = json.loads(info.stdout)
     assert data["kubernetes"]["operator"] == "pytorchjob" and data["detected_environment"] is None

@@ -45,6 +45,10 @@ logger = logging.getLogger("onedist")
 
 _TCPStore: Any = getattr(dist, "TCPStore", None)  # torch.distributed re-exports it without __all__
 
+#: set on an error that no peer should wait to hear of: rank 0's store went away, or RANK and
+#: WORLD_SIZE are not this process's (a pod that needed a launcher: every pod finds it alike)
+_NOBODY_TO_TELL = "_onedist_nobody_to_tell"
+
 
 def prepare_env_rendezvous(
     rank: Optional[int], world_size: Optional[int], env_set: dict[str, Optional[str]]
@@ -58,7 +62,9 @@ def prepare_env_rendezvous(
     env = os.environ
     problem = pod_start_problem(env) if rank is None and world_size is None else None
     if problem is not None:  # a pod that needed torchrun / onedist run: it would hang or train alone
-        raise OnedistValueError(f"onedist.initialize: {problem}")
+        error = OnedistValueError(f"onedist.initialize: {problem}")
+        setattr(error, _NOBODY_TO_TELL, True)  # its RANK and WORLD_SIZE are not ranks
+        raise error
     if rank is None and world_size is None and "RANK" not in env and "WORLD_SIZE" not in env:
         cluster = detect_cluster(env)
         if cluster is not None:
@@ -244,8 +250,6 @@ _JOIN_POLL_S = 0.5  # how often a joining rank asks whether a peer failed in ini
 _FAILED_KEY = "onedist/init-failed/{}"
 _FAILED_COUNT = "onedist/init-failed-count"
 _READ_KEY = "onedist/init-failed-read/{}"
-#: set on the error of a rank that saw rank 0's store go away: its failure has no one to reach
-_HOST_GONE = "_onedist_rendezvous_host_gone"
 #: set on an error raised after this rank reached rank 0's store (see announce_init_failure)
 _STORE_REACHED = "_onedist_rendezvous_store_reached"
 _REACHED_CONNECT_S = 1.0  # how long a rank that reached the store before tries to reach it again
@@ -319,7 +323,7 @@ def _host_gone(rank: int, world_size: int, e: Exception) -> OnedistRuntimeError:
         f"away while this rank waited for the others to join ({e}).\nHINT: look at rank 0's "
         "output: it failed or timed out first"
     )
-    setattr(gone, _HOST_GONE, True)  # nobody to tell: announce_init_failure returns at once
+    setattr(gone, _NOBODY_TO_TELL, True)  # announce_init_failure returns at once
     return gone
 
 
@@ -348,11 +352,12 @@ def announce_init_failure(exc: BaseException) -> None:
     error; rank 0, whose store did not exist yet, hosts it on MASTER_PORT and keeps
     it up until every peer has read the error, at most 10 s; another rank tries for as long (rank 0
     may start later), or for 1 s where it had reached rank 0's store in this rendezvous already
-    (a store that stopped listening went away), and not at all where it saw the store go. Nothing
+    (a store that stopped listening went away), and not at all where it saw the store go or
+    where RANK and WORLD_SIZE are a pod's, not a rank's (every pod then fails alike). Nothing
     without the variables of ``env://`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or in a
     group of one.
     """
-    if getattr(exc, _HOST_GONE, False):  # rank 0's store went: nobody to tell
+    if getattr(exc, _NOBODY_TO_TELL, False):
         return
     env = os.environ
     try:
