@@ -367,7 +367,7 @@ serve = (
     " print(s.port, flush=True); time.sleep(60)"
 )
 host = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE)
-client = dist.TCPStore("127.0.0.1", int(host.stdout.readline()), None, False, timeout=timedelta(seconds=5))
+client = dist.TCPStore("127.0.0.1", int(host.stdout.readline()), None, False, timeout=timedelta(seconds=1))
 client.set("k", "v")
 host.kill()
 host.wait()
@@ -391,7 +391,7 @@ def test_store_noise_is_held_back_while_a_failure_is_explained():
     """A store request whose server (rank 0) has just exited makes torch print a C++ stack trace;
     while onedist explains a failure it holds stderr back and drops that, keeping the rest in order
     (the cause of a once-in-a-while "another rank's error is shown first" in the test above)."""
-    out = subprocess.run(
+    out = pyfork.run(
         [sys.executable, "-c", _HELD_BACK], capture_output=True, text=True, timeout=50, env=clean_env()
     )
     assert out.stdout.splitlines() == ["raised DistNetworkError", "outside"], out
