@@ -159,7 +159,7 @@ _WAITING: dict[str, dict[str, Any]] = {
     # a 3 s timeout, no stall check
     **{f"timeout-{s}": dict(scenario=s, debug=False, timeout_s=3.0) for s in _TIMED_OUT},
 }
-_AT_ONCE = 4  # jobs running together: they wait, each on its own clock (the limits hold beside others)
+_AT_ONCE = 6  # jobs running together: they wait, each on its own clock (the limits hold beside others)
 
 
 @pytest.fixture(scope="module")

@@ -141,6 +141,9 @@ if __name__ == "__main__":
             od.finalize()
     else:
         # forked from this process, which has torch loaded: the cases are about the calls, not
-        # how a worker starts (test_launch and test_spawn_page start them the other ways)
-        with od.Parallel(backend, nproc_per_node=2, start_method="fork") as parallel:
+        # how a worker starts (test_launch and test_spawn_page start them the other ways). Not
+        # "hang", whose signal must reach workers as Parallel starts them by default: forked, rank
+        # 1 was once woken by rank 0's failure before its own signal, and showed that line instead
+        start_method = "spawn" if name == "hang" else "fork"
+        with od.Parallel(backend, nproc_per_node=2, start_method=start_method) as parallel:
             parallel.run(main, out_dir, name)
