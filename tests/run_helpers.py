@@ -10,11 +10,24 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from launch_env import clean_env
 
-__all__ = ["AGREE_SCRIPT", "check_agree", "infos", "onedist_command", "outputs", "start_looping"]
+__all__ = [
+    "AGREE_SCRIPT",
+    "check_agree",
+    "infos",
+    "onedist_command",
+    "outputs",
+    "run_together",
+    "start_looping",
+]
+
+Job = TypeVar("Job")
+Result = TypeVar("Result")
 
 #: each rank writes OUT/<rank>.json (its rank, layout and a collective's result): see check_agree
 AGREE_SCRIPT = str(Path(__file__).parent / "scripts" / "agree.py")
@@ -73,3 +86,21 @@ def start_looping(cmd: list[str], out: Path, n: int, settle: float) -> tuple[sub
         time.sleep(0.1)
     time.sleep(settle)
     return proc, [int((out / f"{r}.pid").read_text()) for r in range(n)]
+
+
+def run_together(
+    names: Iterable[str], start: Callable[[str], Job], finish: Callable[[Job], Result], at_once: int
+) -> dict[str, Result]:
+    """``start(name)`` for each name, at most ``at_once`` jobs running (jobs that mostly wait:
+    each keeps its own clock); name -> ``finish(job)``, which waits for it. Finished in the order
+    started."""
+    results: dict[str, Result] = {}
+    pending = list(names)
+    running: list[tuple[str, Job]] = []
+    while pending or running:
+        while pending and len(running) < at_once:
+            name = pending.pop(0)
+            running.append((name, start(name)))
+        name, job = running.pop(0)
+        results[name] = finish(job)
+    return results

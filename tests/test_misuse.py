@@ -21,6 +21,7 @@ import onedist as od
 import pyfork
 from launch_env import clean_env
 from prereqs import mpirun_missing
+from run_helpers import run_together
 
 MISUSE = str(Path(__file__).parent / "scripts" / "misuse.py")
 
@@ -165,16 +166,11 @@ _AT_ONCE = 6  # jobs running together: they wait, each on its own clock (the lim
 @pytest.fixture(scope="module")
 def waited(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """Every job of :data:`_WAITING`, ``_AT_ONCE`` at a time: name -> each rank's result."""
-    results: dict[str, list[dict]] = {}
-    pending = list(_WAITING)
-    running: list[tuple[str, _Job]] = []
-    while pending or running:
-        while pending and len(running) < _AT_ONCE:
-            name = pending.pop(0)
-            running.append((name, _start(tmp_path_factory.mktemp(name), **_WAITING[name])))
-        name, job = running.pop(0)
-        results[name] = _results(job)
-    return results
+
+    def start(name: str) -> _Job:
+        return _start(tmp_path_factory.mktemp(name), **_WAITING[name])
+
+    return run_together(_WAITING, start, _results, _AT_ONCE)
 
 
 @pytest.mark.parametrize(

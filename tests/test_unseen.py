@@ -23,6 +23,7 @@ import pytest
 import pyfork
 from launch_env import clean_env
 from prereqs import mpirun_missing
+from run_helpers import run_together
 
 UNSEEN = Path(__file__).parent / "scripts" / "unseen.py"
 LIMIT_S = 10.0  # every rank ends with the error within this (issue 49)
@@ -89,16 +90,7 @@ def _run_all(
     root: Path, backend: str, launcher: str, scenarios: tuple[str, ...]
 ) -> dict[str, dict[str, Any]]:
     """Each scenario once, ``_AT_ONCE`` at a time; scenario -> its result."""
-    results: dict[str, dict[str, Any]] = {}
-    pending = list(scenarios)
-    running: list[tuple[str, dict[str, Any]]] = []
-    while pending or running:
-        while pending and len(running) < _AT_ONCE:
-            name = pending.pop(0)
-            running.append((name, _start(root, name, backend, launcher)))
-        name, run = running.pop(0)
-        results[name] = _finish(run)
-    return results
+    return run_together(scenarios, lambda name: _start(root, name, backend, launcher), _finish, _AT_ONCE)
 
 
 @pytest.fixture(scope="module")
