@@ -143,7 +143,7 @@ class DistPool:
         for c in self.conns:
             c.send((fn, args))
         try:
-            return collect(fn, self.conns, timeout, self.close)
+            return collect(fn, self.conns, timeout, self.kill)
         except CheckFailed:
             # a failed check may leave the group unusable (a stall verdict breaks its calls): the
             # next test gets a fresh pool, not the same failure again (one failing check once
@@ -152,14 +152,24 @@ class DistPool:
             raise
 
     def close(self) -> None:
+        """Ask each worker to end; those still there 2 s later (all together) are killed."""
         self.broken = True
         for c in self.conns:
             try:
                 c.send(None)
             except (OSError, BrokenPipeError):
                 pass
+        deadline = time.monotonic() + 2.0
         for p in self.procs:
-            p.join(2)
+            p.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        """End every worker now: a hung worker never reads the request to end (it waited 2 s
+        each)."""
+        self.broken = True
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
-                p.join()
+        for p in self.procs:
+            p.join()

@@ -159,13 +159,17 @@ _WAITING: dict[str, dict[str, Any]] = {
     "slow": _stalled("slow"),
     # a 3 s timeout, no stall check
     **{f"timeout-{s}": dict(scenario=s, debug=False, timeout_s=3.0) for s in _TIMED_OUT},
+    # the stall check off: only the group's 6 s timeout ends it
+    "stall-off": dict(scenario="reduce_vs_barrier", debug=False, timeout_s=6.0, stall_s="0"),
 }
-_AT_ONCE = 6  # jobs running together: they wait, each on its own clock (the limits hold beside others)
+# all of them at once: they wait, each on its own clock (the limits hold beside others; 20 jobs
+# fork from pyfork's server with torch loaded, ~1.5 GB more at their peak)
+_AT_ONCE = len(_WAITING)
 
 
 @pytest.fixture(scope="module")
 def waited(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """Every job of :data:`_WAITING`, ``_AT_ONCE`` at a time: name -> each rank's result."""
+    """Every job of :data:`_WAITING`, at once: name -> each rank's result."""
 
     def start(name: str) -> _Job:
         return _start(tmp_path_factory.mktemp(name), **_WAITING[name])
@@ -272,69 +276,92 @@ def test_shm_names_a_mismatch_on_every_rank_at_once(scenario, launcher, tmp_path
         assert "rank 0: all_reduce(SUM)" in r["message"] and "rank 1: " in r["message"], r["message"]
 
 
+#: mpi4py on Open MPI 4 (no ULFM): scenario -> what the rank that raises names
+_MPI_RAISED = {
+    "reduce_vs_barrier": "rank 0: all_reduce(op=SUM",  # rank 1 polls its barrier: it raises
+    "shapes_then_barrier": "(MPI_ERR_TRUNCATE)",  # rank 0 receives rank 1's 3 elements
+}
+#: mpi4py on Open MPI 5 (ULFM): (scenario, launcher) -> what the rank that found it names
+_ULFM_CALLS = {
+    ("reduce_vs_barrier", "spawn"): ["rank 0: all_reduce(op=SUM", "rank 1: barrier() at", "misuse.py:23"],
+    ("reduce_vs_gather", "spawn"): ["rank 0: all_reduce(op=SUM", "rank 1: all_gather(value", "misuse.py:51"],
+    ("only_rank0", "spawn"): ["rank 0: all_reduce(op=SUM", "misuse.py:30", "rank 1: barrier() at"],
+    ("reduce_vs_gather", "run"): ["rank 0: all_reduce(op=SUM", "rank 1: all_gather(value"],
+    # MPI_ERR_TRUNCATE on rank 0 at once: it revokes the group, so rank 1 does not wait
+    ("shapes_then_barrier", "spawn"): ["(MPI_ERR_TRUNCATE)"],
+    ("plain_reduce_vs_barrier", "spawn"): ["rank 0: torch.distributed.all_reduce(op=SUM, tensor=float32[3])"],
+    ("plain_shapes", "spawn"): ["(MPI_ERR_TRUNCATE)"],
+}
+_MPI_AT_ONCE = 5  # mpirun jobs together: each waits out a 3 s stall check, its ranks polling in MPI
+
+
+@pytest.fixture(scope="module")
+def mpi_waited(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict], float]]:
+    """The MPI scenarios (Open MPI 4's and, where the venv is, Open MPI 5's), ``_MPI_AT_ONCE`` at a
+    time: name -> (each rank's result, seconds from the job's start until it was seen ended: an
+    upper bound, the jobs are waited on in the order they started)."""
+    jobs: dict[str, dict[str, Any]] = {}
+    if mpirun_missing() is None:
+        jobs.update({f"mpi-{s}": dict(backend="mpi", scenario=s) for s in _MPI_RAISED})
+    if importlib.util.find_spec("mpi4py") is not None and (ULFM / "bin" / "mpirun").exists():
+        ulfm = {
+            f"ulfm-{s}-{la}": dict(backend="mpi", scenario=s, launcher=la, ulfm=True) for s, la in _ULFM_CALLS
+        }
+        jobs.update(ulfm)
+
+    def start(name: str) -> tuple[_Job, float]:
+        job = _start(tmp_path_factory.mktemp(name), debug=False, timeout_s=0, stall_s="3", **jobs[name])
+        return job, time.monotonic()
+
+    def finish(started: tuple[_Job, float]) -> tuple[list[dict], float]:
+        results = _results(started[0])
+        return results, time.monotonic() - started[1]
+
+    return run_together(jobs, start, finish, _MPI_AT_ONCE)
+
+
 @pytest.mark.skipif(mpirun_missing() is not None, reason=str(mpirun_missing()))
-@pytest.mark.parametrize(
-    "scenario, raised",
-    [
-        ("reduce_vs_barrier", "rank 0: all_reduce(op=SUM"),  # rank 1 polls its barrier: it raises
-        ("shapes_then_barrier", "(MPI_ERR_TRUNCATE)"),  # rank 0 receives rank 1's 3 elements
-    ],
-)
-def test_mpi_names_a_mismatch_and_the_job_ends(scenario, raised, tmp_path):
+@pytest.mark.parametrize("scenario", list(_MPI_RAISED))
+def test_mpi_names_a_mismatch_and_the_job_ends(scenario, mpi_waited):
     """mpi4py on Open MPI 4 (no ULFM): a rank that waits in Python (a barrier) or gets MPI's
     truncation error raises CollectiveMismatchError; a rank inside a blocking MPI call cannot be
     interrupted: it is ended (by its watcher, with the report printed, or by mpirun when its peer
     exits). With Open MPI 5 every rank raises (the next test)."""
-    started = time.monotonic()
-    results = _run(tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", backend="mpi")
+    results, seconds = mpi_waited[f"mpi-{scenario}"]
     raised_on = [r for r in results if r.get("error") == "CollectiveMismatchError"]
     assert raised_on and all(r["elapsed"] < 10.0 for r in raised_on), results
-    assert raised in raised_on[0]["message"], raised_on
-    assert time.monotonic() - started < 30.0  # mpirun's start included; nothing hangs
+    assert _MPI_RAISED[scenario] in raised_on[0]["message"], raised_on
+    assert seconds < 30.0  # mpirun's start included; nothing hangs
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mpi4py") is None, reason="needs mpi4py")
 @needs_ulfm
-@pytest.mark.parametrize(
-    "scenario, launcher, calls",
-    [
-        ("reduce_vs_barrier", "spawn", ["rank 0: all_reduce(op=SUM", "rank 1: barrier() at", "misuse.py:23"]),
-        (
-            "reduce_vs_gather",
-            "spawn",
-            ["rank 0: all_reduce(op=SUM", "rank 1: all_gather(value", "misuse.py:51"],
-        ),
-        ("only_rank0", "spawn", ["rank 0: all_reduce(op=SUM", "misuse.py:30", "rank 1: barrier() at"]),
-        ("reduce_vs_gather", "run", ["rank 0: all_reduce(op=SUM", "rank 1: all_gather(value"]),
-        # MPI_ERR_TRUNCATE on rank 0 at once: it revokes the group, so rank 1 does not wait
-        ("shapes_then_barrier", "spawn", ["(MPI_ERR_TRUNCATE)"]),
-        (
-            "plain_reduce_vs_barrier",
-            "spawn",
-            ["rank 0: torch.distributed.all_reduce(op=SUM, tensor=float32[3])"],
-        ),
-        ("plain_shapes", "spawn", ["(MPI_ERR_TRUNCATE)"]),
-    ],
-)
-def test_mpi_with_ulfm_raises_a_mismatch_on_every_rank(scenario, launcher, calls, tmp_path):
+@pytest.mark.parametrize("scenario, launcher", list(_ULFM_CALLS))
+def test_mpi_with_ulfm_raises_a_mismatch_on_every_rank(scenario, launcher, mpi_waited):
     """mpi4py on Open MPI 5 (ULFM): the stall check's verdict revokes the group's communicator,
     so the rank blocked in a blocking MPI call raises too, within the same 10 s, under spawn
     (through mpirun) and `onedist run` (in ranks mpirun started); onedist's and plain calls."""
-    started = time.monotonic()
-    results = _run(
-        tmp_path, scenario, debug=False, timeout_s=0, stall_s="3", backend="mpi", launcher=launcher, ulfm=True
-    )
+    results, seconds = mpi_waited[f"ulfm-{scenario}-{launcher}"]
+    calls = _ULFM_CALLS[scenario, launcher]
     assert all(r.get("mismatch") and r["elapsed"] < 10.0 for r in results), results
     named = [r for r in results if all(c in r["message"] for c in calls)]
     assert named, (calls, results)  # the rank that found it names the calls; a peer may say "revoked"
     others = [r for r in results if r not in named]
     assert all("revoked the group's communicator" in r["message"] for r in others), others
-    assert time.monotonic() - started < 30.0
+    assert seconds < 30.0
 
 
 def test_a_rank_that_is_only_slow_is_left_alone(waited):
     """Rank 1 arrives 8 s late (past the 3 s stall check): the same call, so no error."""
     assert [r.get("error", r) for r in waited["slow"]] == [None, None]
+
+
+def test_onedist_stall_s_0_turns_the_stall_check_off(waited):
+    """Ranks blocked in different collectives: with the check on, a CollectiveMismatchError after
+    3-4 s; with ONEDIST_STALL_S=0, nothing until the group's timeout (6 s) raises."""
+    results = waited["stall-off"]
+    assert [r.get("error") for r in results] == ["OnedistTimeoutError"] * 2, results
+    assert all(r["elapsed"] >= 6.0 for r in results), results
 
 
 @pytest.mark.parametrize("scenario", _TIMED_OUT)
@@ -521,26 +548,29 @@ def test_onedist_watch_0_turns_the_stall_check_off_with_the_watcher():
     """Ranks blocked in different collectives, the stall check set to 1 s: with the watcher (the
     default), CollectiveMismatchError on both ranks after about 2 s; with ONEDIST_WATCH=0 (the stall
     check runs in the watcher's thread) nothing is raised for 5 s. Two pools of this test's own,
-    killed after (a group whose calls were broken cannot be used again)."""
+    run at the same time (the second in a thread: both mostly wait), killed after (a group whose
+    calls were broken cannot be used again)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from distpool import CheckFailed, DistPool
 
     stall = {"ONEDIST_STALL_S": "1", "ONEDIST_DEBUG": "0"}
-    watched = DistPool(2, "gloo", stall)
+    watched, unwatched = DistPool(2, "gloo", stall), DistPool(2, "gloo", {**stall, "ONEDIST_WATCH": "0"})
     try:
-        with pytest.raises(CheckFailed) as raised:
-            watched.run(_reduce_against_barrier, timeout=20.0)
+        with ThreadPoolExecutor(1) as thread:
+            hung = thread.submit(unwatched.run, _reduce_against_barrier, timeout=5.0)
+            with pytest.raises(CheckFailed) as raised:
+                watched.run(_reduce_against_barrier, timeout=20.0)
+            with pytest.raises(CheckFailed) as unwatched_raised:
+                hung.result()
     finally:
         watched.close()
+        unwatched.close()
     verdicts = str(raised.value).count("CollectiveMismatchError: onedist: the ranks are blocked")
     assert verdicts == 2, raised.value
-    pool = DistPool(2, "gloo", {**stall, "ONEDIST_WATCH": "0"})
-    try:
-        with pytest.raises(CheckFailed) as hung:
-            pool.run(_reduce_against_barrier, timeout=5.0)
-    finally:
-        pool.close()
     for rank in (0, 1):
-        assert f"rank {rank} did not finish within the time limit (hung)" in str(hung.value), hung.value
+        text = str(unwatched_raised.value)
+        assert f"rank {rank} did not finish within the time limit (hung)" in text, text
 
 
 def _break_then_use_the_store() -> str:

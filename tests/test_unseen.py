@@ -240,13 +240,26 @@ def stack_line(marker: str) -> str:
     return f'unseen.py", line {line(marker).split(":")[1]}'
 
 
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    """The "slow" scenario under each of :data:`LAUNCHES`, all at once (12 s each, mostly a sleep
+    and one rank's spin): "backend-launcher" -> its result."""
+    root = tmp_path_factory.mktemp("slow")
+
+    def start(name: str) -> dict[str, Any]:
+        backend, launcher = name.split("-")
+        return _start(root, "slow", backend, launcher, ONEDIST_STALL_REPORT_S="1")
+
+    return run_together([f"{b}-{la}" for b, la in LAUNCHES], start, _finish, len(LAUNCHES))
+
+
 @pytest.mark.parametrize("backend, launcher", LAUNCHES)
-def test_a_slow_rank_is_reported_with_where_it_is_and_the_run_succeeds(tmp_path, backend, launcher):
+def test_a_slow_rank_is_reported_with_where_it_is_and_the_run_succeeds(slow_runs, backend, launcher):
     """Rank 1 sleeps 4 s, then loops in Python 8 s, while rank 0 waits in its all_reduce: no
     error, but stall reports (after 1 s of waiting here, then 2 s later, then 4 s later) on the
     launcher's output name rank 0's call and line and rank 1's stack, at the sleep and then in the
     loop; the run then succeeds."""
-    result = _finish(_start(tmp_path, "slow", backend, launcher, ONEDIST_STALL_REPORT_S="1"))
+    result = slow_runs[f"{backend}-{launcher}"]
     assert result["rc"] == 0, result["output"][-3000:]
     reports = result["output"].split("onedist: stall report")[1:]
     assert len(reports) == 3, result["output"][-4000:]  # one per request, not one per rank
