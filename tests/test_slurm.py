@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -96,15 +97,32 @@ def test_sbatch(slurm, tmp_path):
         f"srun --overcommit {sys.executable} {AGREE_SCRIPT} {tmp_path}\n"
     )
     proc = subprocess.run(
-        ["sbatch", "--wait", "-o", str(tmp_path / "out.txt"), str(job)],
+        ["sbatch", "--parsable", "-o", str(tmp_path / "out.txt"), str(job)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=60,
         env=slurm,
     )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    state = _job_end(proc.stdout.strip().split(";")[0], slurm)
     log = (tmp_path / "out.txt").read_text() if (tmp_path / "out.txt").exists() else ""
-    assert proc.returncode == 0, proc.stdout + proc.stderr + log
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state + log
     check_agree(tmp_path, 2)
+
+
+def _job_end(job_id: str, env: dict[str, str], timeout: float = 240.0) -> str:
+    """``scontrol show job``'s line for ``job_id`` once it ended (polled every 0.2 s: `sbatch
+    --wait` polls at a growing interval, up to 10 s, and saw a 4 s job end after 10 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30, env=env
+        ).stdout
+        state = shown.split("JobState=", 1)[-1].split(" ", 1)[0]
+        if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return shown
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.2)
 
 
 def test_srun_pmi2_tasks_are_read_as_slurm_tasks(slurm):
