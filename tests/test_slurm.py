@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from launch_env import clean_env
-from onedist._net import free_port
 from run_helpers import AGREE_SCRIPT, check_agree, onedist_command
 from test_launch import _facts
 
@@ -31,12 +31,30 @@ pytestmark = [
 ]
 
 
+def _free_port_pair() -> int:
+    """A port ``p`` where ``p`` and ``p + 1`` are both free (slurmctld listens on ``p``, slurmd on
+    ``p + 1``), below the kernel's range of ephemeral ports. A port the OS picked is in that range,
+    and so is ``p + 1``: any outgoing connection of the suite may take it as its local port before
+    slurmd binds it ("Unable to bind listen port", one full run)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = random.Random().sample(range(20000, max(low, 20100) - 1), 100)
+    for p in candidates:
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("0.0.0.0", p))
+                b.bind(("0.0.0.0", p + 1))
+        except OSError:
+            continue
+        return p
+    raise RuntimeError(f"no two free ports next to each other among {len(candidates)} tried")
+
+
 @pytest.fixture(scope="module")
 def slurm():
     # not under pytest's tmp dir: munged runs as the munge user and must reach its socket
     state = Path(tempfile.mkdtemp(prefix="onedist-slurm-"))
     os.chmod(state, 0o755)
-    port = free_port()
+    port = _free_port_pair()
     try:
         started = subprocess.run(
             ["bash", str(CLUSTER / "slurm_1node.sh"), str(state), str(port)],
