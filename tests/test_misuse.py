@@ -162,8 +162,8 @@ _WAITING: dict[str, dict[str, Any]] = {
     # the stall check off: only the group's 6 s timeout ends it
     "stall-off": dict(scenario="reduce_vs_barrier", debug=False, timeout_s=6.0, stall_s="0"),
 }
-# all of them at once: they wait, each on its own clock (the limits hold beside others; 20 jobs
-# fork from pyfork's server with torch loaded, ~1.5 GB more at their peak)
+# all of them at once: they wait, each on its own clock (the limits hold beside others; the 21
+# jobs fork from pyfork's server with torch loaded, ~1.5 GB more at their peak)
 _AT_ONCE = len(_WAITING)
 
 
@@ -568,8 +568,8 @@ def test_onedist_watch_0_turns_the_stall_check_off_with_the_watcher():
         unwatched.close()
     verdicts = str(raised.value).count("CollectiveMismatchError: onedist: the ranks are blocked")
     assert verdicts == 2, raised.value
+    text = str(unwatched_raised.value)
     for rank in (0, 1):
-        text = str(unwatched_raised.value)
         assert f"rank {rank} did not finish within the time limit (hung)" in text, text
 
 

@@ -37,7 +37,8 @@ def _free_port_pair() -> int:
     and so is ``p + 1``: any outgoing connection of the suite may take it as its local port before
     slurmd binds it ("Unable to bind listen port", one full run)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    candidates = random.Random().sample(range(20000, max(low, 20100) - 1), 100)
+    ports = range(min(20000, low - 200), low - 1)  # p + 1 < low too
+    candidates = random.Random().sample(ports, 100)
     for p in candidates:
         try:
             with socket.socket() as a, socket.socket() as b:
