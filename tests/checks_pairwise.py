@@ -69,3 +69,62 @@ def check_small_and_odd_calls_stay_on_gloos_own() -> None:
     out = torch.empty(4 * n)
     dist.all_gather_into_tensor(out, small)
     assert torch.equal(out, torch.ones(4 * n))
+
+
+def _gathered_and_scattered(plain: Any, seed: int) -> None:
+    """A large all-gather and a large sum reduce-scatter on the default group, equal to gloo's own
+    on ``plain`` (the gather bit for bit; the sum within float32's rounding of another order)."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    rows = pairwise.MIN_BYTES // 4 // n + 5
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    mine = torch.randn(rows, 2, generator=g)
+    got, want = torch.empty(n * rows, 2), torch.empty(n * rows, 2)
+    dist.all_gather_into_tensor(got, mine)
+    dist.all_gather_into_tensor(want, mine, group=plain)
+    assert torch.equal(got, want)
+    whole = torch.randn(n * rows, 2, generator=g)
+    got, want = torch.empty(rows, 2), torch.empty(rows, 2)
+    dist.reduce_scatter_tensor(got, whole)
+    dist.reduce_scatter_tensor(want, whole, group=plain)
+    assert float((got - want).abs().max()) <= 1e-6
+
+
+def check_reads_between_local_ranks_and_their_fallbacks() -> dict[str, Any]:
+    """3 ranks of one machine, rank 2 with ``ONEDIST_CMA=0``: ranks 0 and 1 read each other's
+    bytes, every pair with rank 2 goes through gloo's sockets; once the kernel refuses rank 1's
+    reads (a seccomp filter, as a container's), rank 1 asks for the bytes and gets them sent.
+    Every result equals gloo's own call. Returns whom this rank read, then whom it was refused."""
+    from checks_pg import forbid_cross_memory_reads
+
+    group = dist.distributed_c10d._get_default_group()
+    plain = dist.new_group(backend="gloo")
+    _gathered_and_scattered(plain, seed=1)
+    links = group.links
+    readable = sorted(links.next()[0])
+    if dist.get_rank() == 1:
+        forbid_cross_memory_reads()
+    _gathered_and_scattered(plain, seed=2)
+    _gathered_and_scattered(plain, seed=3)  # a refused peer is not tried again
+    return {"readable": readable, "refused": sorted(links.refused)}
+
+
+def check_exchanges_in_flight_are_waited_on_in_any_order() -> None:
+    """Three asynchronous all-gathers and reduce-scatters in flight at once, waited on in call
+    order on rank 0 and in reverse on the others: each exchange's messages have tags of their
+    own, so every result is the one its call asked for."""
+    plain = dist.new_group(backend="gloo")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    rows = pairwise.MIN_BYTES // 4 // n + 5
+    inputs = [torch.full((rows,), float(10 * k + rank)) for k in range(3)]
+    outputs = [torch.empty(n * rows) for _ in range(3)]
+    wholes = [torch.arange(n * rows, dtype=torch.float32) * (k + 1) + rank for k in range(3)]
+    reduced = [torch.empty(rows) for _ in range(3)]
+    works = [dist.all_gather_into_tensor(o, i, async_op=True) for o, i in zip(outputs, inputs)]
+    works += [dist.reduce_scatter_tensor(r, w, async_op=True) for r, w in zip(reduced, wholes)]
+    for work in works if rank == 0 else works[::-1]:
+        work.wait()
+    for k in range(3):
+        assert torch.equal(outputs[k], torch.cat([torch.full((rows,), float(10 * k + r)) for r in range(n)]))
+        want = torch.empty(rows)
+        dist.reduce_scatter_tensor(want, wholes[k], group=plain)
+        assert torch.equal(reduced[k], want), k

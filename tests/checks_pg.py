@@ -274,7 +274,7 @@ def check_group_thread_lets_go_of_tensors() -> bool:
     return alive() is None
 
 
-def _forbid_cross_memory_reads() -> None:
+def forbid_cross_memory_reads() -> None:
     """Make the kernel refuse this process's ``process_vm_readv`` (EPERM), in every thread, as
     Docker's default seccomp profile does: a real refusal, for the fallback test (x86-64 only,
     as the shm backend)."""
@@ -300,7 +300,7 @@ def check_all_to_all_reads_directly_then_falls_back() -> list[bool]:
     inputs while every rank can; once the kernel refuses one rank's reads, every rank sees its
     vote, all move the parts through the slots instead (the results still exact), and the group
     stops trying. Returns this rank's read results, call by call."""
-    from onedist.backends.shm import cma
+    from onedist.backends import cma
 
     rank, world, pg = od.get_rank(), od.get_world_size(), _pg()
     results: list[bool] = []
@@ -324,7 +324,7 @@ def check_all_to_all_reads_directly_then_falls_back() -> list[bool]:
         exchange()
         assert pg._cma and results == [True], results
         if rank == 1:
-            _forbid_cross_memory_reads()
+            forbid_cross_memory_reads()
         exchange()
         assert not pg._cma, "the group still reads directly after a refused read"
         exchange()  # the rounds from the start: no read tried
@@ -335,7 +335,7 @@ def check_all_to_all_reads_directly_then_falls_back() -> list[bool]:
 
 def check_all_to_all_without_direct_reads_on_one_rank() -> int:
     """A rank with ``ONEDIST_SHM_CMA=0``: no rank reads directly, every exchange goes in rounds."""
-    from onedist.backends.shm import cma
+    from onedist.backends import cma
 
     rank, world = od.get_rank(), od.get_world_size()
     real, tried = cma.read_pieces, []

@@ -99,7 +99,7 @@ def _kernel_allows_cross_memory_reads() -> bool:
     no: then every exchange goes in rounds, which the other all_to_all tests check)."""
     import ctypes
 
-    from onedist.backends.shm import cma
+    from onedist.backends import cma
 
     data, got = ctypes.create_string_buffer(b"onedist", 8), ctypes.create_string_buffer(8)
     pid = os.fork()
@@ -131,7 +131,7 @@ def test_all_to_all_in_rounds_when_one_rank_may_not_read_others():
 
 def test_direct_reads_setting_is_checked(monkeypatch):
     from onedist import OnedistValueError
-    from onedist.backends.shm import cma
+    from onedist.backends import cma
 
     monkeypatch.setenv("ONEDIST_SHM_CMA", "0")
     assert not cma.enabled()

@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import bad_type, bad_value
+from .cpu_heap import keep_freed_buffers, unit_bytes
 from .versions import require_torch
 
 __all__ = [
@@ -126,6 +127,7 @@ def shard(
     if materialize is None:
         _from_rank_0(model)
     units = units_of(model, options.get("policy"))
+    largest = unit_bytes(model, units)
     root_kwargs = dict(kwargs)
     if precision == "bf16-mixed":
         # bf16 between units (a root's own layer after a unit takes its bf16 output, as under
@@ -148,6 +150,8 @@ def shard(
         materialize(model, device, whole)
     if any(True for _ in model.buffers()):
         model.register_forward_pre_hook(lambda module, args: _buffers_from_rank_0(module, whole))
+    if device.type == "cpu":  # each step's gathers reuse warm memory (:mod:`.cpu_heap`)
+        keep_freed_buffers(2 * largest)
     return model
 
 

@@ -104,8 +104,10 @@ class RecordedGloo(NamedGroup):
         store, timeout, ranks = self._made
         rank, size = self.rank(), self.size()
         before = socket_fds()
+        #: how the large exchanges reach each peer (written to the store before gloo connects)
+        self.links = pairwise.Links(_c10d.PrefixStore(prefix + "links/", store), rank, size)
         #: the group that moves the data
-        self.inner = _gloo(store, rank, size, timeout, prefix + "data/")
+        self.inner = self.links.inner = _gloo(store, rank, size, timeout, prefix + "data/")
         #: the groups of DDP's gradient buckets, by the parity of their step (:mod:`.steps`)
         self.buckets = tuple(_gloo(store, rank, size, timeout, f"{prefix}steps-{k}/") for k in (0, 1))
         #: the sockets gloo connected for it (the backend shuts them down to break a pending call)
@@ -157,7 +159,7 @@ class RecordedGloo(NamedGroup):
         opts = opts or _c10d.AllgatherOptions()
         sig = signature("all_gather_into_tensor", (input,))
         if pairwise.fits_all_gather(self.size(), output, input):  # faster than gloo's (:mod:`.pairwise`)
-            return self._issue(sig, 0, pairwise.all_gather, self.inner, output, input, opts)
+            return self._issue(sig, 0, pairwise.all_gather, self.links, output, input, opts)
         return self._issue(sig, 0, self.inner._allgather_base, output, input, opts)
 
     _allgather_base = all_gather_single  # torch's name before 2.13
@@ -193,7 +195,7 @@ class RecordedGloo(NamedGroup):
         opts = opts or _c10d.ReduceScatterOptions()
         sig = signature("reduce_scatter_tensor", (output,), opts)
         if pairwise.fits_reduce_scatter(self.size(), output, input, opts.reduceOp):  # :mod:`.pairwise`
-            return self._issue(sig, 0, pairwise.reduce_scatter, self.inner, output, input, opts)
+            return self._issue(sig, 0, pairwise.reduce_scatter, self.links, output, input, opts)
         return self._issue(sig, 0, self.inner._reduce_scatter_base, output, input, opts, waited=True)
 
     _reduce_scatter_base = reduce_scatter_single  # torch's name before 2.13

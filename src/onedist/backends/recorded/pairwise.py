@@ -12,6 +12,16 @@ Measured on 2 gloo ranks, 2 busy cores (medians of 9): 100 MB all-gathered in 79
 :data:`MIN_BYTES`). FSDP2's step of a 50 M-parameter model: 0.68-0.72x the CPU time of the same step
 on torch's plain gloo group (``benchmarks/bench_sharding.py``, docs/performance.md).
 
+Between ranks of one machine (one kernel, one pid namespace: :class:`Links`) the bytes do not go
+through a socket at all: each rank reads what it needs straight out of its peer's tensor
+(:mod:`onedist.backends.cma`, one copy by the reader where loopback TCP costs two and the sender's
+CPU). The two ranks first tell each other where their bytes are (pid, address: a 24-byte gloo
+message each way), then each reads and says it is done, so that no rank's tensor is let go before
+its peers have read it; where the kernel refuses a read (a seccomp filter, Yama), the reader asks
+for the bytes instead and they come through gloo as above. The exchange then completes only once
+every rank of it has waited on its work (torch's synchronous calls and FSDP2 always do). A 50
+M-parameter FSDP2 step on 2 ranks: see docs/performance.md; ``ONEDIST_CMA=0`` turns the reads off.
+
 Used for contiguous CPU tensors of one dtype of at least :data:`MIN_BYTES`, and the reductions gloo
 computes elementwise (sum, average: FSDP2's for float32 gradients, product, min, max); anything else
 goes to gloo's own call.
@@ -19,7 +29,10 @@ goes to gloo's own call.
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
@@ -27,10 +40,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .. import cma
+
 __all__ = [
     "MIN_BYTES",
     "TAG",
     "Exchange",
+    "Links",
     "all_gather",
     "fits_all_gather",
     "fits_reduce_scatter",
@@ -45,8 +61,10 @@ _c10d: Any = dist.distributed_c10d
 MIN_BYTES = 4 << 20
 
 #: the tag of the exchanges' sends and receives (a user's point-to-point calls on the group use
-#: their own tags, 0 by default, and never match these)
+#: their own tags, 0 by default, and never match these); the messages between ranks that read each
+#: other use the tags above it, four per exchange (:meth:`Links.next`)
 TAG = 0x6F64_6578  # "odex"
+_NUMBERS = 1 << 24  # exchanges numbered apart in the tags: TAG + 4 * 2**24 stays a C int
 
 _REDUCE: dict[Any, Callable[..., Any]] = {  # (a, b, out=) each
     dist.ReduceOp.SUM: torch.add,
@@ -94,54 +112,210 @@ def _kind(op: Any) -> Any:
     return getattr(op, "op", op)  # a ReduceOp (opts.reduceOp) or its RedOpType
 
 
-def all_gather(inner: Any, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Exchange:
-    """``inner``'s all_gather_into_tensor as sends and receives (where :func:`fits_all_gather`)."""
+class Links:
+    """How one group's exchanges reach each peer: the peers it may read directly (same kernel and
+    pid namespace: :func:`onedist.backends.cma.identity`, which each rank writes into the group's
+    store before its gloo group connects) and those whose reads the kernel refused; the
+    exchanges' numbers, which give each exchange tags of its own; and the thread that does the
+    reads of every exchange in call order (:class:`_Reads`)."""
+
+    #: the gloo group that moves the data (set once made, after the constructor)
+    inner: Any = None
+
+    def __init__(self, store: Any, rank: int, size: int) -> None:
+        self._store, self._rank, self._size = store, rank, size
+        self._readable: Optional[frozenset[int]] = None  # asked of the store at the first exchange
+        self.refused: set[int] = set()  # peers whose bytes the kernel would not let this rank read
+        self._count = 0
+        self._queue: Optional[queue.SimpleQueue[_Reads]] = None  # the reads thread's, once started
+        self._failed: Optional[BaseException] = None  # what ended the reads thread
+        cma.let_siblings_read()
+        store.set(f"cma/{rank}", cma.identity())
+
+    def next(self) -> tuple[frozenset[int], int]:
+        """The peers the next exchange reads directly, and the first of its four tags."""
+        if self._readable is None:  # every peer wrote its identity before the group connected
+            ids = [v.decode() for v in self._store.multi_get([f"cma/{r}" for r in range(self._size)])]
+            mine = ids[self._rank]
+            self._readable = frozenset(r for r, i in enumerate(ids) if r != self._rank and mine and i == mine)
+        self._count += 1
+        return self._readable, TAG + 4 * (1 + self._count % _NUMBERS)
+
+    def submit(self, reads: _Reads) -> None:
+        """Hand ``reads`` to the reads thread (started on first use)."""
+        if self._failed is not None:
+            reads.end(self._failed)
+            return
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(
+                target=self._serve, args=(self._queue,), name="onedist-reads", daemon=True
+            ).start()
+        self._queue.put(reads)
+
+    def _serve(self, todo: queue.SimpleQueue[_Reads]) -> None:
+        """The reads of each exchange, in call order: the order of every rank, so that two ranks
+        never wait on each other's answers for different exchanges (the callers may wait on their
+        works in any order). Ends at the first failure, which every later exchange then raises."""
+        while self._failed is None:
+            reads = todo.get()
+            try:
+                reads.run()
+            except BaseException as error:  # a peer gone, the group aborted: gloo's error
+                self._failed = error
+                reads.end(error)
+        while True:  # exchanges submitted before the failure was seen
+            try:
+                todo.get_nowait().end(self._failed)
+            except queue.Empty:
+                return
+
+
+def all_gather(links: Links, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Exchange:
+    """``links.inner``'s all_gather_into_tensor as sends and receives, or reads (where
+    :func:`fits_all_gather`)."""
+    inner = links.inner
     n, rank = inner.size(), inner.rank()
     parts = output.view(n, -1)
     mine = input.view(-1)
     if parts[rank].data_ptr() != mine.data_ptr():  # FSDP2 gathers in place: its input is that row
         parts[rank].copy_(mine)
+    readable, tag = links.next()
     works = []
     for k in range(1, n):  # peer r+1 first: every pair's two directions at once
         to, sender = (rank + k) % n, (rank - k) % n
-        works += [inner.send([mine], to, TAG), inner.recv([parts[sender]], sender, TAG)]
-    return Exchange(works)
+        if to not in readable:
+            works.append(inner.send([mine], to, TAG))
+        if sender not in readable:
+            works.append(inner.recv([parts[sender]], sender, TAG))
+    reads = _Reads(links, tag, lambda p: mine, {p: parts[p] for p in sorted(readable)}) if readable else None
+    return Exchange(works, reads=reads)
 
 
-def reduce_scatter(inner: Any, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Exchange:
-    """``inner``'s reduce_scatter_tensor as sends and receives (where :func:`fits_reduce_scatter`):
-    the work's ``wait()`` reduces this rank's chunk into ``output``."""
+def reduce_scatter(links: Links, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Exchange:
+    """``links.inner``'s reduce_scatter_tensor as sends and receives, or reads (where
+    :func:`fits_reduce_scatter`): the work's ``wait()`` reduces this rank's chunk into ``output``."""
+    inner = links.inner
     n, rank = inner.size(), inner.rank()
     reduce = _reducer(opts.reduceOp)
     assert reduce is not None  # fits_reduce_scatter said so
-    average = _kind(opts.reduceOp) == dist.ReduceOp.AVG
+    kind = _kind(opts.reduceOp)
     chunks = input.view(n, -1)
-    received = torch.empty((n, output.numel()), dtype=input.dtype)  # row r unused
+    out = output.view(-1)
+    readable, tag = links.next()
+    # two ranks that add: the peer's chunk read straight into the output, then this rank's added
+    # (a + b and b + a are the same bits: the rank order below, without a buffer)
+    into_output = n == 2 and bool(readable) and kind in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+    received = None if into_output else torch.empty((n, out.numel()), dtype=input.dtype)  # row r unused
     works = []
     for k in range(1, n):
         to, sender = (rank + k) % n, (rank - k) % n
-        works += [inner.send([chunks[to]], to, TAG), inner.recv([received[sender]], sender, TAG)]
+        if to not in readable:
+            works.append(inner.send([chunks[to]], to, TAG))
+        if sender not in readable:
+            assert received is not None
+            works.append(inner.recv([received[sender]], sender, TAG))
+    reads = None
+    if readable:
+        into = {p: out if received is None else received[p] for p in sorted(readable)}
+        reads = _Reads(links, tag, lambda p: chunks[p], into)
 
     def finish() -> None:
-        out = output.view(-1)
-        parts = [chunks[rank] if r == rank else received[r] for r in range(n)]
-        reduce(parts[0], parts[1], out=out)  # rank order: every rank adds in the same order
-        for part in parts[2:]:
-            reduce(out, part, out=out)
-        if average:  # as gloo's AVG: the sum, then divided
+        if received is None:
+            reduce(out, chunks[rank], out=out)
+        else:
+            parts = [chunks[rank] if r == rank else received[r] for r in range(n)]
+            reduce(parts[0], parts[1], out=out)  # rank order: every rank adds in the same order
+            for part in parts[2:]:
+                reduce(out, part, out=out)
+        if kind == dist.ReduceOp.AVG:  # as gloo's AVG: the sum, then divided
             out.div_(n)
 
-    return Exchange(works, finish)
+    return Exchange(works, finish, reads)
+
+
+class _Reads:
+    """One exchange's part between ranks that read each other (see the module doc). Issued (the
+    caller's thread): each rank sends each such peer where the bytes that peer needs are (pid,
+    address of ``part_for(peer)``), and the exchange goes to the reads thread. :meth:`run` (that
+    thread): read each peer's bytes into ``into[peer]``, tell each peer "read" or "send them",
+    send or receive what was asked. It ends once every peer has read this rank's bytes, which
+    stay untouched till then."""
+
+    def __init__(
+        self, links: Links, tag: int, part_for: Callable[[int], torch.Tensor], into: dict[int, torch.Tensor]
+    ) -> None:
+        self.links, self.tag, self.part_for, self.into = links, tag, part_for, into
+        self._here = {p: torch.tensor([os.getpid(), part_for(p).data_ptr()], dtype=torch.int64) for p in into}
+        self._where = {p: torch.empty(2, dtype=torch.int64) for p in into}
+        inner, self._told = links.inner, []
+        for p in into:
+            self._told += [inner.send([self._here[p]], p, tag), inner.recv([self._where[p]], p, tag)]
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+        links.submit(self)
+
+    def run(self) -> None:
+        """Read, answer, and move what a peer could not read."""
+        inner, tag = self.links.inner, self.tag
+        for work in self._told:
+            work.wait()
+        asks = {p: torch.tensor([0 if self._read(p) else 1], dtype=torch.int64) for p in self.into}
+        answers = {p: torch.empty(1, dtype=torch.int64) for p in self.into}
+        works = [inner.send([asks[p]], p, tag + 1) for p in self.into]
+        works += [inner.recv([answers[p]], p, tag + 1) for p in self.into]
+        for work in works:
+            work.wait()
+        moves = []
+        for p, into in self.into.items():
+            if int(answers[p]) == 1:  # p could not read its bytes here: sent
+                moves.append(inner.send([self.part_for(p)], p, tag + 2))
+            if int(asks[p]) == 1:
+                moves.append(inner.recv([into], p, tag + 2))
+        for work in moves:
+            work.wait()
+        self.end(None)
+
+    def end(self, error: Optional[BaseException]) -> None:
+        self.error, self._told, self.part_for = error, [], _gone  # the tensors are let go
+        self.done.set()
+
+    def wait(self, timeout: Optional[timedelta]) -> None:
+        """Until :meth:`run` ended (in short waits: the caller stays interruptible); its error."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while not self.done.wait(0.05):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"onedist: the exchange's reads did not end within {timeout}")
+        if self.error is not None:
+            raise self.error
+
+    def _read(self, peer: int) -> bool:
+        """Read ``peer``'s bytes for this rank into ``into[peer]``; False where the kernel refused
+        (that peer is not tried again)."""
+        if peer in self.links.refused:
+            return False
+        pid, address = (int(v) for v in self._where[peer])
+        into = self.into[peer]
+        if cma.read(pid, into.data_ptr(), address, into.numel() * into.element_size()):
+            return True
+        self.links.refused.add(peer)
+        return False
+
+
+def _gone(peer: int) -> torch.Tensor:
+    raise AssertionError("an ended exchange's bytes were asked for")
 
 
 class Exchange(_c10d.Work):  # type: ignore[misc]
-    """The sends and receives of one exchange; ``wait()`` waits for them all, then runs ``finish``
-    once (whichever thread waits first: the caller, or the failure watcher asking whether it
-    succeeded)."""
+    """The sends and receives, and the reads, of one exchange; ``wait()`` waits for them all, then
+    runs ``finish`` once (whichever thread waits first: the caller, or the failure watcher asking
+    whether it succeeded)."""
 
-    def __init__(self, works: list[Any], finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self, works: list[Any], finish: Optional[Callable[[], None]] = None, reads: Optional[_Reads] = None
+    ) -> None:
         super().__init__()
-        self._works, self._finish = works, finish
+        self._works, self._finish, self._reads = works, finish, reads
         self._lock = threading.Lock()
         self._done = False
 
@@ -154,14 +328,19 @@ class Exchange(_c10d.Work):  # type: ignore[misc]
                     work.wait()
                 else:
                     work.wait(timeout)
+            if self._reads is not None:
+                self._reads.wait(timeout)
             if self._finish is not None:
                 self._finish()
             self._done = True
-            self._works = []  # the tensors are let go
+            self._works, self._reads = [], None  # the tensors are let go
             return True
 
     def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
+        if self._done:
+            return True
+        reads = self._reads
+        return (reads is None or reads.done.is_set()) and all(w.is_completed() for w in self._works)
 
     def is_success(self) -> bool:
         return self.is_completed()

@@ -19,10 +19,10 @@ import torch._C._distributed_c10d as _c10d
 import torch.distributed as dist
 
 from ..._recovery import group_prefix, joined
+from .. import cma
 from .._pygroup import ArgCheck, PyWork, all_cpu, flat as _flat, for_each, opts_or
 from ..recorded import steps
 from ..recorded.calls import RECV, SEND, CallLog, RecordedWork, agreed_number
-from . import cma
 from .hosts import TwoLevels, ranks_by_host
 from .phases import bytes_of, helper_pool
 from .protocol import (

@@ -13,8 +13,8 @@ import torch
 import torch._C._distributed_c10d as _c10d
 
 from ...errors import CollectiveMismatchError
+from .. import cma
 from .._pygroup import ArgCheck, all_cpu, flat as _flat, for_each
-from . import cma
 from .phases import SPLIT_BYTES, ChunkMover, bytes_of
 from .protocol import (
     KIND_ALL_GATHER_COALESCED,
