@@ -5,6 +5,8 @@ rank's bytes of parameters, gradients and optimizer state, in the same worker pr
     python benchmarks/bench_sharding.py --parts small --world-sizes 2 --backend shm
     python benchmarks/bench_sharding.py --parts large --tune     # + FSDP2's other choices
     python benchmarks/bench_sharding.py --parts memory           # activation checkpointing, bf16-true
+    python benchmarks/bench_sharding.py --parts exchange --reps 9   # one 100 MB gather and scatter
+    python benchmarks/bench_sharding.py --parts heap              # glibc's heap: time and memory
 
 The model is a stack of residual MLP blocks in an ``nn.ModuleList`` (the default policy shards
 each block, as torchtitan shards transformer blocks), AdamW; each step is a forward, backward and
@@ -14,7 +16,9 @@ FSDP), after the last step's backward and step: parameters, gradients, AdamW's t
 
 The large part (issue 52): 6 blocks of width 1024 (50.4 M parameters) on 2 ranks: DDP, onedist's
 sharded step, Lightning Fabric's (``ModelParallelStrategy`` + ``fully_shard`` per block and root),
-and onedist's on a plain gloo mesh, interleaved; each repetition's time over DDP's and Fabric's
+onedist's on a plain gloo mesh and on a group of its own without the reads between local ranks
+(``ONEDIST_CMA=0``), interleaved (``--tune``: FSDP2's other choices, then all again in workers
+with glibc's default heap, ``ONEDIST_CPU_HEAP=0``); each repetition's time over DDP's and Fabric's
 (median and range) and rank 0's CPU time a step. The memory part: each rank's peak RSS with
 activation checkpointing and bf16-true against the plain sharded run.
 
@@ -191,10 +195,14 @@ def _large_variants(
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    def onedist(sharding: Any = "fsdp", prefetch: bool = False, **options: Any) -> Callable[[int], None]:
+    def onedist(
+        sharding: Any = "fsdp", prefetch: bool = False, last_kept: bool = False, **options: Any
+    ) -> Callable[[int], None]:
         model = od.auto_model(Net(args.width, args.depth), sharding=sharding, **options)
         if prefetch:
             _prefetch(model)
+        if last_kept:  # torchtitan's choice: the backward gathers the last block again at once
+            od.unwrap(model).blocks[-1].set_reshard_after_forward(False)
         return _stepper(model, od.auto_optim(torch.optim.AdamW(model.parameters())), x, y)
 
     variants = {"DDP": onedist(None), "onedist": onedist()}
@@ -205,8 +213,14 @@ def _large_variants(
     # onedist's step on torch's plain gloo group (what Fabric has): what onedist's group adds
     plain = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
     variants["onedist, plain gloo mesh"] = onedist(mesh=plain)
+    # onedist's group without the reads between local ranks: the exchanges through gloo's sockets
+    os.environ["ONEDIST_CMA"] = "0"
+    sockets = DeviceMesh.from_group(dist.new_group(), "cpu")  # a recorded group: its links read it now
+    del os.environ["ONEDIST_CMA"]
+    variants["onedist, ONEDIST_CMA=0"] = onedist(mesh=sockets)
     if args.tune:
         variants["onedist, prefetch"] = onedist(prefetch=True)
+        variants["onedist, last block kept after the forward"] = onedist(last_kept=True)
         variants["onedist, reshard_after_forward=False"] = onedist(reshard_after_forward=False)
         variants["onedist, root only"] = onedist(policy=lambda m: False)
     return variants
@@ -244,8 +258,20 @@ def report_large(args: argparse.Namespace) -> None:
         f"batch {args.large_batch_size}, {args.large_steps} steps x {args.reps} interleaved repetitions, "
         f"{args.backend}, world size 2; load average {os.getloadavg()[0]:.1f} at the start"
     )
-    out = od.spawn(args.backend, run_large, args=(args,), nproc_per_node=2)
-    wall, cpu = out[0]["wall"], out[0]["cpu"]
+    _print_large(od.spawn(args.backend, run_large, args=(args,), nproc_per_node=2)[0])
+    if args.tune:  # glibc's default heap: each step's gathered buffers fresh from the kernel
+        print("  the same with ONEDIST_CPU_HEAP=0 (a run of its own: glibc's setting is the process's)")
+        os.environ["ONEDIST_CPU_HEAP"] = "0"
+        try:
+            _print_large(od.spawn(args.backend, run_large, args=(args,), nproc_per_node=2)[0])
+        finally:
+            del os.environ["ONEDIST_CPU_HEAP"]
+    print(f"  load average {os.getloadavg()[0]:.1f} at the end")
+
+
+def _print_large(out: dict[str, Any]) -> None:
+    """Each variant's median step, its ratios to DDP and Fabric (per repetition, then the median)."""
+    wall, cpu = out["wall"], out["cpu"]
     for name in wall:
         ratios = []
         for base in [b for b in ("DDP", "Fabric") if b in wall]:  # per repetition, timed together
@@ -255,7 +281,91 @@ def report_large(args: argparse.Namespace) -> None:
             f"  {name:38s} {statistics.median(wall[name]) * 1e3:7.1f} ms a step (rank 0 CPU "
             f"{statistics.median(cpu[name]) * 1e3:6.1f} ms); " + ", ".join(ratios)
         )
-    print(f"  load average {os.getloadavg()[0]:.1f} at the end")
+
+
+# ---------------------------------------------------------------------------- the CPU heap (issue 52)
+def run_heap(local_rank: int, args: argparse.Namespace) -> dict[str, float]:
+    """onedist's sharded step of the large model alone, 2 warm-up steps then ``--steps``: its
+    median time, and this rank's peak RSS and RSS at the end (MiB)."""
+    torch.set_num_threads(1)
+    x, y = _rank_batch(args.large_batch_size, args.width)
+    model = od.auto_model(Net(args.width, args.depth), sharding="fsdp")
+    step = _stepper(model, od.auto_optim(torch.optim.AdamW(model.parameters())), x, y)
+    step(2)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step(1)
+        times.append(time.perf_counter() - start)
+    mib = 1 << 20
+    return {
+        "step": statistics.median(times),
+        "peak": _status("VmHWM") / mib,
+        "resident": _status("VmRSS") / mib,
+    }
+
+
+def report_heap(args: argparse.Namespace) -> None:
+    """The step with glibc's heap as onedist sets it and as glibc has it, in workers of their own."""
+    print(
+        f"the sharded step, {args.steps} steps after 2; each setting in workers of its own "
+        "(glibc's setting is the process's)"
+    )
+    for setting in ("1", "0"):
+        os.environ["ONEDIST_CPU_HEAP"] = setting
+        try:
+            out = od.spawn(args.backend, run_heap, args=(args,), nproc_per_node=2)
+        finally:
+            del os.environ["ONEDIST_CPU_HEAP"]
+        shown = "; ".join(
+            f"rank {r}: {o['step'] * 1e3:.0f} ms a step, peak RSS {o['peak']:.0f} MiB, "
+            f"at the end {o['resident']:.0f} MiB"
+            for r, o in enumerate(out)
+        )
+        print(f"  ONEDIST_CPU_HEAP={setting}: {shown}")
+
+
+# ---------------------------------------------------------------------------- one exchange (issue 52)
+def run_exchange(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """A 100 MB all_gather_into_tensor and reduce_scatter_tensor (float32) on onedist's group (its
+    ranks read each other), on one of its groups made with ``ONEDIST_CMA=0`` (gloo's sockets) and
+    on torch's plain gloo group, interleaved: the median seconds of each."""
+    import torch.distributed as dist
+
+    os.environ["ONEDIST_CMA"] = "0"
+    sockets = dist.new_group()
+    del os.environ["ONEDIST_CMA"]
+    groups = {
+        "onedist": None,
+        "onedist, ONEDIST_CMA=0": sockets,
+        "torch's gloo": dist.new_group(backend="gloo"),
+    }
+    n = od.get_world_size()
+    whole = torch.ones(25_000_000)  # 100 MB
+    part = torch.ones(whole.numel() // n)
+    times: dict[str, dict[str, list[float]]] = {g: {"all_gather": [], "reduce_scatter": []} for g in groups}
+    for _ in range(args.reps + 1):  # the first: warm-up
+        for name, group in groups.items():
+            for kind in ("all_gather", "reduce_scatter"):
+                dist.barrier()
+                start = time.perf_counter()
+                if kind == "all_gather":
+                    dist.all_gather_into_tensor(whole, part, group=group)
+                else:
+                    dist.reduce_scatter_tensor(part, whole, group=group)
+                times[name][kind].append(time.perf_counter() - start)
+    return {g: {k: statistics.median(v[1:]) for k, v in kinds.items()} for g, kinds in times.items()}
+
+
+def report_exchange(args: argparse.Namespace) -> None:
+    print(f"one exchange of 100 MB, 2 ranks, {args.reps} interleaved repetitions (medians)")
+    out = od.spawn("gloo", run_exchange, args=(args,), nproc_per_node=2)[0]
+    base = out["torch's gloo"]
+    for name, kinds in out.items():
+        shown = ", ".join(
+            f"{k} {v * 1e3:6.1f} ms (x{base[k] / v:.2f} torch's speed)" for k, v in kinds.items()
+        )
+        print(f"  {name:24s} {shown}")
 
 
 # ---------------------------------------------------------------------------- peak memory (issue 52)
@@ -348,7 +458,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=48, help="global batch size")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed repetition")
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--parts", default="small,large", help="small, large, memory")
+    parser.add_argument("--parts", default="small,large", help="small, large, memory, exchange, heap")
     parser.add_argument("--large-width", type=int, default=1024)
     parser.add_argument("--large-depth", type=int, default=6)
     parser.add_argument("--large-batch-size", type=int, default=32, help="global batch size")
@@ -363,6 +473,10 @@ def main() -> None:
         report_large(large)
     if "memory" in parts:
         report_memory(large)
+    if "exchange" in parts:
+        report_exchange(args)
+    if "heap" in parts:
+        report_heap(large)
     if "small" not in parts:
         return
     params = sum(p.numel() for p in Net(args.width, args.depth).parameters())

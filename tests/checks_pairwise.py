@@ -3,6 +3,7 @@ as point-to-point exchanges (onedist.backends.recorded.pairwise): run on every r
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -128,3 +129,20 @@ def check_exchanges_in_flight_are_waited_on_in_any_order() -> None:
         want = torch.empty(rows)
         dist.reduce_scatter_tensor(want, wholes[k], group=plain)
         assert torch.equal(reduced[k], want), k
+
+
+class PeerGone(Exception):
+    """What rank 0 of check_a_peer_gone_before_an_exchange_is_an_error raises on purpose."""
+
+
+def check_a_peer_gone_before_an_exchange_is_an_error() -> None:
+    """Rank 1 ends without making the call; rank 0's exchange, whose reads thread waits for rank
+    1's message, fails as gloo's own call would (the connection closed), not a hang."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    rows = pairwise.MIN_BYTES // 4 // n + 5
+    if rank == 1:
+        os._exit(0)
+    try:
+        dist.all_gather_into_tensor(torch.empty(n * rows), torch.ones(rows))
+    except Exception as error:
+        raise PeerGone(f"the exchange failed: {type(error).__name__}: {error}") from error

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import checks_pairwise
-from distpool import DistPool
+from distpool import CheckFailed, DistPool
 
 
 def test_large_all_gathers_and_reduce_scatters_equal_plain_gloos(multi):
@@ -37,3 +37,13 @@ def test_local_ranks_read_each_other_and_fall_back_to_sockets_when_refused():
         pool.close()
     assert [o["readable"] for o in out] == [[1], [0], []], out
     assert [o["refused"] for o in out] == [[], [0], []], out
+
+
+def test_a_peer_gone_before_an_exchange_fails_it_instead_of_hanging():
+    pool = DistPool(2, "gloo")  # its own: rank 1 ends
+    with pytest.raises(CheckFailed) as failed:
+        pool.run(checks_pairwise.check_a_peer_gone_before_an_exchange_is_an_error, timeout=60)
+    pool.close()
+    text = str(failed.value)
+    assert "rank 1 died" in text, text
+    assert "PeerGone: the exchange failed" in text, text  # rank 0 within the pool's 5 s after it

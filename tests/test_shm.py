@@ -138,6 +138,13 @@ def test_direct_reads_setting_is_checked(monkeypatch):
     monkeypatch.setenv("ONEDIST_SHM_CMA", "yes")
     with pytest.raises(OnedistValueError, match="ONEDIST_SHM_CMA.*'yes'"):
         cma.enabled()
+    monkeypatch.setenv("ONEDIST_CMA", "0")  # the name for shm and gloo; the earlier one yields to it
+    assert not cma.enabled()
+    monkeypatch.setenv("ONEDIST_CMA", "1")
+    assert cma.enabled()
+    monkeypatch.setenv("ONEDIST_CMA", "on")
+    with pytest.raises(OnedistValueError, match="ONEDIST_CMA.*'on'"):
+        cma.enabled()
 
 
 def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable(shm):

@@ -6,15 +6,16 @@ model). glibc's malloc hands an allocation above its mmap threshold (dynamic, 32
 default) straight to the kernel and gives it back on ``free``: every such buffer page-faults and
 is zeroed again on first touch. Here a 33.6 MB tensor allocated and filled took 13.8 ms fresh and
 4.0 ms from the heap; a 50 M-parameter FSDP2 step on 2 ranks, whose blocks are 33.6 MB units,
-took 1.28x a DDP step with fresh buffers and 0.98x with the heap's (docs/performance.md).
+took 1.33x a DDP step with fresh buffers and 1.00-1.04x with the heap's (docs/performance.md).
 
 So when ``auto_model`` shards a model on the CPU it raises glibc's mmap threshold to twice the
 largest unit's bytes (:func:`keep_freed_buffers`), and the trim threshold to twice that: the freed
 buffers stay in the heap and the next gather reuses them, warm. The price: the process keeps the
-step's transient memory once it has reached it (its RSS does not fall back between steps); the
-peak is the same. Nothing changes where the C library is not glibc, where you set the threshold
-yourself (``MALLOC_MMAP_THRESHOLD_``, or ``mmap_threshold`` in ``GLIBC_TUNABLES``), or with
-``ONEDIST_CPU_HEAP=0``; onedist only ever raises it.
+step's transient memory once it has reached it (its RSS does not fall back between steps), and the
+heap's fragments raised the peak by 5 % on average, 11 % at most, in the benchmark, for a step 16 %
+faster (``bench_sharding.py --parts heap``). Nothing changes where the C library is not glibc,
+where you set the threshold yourself (``MALLOC_MMAP_THRESHOLD_``, or ``mmap_threshold`` in
+``GLIBC_TUNABLES``), or with ``ONEDIST_CPU_HEAP=0``; onedist only ever raises it.
 """
 
 from __future__ import annotations

@@ -15,11 +15,12 @@ on torch's plain gloo group (``benchmarks/bench_sharding.py``, docs/performance.
 Between ranks of one machine (one kernel, one pid namespace: :class:`Links`) the bytes do not go
 through a socket at all: each rank reads what it needs straight out of its peer's tensor
 (:mod:`onedist.backends.cma`, one copy by the reader where loopback TCP costs two and the sender's
-CPU). The two ranks first tell each other where their bytes are (pid, address: a 24-byte gloo
+CPU). The two ranks first tell each other where their bytes are (pid, address: a 16-byte gloo
 message each way), then each reads and says it is done, so that no rank's tensor is let go before
 its peers have read it; where the kernel refuses a read (a seccomp filter, Yama), the reader asks
-for the bytes instead and they come through gloo as above. The exchange then completes only once
-every rank of it has waited on its work (torch's synchronous calls and FSDP2 always do). A 50
+for the bytes instead and they come through gloo as above. A thread per group does the reads and
+answers of each exchange in call order (the same on every rank), so a rank's exchange never waits
+on a peer's ``wait()``, only on the peer having made the call, as with gloo's own. A 50
 M-parameter FSDP2 step on 2 ranks: see docs/performance.md; ``ONEDIST_CMA=0`` turns the reads off.
 
 Used for contiguous CPU tensors of one dtype of at least :data:`MIN_BYTES`, and the reductions gloo
@@ -156,19 +157,18 @@ class Links:
     def _serve(self, todo: queue.SimpleQueue[_Reads]) -> None:
         """The reads of each exchange, in call order: the order of every rank, so that two ranks
         never wait on each other's answers for different exchanges (the callers may wait on their
-        works in any order). Ends at the first failure, which every later exchange then raises."""
-        while self._failed is None:
+        works in any order). After a failure every exchange ends with it (the thread stays, so
+        that none submitted meanwhile is left waiting)."""
+        while True:
             reads = todo.get()
+            if self._failed is not None:
+                reads.end(self._failed)
+                continue
             try:
                 reads.run()
             except BaseException as error:  # a peer gone, the group aborted: gloo's error
                 self._failed = error
                 reads.end(error)
-        while True:  # exchanges submitted before the failure was seen
-            try:
-                todo.get_nowait().end(self._failed)
-            except queue.Empty:
-                return
 
 
 def all_gather(links: Links, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Exchange:
@@ -343,10 +343,12 @@ class Exchange(_c10d.Work):  # type: ignore[misc]
         return (reads is None or reads.done.is_set()) and all(w.is_completed() for w in self._works)
 
     def is_success(self) -> bool:
-        return self.is_completed()
+        reads = self._reads
+        return self.is_completed() and (reads is None or reads.error is None)
 
     def exception(self) -> Any:
-        return None
+        reads = self._reads
+        return None if reads is None else reads.error
 
     def get_future(self) -> Any:
         future: Any = torch.futures.Future()
