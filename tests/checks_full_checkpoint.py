@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from typing import Any
 
 import torch
@@ -77,6 +78,20 @@ def _mapped(path: str) -> bool:
         return any(line.rstrip("\n").endswith(" " + os.path.realpath(path)) for line in f)
 
 
+def _unmapped_within_a_sample(path: str) -> bool:
+    """Whether the file at ``path`` is unmapped now or within 1 s: the failure watcher samples the
+    main thread's stack once a second (``sys._current_frames``), and a sample taken as the load
+    returned holds the load's frames, the mapped tensors with them, until its walk ends (full runs
+    under load saw the file still mapped right after the load now and then; never alone). A mapping
+    kept longer than one sample is a leak and fails."""
+    deadline = time.monotonic() + 1.0
+    while _mapped(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _warm_up(path: str) -> None:
     """A small model through the same path first: what importing FSDP2, DTensor and torch.load's
     mapping code costs once is not counted."""
@@ -113,7 +128,7 @@ def check_a_one_file_checkpoint_loads_into_shards_reading_only_their_bytes(
     after = status()
     loaded = after["VmHWM"] - start["VmRSS"]
     held = sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())  # type: ignore[operator]
-    assert not _mapped(path)
+    assert _unmapped_within_a_sample(path)
     assert held <= total / ws * 1.01, (held, total)
     assert loaded <= 2 * total / ws + FIXED + PER_TENSOR * DEPTH, (loaded, total)
 
@@ -192,7 +207,7 @@ def check_one_file_checkpoints_and_sharded_models(workdir: str) -> None:
     model = od.auto_model(net, sharding="fsdp", init_weights=False)
     ckpt = od.load_checkpoint(path, {"model": model})
     assert ckpt["epoch"] == 7 and type(ckpt["model"]["head.weight"]).__name__ == "DTensor", ckpt
-    assert not _mapped(path)
+    assert _unmapped_within_a_sample(path)
     got = od.full_state_dict(model)
     if od.get_rank() == 0:
         assert all(torch.equal(got[k], v) for k, v in serial.state_dict().items())
