@@ -146,3 +146,31 @@ def check_a_peer_gone_before_an_exchange_is_an_error() -> None:
         dist.all_gather_into_tensor(torch.empty(n * rows), torch.ones(rows))
     except Exception as error:
         raise PeerGone(f"the exchange failed: {type(error).__name__}: {error}") from error
+
+
+def check_a_group_made_again_ends_its_reads_thread() -> None:
+    """A group made again (a live recovery's ``rejoin``) ends the last generation's reads thread
+    and reads on a new one; its exchanges stay exact."""
+    import threading
+    import time
+
+    group = dist.new_group()  # a recorded group of its own: the default one stays as it is
+    plain = dist.new_group(backend="gloo")
+
+    def readers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "onedist-reads" and t.is_alive()]
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    rows = pairwise.MIN_BYTES // 4 // n + 5
+    mine = torch.full((rows,), float(rank))
+    dist.all_gather_into_tensor(torch.empty(n * rows), mine, group=group)
+    before = set(readers())
+    group.rejoin(7)
+    deadline = time.monotonic() + 5.0
+    while len(before & set(readers())) == len(before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(before & set(readers())) == len(before) - 1, "the last generation's reads thread still runs"
+    got, want = torch.empty(n * rows), torch.empty(n * rows)
+    dist.all_gather_into_tensor(got, mine, group=group)
+    dist.all_gather_into_tensor(want, mine, group=plain)
+    assert torch.equal(got, want)

@@ -47,3 +47,7 @@ def test_a_peer_gone_before_an_exchange_fails_it_instead_of_hanging():
     text = str(failed.value)
     assert "rank 1 died" in text, text
     assert "PeerGone: the exchange failed" in text, text  # rank 0 within the pool's 5 s after it
+
+
+def test_a_group_made_again_ends_its_reads_thread(multi):
+    multi(checks_pairwise.check_a_group_made_again_ends_its_reads_thread)

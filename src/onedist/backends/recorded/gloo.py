@@ -93,6 +93,9 @@ def _gloo(store: Any, rank: int, size: int, timeout: timedelta, prefix: str) -> 
 class RecordedGloo(NamedGroup):
     """A gloo process group whose calls are written to :attr:`calls` (see the module doc)."""
 
+    #: how the large exchanges reach each peer (:mod:`.pairwise`; made again by each :meth:`_connect`)
+    links: pairwise.Links
+
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta, ranks: tuple[int, ...]) -> None:
         super().__init__(rank, size)
         self._made = (store, timeout, ranks)
@@ -104,7 +107,9 @@ class RecordedGloo(NamedGroup):
         store, timeout, ranks = self._made
         rank, size = self.rank(), self.size()
         before = socket_fds()
-        #: how the large exchanges reach each peer (written to the store before gloo connects)
+        if hasattr(self, "links"):  # made again (a live recovery): the last generation's thread ends
+            self.links.close()
+        # the links write this rank's identity to the store before gloo connects
         self.links = pairwise.Links(_c10d.PrefixStore(prefix + "links/", store), rank, size)
         #: the group that moves the data
         self.inner = self.links.inner = _gloo(store, rank, size, timeout, prefix + "data/")
@@ -282,6 +287,7 @@ class RecordedGloo(NamedGroup):
             group.abort()
 
     def shutdown(self) -> None:
+        self.links.close()
         for group in (self.inner, *self.buckets):
             group.shutdown()
 

@@ -128,7 +128,7 @@ class Links:
         self._readable: Optional[frozenset[int]] = None  # asked of the store at the first exchange
         self.refused: set[int] = set()  # peers whose bytes the kernel would not let this rank read
         self._count = 0
-        self._queue: Optional[queue.SimpleQueue[_Reads]] = None  # the reads thread's, once started
+        self._queue: Optional[queue.SimpleQueue[Optional[_Reads]]] = None  # the reads thread's, once started
         self._failed: Optional[BaseException] = None  # what ended the reads thread
         cma.let_siblings_read()
         store.set(f"cma/{rank}", cma.identity())
@@ -154,13 +154,21 @@ class Links:
             ).start()
         self._queue.put(reads)
 
-    def _serve(self, todo: queue.SimpleQueue[_Reads]) -> None:
+    def close(self) -> None:
+        """End the reads thread once the exchanges handed to it are done (the group is made again
+        under a live recovery's new generation, or shut down)."""
+        if self._queue is not None:
+            self._queue.put(None)
+
+    def _serve(self, todo: queue.SimpleQueue[Optional[_Reads]]) -> None:
         """The reads of each exchange, in call order: the order of every rank, so that two ranks
         never wait on each other's answers for different exchanges (the callers may wait on their
         works in any order). After a failure every exchange ends with it (the thread stays, so
-        that none submitted meanwhile is left waiting)."""
+        that none submitted meanwhile is left waiting); ends once :meth:`close` was called."""
         while True:
             reads = todo.get()
+            if reads is None:  # closed
+                return
             if self._failed is not None:
                 reads.end(self._failed)
                 continue
