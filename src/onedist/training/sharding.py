@@ -22,7 +22,8 @@ becomes FSDP2's mixed-precision policy (parameters gathered in bfloat16, gradien
 float32, outputs float32); ``"bf16-true"`` shards parameters that are bfloat16 already (their
 gradients are reduced in bfloat16). ``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy`` on CUDA
 (the shards, their gradients and the optimizer step on the CPU) and does nothing on the CPU, where
-everything is there already (a warning says so, once). A model built under
+everything is there already (a warning says so, once). On the CPU, glibc's heap is set to keep
+each step's gathered buffers warm (:mod:`.cpu_heap`; ``ONEDIST_CPU_HEAP=0``). A model built under
 ``od.init_module(empty_init=True)`` is sharded on the meta device and then allocated shard by
 shard (:mod:`onedist.training.meta_init`).
 """
