@@ -39,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -214,9 +215,8 @@ def _large_variants(
     plain = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
     variants["onedist, plain gloo mesh"] = onedist(mesh=plain)
     # onedist's group without the reads between local ranks: the exchanges through gloo's sockets
-    os.environ["ONEDIST_CMA"] = "0"
-    sockets = DeviceMesh.from_group(dist.new_group(), "cpu")  # a recorded group: its links read it now
-    del os.environ["ONEDIST_CMA"]
+    with patch.dict(os.environ, {"ONEDIST_CMA": "0"}):  # a recorded group: its links read it now
+        sockets = DeviceMesh.from_group(dist.new_group(), "cpu")
     variants["onedist, ONEDIST_CMA=0"] = onedist(mesh=sockets)
     if args.tune:
         variants["onedist, prefetch"] = onedist(prefetch=True)
@@ -261,11 +261,8 @@ def report_large(args: argparse.Namespace) -> None:
     _print_large(od.spawn(args.backend, run_large, args=(args,), nproc_per_node=2)[0])
     if args.tune:  # glibc's default heap: each step's gathered buffers fresh from the kernel
         print("  the same with ONEDIST_CPU_HEAP=0 (a run of its own: glibc's setting is the process's)")
-        os.environ["ONEDIST_CPU_HEAP"] = "0"
-        try:
+        with patch.dict(os.environ, {"ONEDIST_CPU_HEAP": "0"}):
             _print_large(od.spawn(args.backend, run_large, args=(args,), nproc_per_node=2)[0])
-        finally:
-            del os.environ["ONEDIST_CPU_HEAP"]
     print(f"  load average {os.getloadavg()[0]:.1f} at the end")
 
 
@@ -312,11 +309,8 @@ def report_heap(args: argparse.Namespace) -> None:
         "(glibc's setting is the process's)"
     )
     for setting in ("1", "0"):
-        os.environ["ONEDIST_CPU_HEAP"] = setting
-        try:
+        with patch.dict(os.environ, {"ONEDIST_CPU_HEAP": setting}):
             out = od.spawn(args.backend, run_heap, args=(args,), nproc_per_node=2)
-        finally:
-            del os.environ["ONEDIST_CPU_HEAP"]
         shown = "; ".join(
             f"rank {r}: {o['step'] * 1e3:.0f} ms a step, peak RSS {o['peak']:.0f} MiB, "
             f"at the end {o['resident']:.0f} MiB"
@@ -332,9 +326,8 @@ def run_exchange(local_rank: int, args: argparse.Namespace) -> dict[str, dict[st
     on torch's plain gloo group, interleaved: the median seconds of each."""
     import torch.distributed as dist
 
-    os.environ["ONEDIST_CMA"] = "0"
-    sockets = dist.new_group()
-    del os.environ["ONEDIST_CMA"]
+    with patch.dict(os.environ, {"ONEDIST_CMA": "0"}):
+        sockets = dist.new_group()
     groups = {
         "onedist": None,
         "onedist, ONEDIST_CMA=0": sockets,

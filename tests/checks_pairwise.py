@@ -16,6 +16,11 @@ from onedist.backends.recorded.gloo import RecordedGloo
 _OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
 
 
+def _rows(n: int) -> int:
+    """Rows per rank of a whole of a little more than MIN_BYTES float32s: an exchange's size."""
+    return pairwise.MIN_BYTES // 4 // n + 5
+
+
 def check_large_calls_equal_plain_gloos() -> dict[str, Any]:
     """On the default (recorded) group and on a plain gloo group in the same processes, with
     tensors above the exchange's threshold: all_gather_into_tensor equal bit for bit (float32,
@@ -27,7 +32,7 @@ def check_large_calls_equal_plain_gloos() -> dict[str, Any]:
     assert isinstance(group, RecordedGloo), type(group)
     plain = dist.new_group(backend="gloo")
     n, rank = dist.get_world_size(), dist.get_rank()
-    rows = pairwise.MIN_BYTES // 4 // n + 5  # a whole of a little more than MIN_BYTES float32s
+    rows = _rows(n)
     g = torch.Generator().manual_seed(rank)
     used = 0
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
@@ -76,7 +81,7 @@ def _gathered_and_scattered(plain: Any, seed: int) -> None:
     """A large all-gather and a large sum reduce-scatter on the default group, equal to gloo's own
     on ``plain`` (the gather bit for bit; the sum within float32's rounding of another order)."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    rows = pairwise.MIN_BYTES // 4 // n + 5
+    rows = _rows(n)
     g = torch.Generator().manual_seed(seed * 10 + rank)
     mine = torch.randn(rows, 2, generator=g)
     got, want = torch.empty(n * rows, 2), torch.empty(n * rows, 2)
@@ -115,7 +120,7 @@ def check_exchanges_in_flight_are_waited_on_in_any_order() -> None:
     own, so every result is the one its call asked for."""
     plain = dist.new_group(backend="gloo")
     n, rank = dist.get_world_size(), dist.get_rank()
-    rows = pairwise.MIN_BYTES // 4 // n + 5
+    rows = _rows(n)
     inputs = [torch.full((rows,), float(10 * k + rank)) for k in range(3)]
     outputs = [torch.empty(n * rows) for _ in range(3)]
     wholes = [torch.arange(n * rows, dtype=torch.float32) * (k + 1) + rank for k in range(3)]
@@ -139,7 +144,7 @@ def check_a_peer_gone_before_an_exchange_is_an_error() -> None:
     """Rank 1 ends without making the call; rank 0's exchange, whose reads thread waits for rank
     1's message, fails as gloo's own call would (the connection closed), not a hang."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    rows = pairwise.MIN_BYTES // 4 // n + 5
+    rows = _rows(n)
     if rank == 1:
         os._exit(0)
     try:
@@ -161,7 +166,7 @@ def check_a_group_made_again_ends_its_reads_thread() -> None:
         return [t for t in threading.enumerate() if t.name == "onedist-reads" and t.is_alive()]
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    rows = pairwise.MIN_BYTES // 4 // n + 5
+    rows = _rows(n)
     mine = torch.full((rows,), float(rank))
     dist.all_gather_into_tensor(torch.empty(n * rows), mine, group=group)
     before = set(readers())

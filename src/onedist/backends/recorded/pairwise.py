@@ -189,14 +189,9 @@ def all_gather(links: Links, output: torch.Tensor, input: torch.Tensor, opts: An
     if parts[rank].data_ptr() != mine.data_ptr():  # FSDP2 gathers in place: its input is that row
         parts[rank].copy_(mine)
     readable, tag = links.next()
-    works = []
-    for k in range(1, n):  # peer r+1 first: every pair's two directions at once
-        to, sender = (rank + k) % n, (rank - k) % n
-        if to not in readable:
-            works.append(inner.send([mine], to, TAG))
-        if sender not in readable:
-            works.append(inner.recv([parts[sender]], sender, TAG))
-    reads = _Reads(links, tag, lambda p: mine, {p: parts[p] for p in sorted(readable)}) if readable else None
+    into = {p: parts[p] for p in range(n) if p != rank}
+    works = _through_sockets(inner, readable, lambda p: mine, into)
+    reads = _Reads(links, tag, lambda p: mine, into, readable) if readable else None
     return Exchange(works, reads=reads)
 
 
@@ -215,18 +210,9 @@ def reduce_scatter(links: Links, output: torch.Tensor, input: torch.Tensor, opts
     # (a + b and b + a are the same bits: the rank order below, without a buffer)
     into_output = n == 2 and bool(readable) and kind in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
     received = None if into_output else torch.empty((n, out.numel()), dtype=input.dtype)  # row r unused
-    works = []
-    for k in range(1, n):
-        to, sender = (rank + k) % n, (rank - k) % n
-        if to not in readable:
-            works.append(inner.send([chunks[to]], to, TAG))
-        if sender not in readable:
-            assert received is not None
-            works.append(inner.recv([received[sender]], sender, TAG))
-    reads = None
-    if readable:
-        into = {p: out if received is None else received[p] for p in sorted(readable)}
-        reads = _Reads(links, tag, lambda p: chunks[p], into)
+    into = {p: out if received is None else received[p] for p in range(n) if p != rank}
+    works = _through_sockets(inner, readable, lambda p: chunks[p], into)
+    reads = _Reads(links, tag, lambda p: chunks[p], into, readable) if readable else None
 
     def finish() -> None:
         if received is None:
@@ -242,22 +228,50 @@ def reduce_scatter(links: Links, output: torch.Tensor, input: torch.Tensor, opts
     return Exchange(works, finish, reads)
 
 
+def _through_sockets(
+    inner: Any,
+    readable: frozenset[int],
+    part_for: Callable[[int], torch.Tensor],
+    into: dict[int, torch.Tensor],
+) -> list[Any]:
+    """The gloo sends of ``part_for(peer)`` and receives into ``into[peer]`` with the peers this
+    rank does not read (and that do not read it), peer r+1 first: every pair's two directions at
+    once."""
+    n, rank = inner.size(), inner.rank()
+    works = []
+    for k in range(1, n):
+        to, sender = (rank + k) % n, (rank - k) % n
+        if to not in readable:
+            works.append(inner.send([part_for(to)], to, TAG))
+        if sender not in readable:
+            works.append(inner.recv([into[sender]], sender, TAG))
+    return works
+
+
 class _Reads:
     """One exchange's part between ranks that read each other (see the module doc). Issued (the
     caller's thread): each rank sends each such peer where the bytes that peer needs are (pid,
     address of ``part_for(peer)``), and the exchange goes to the reads thread. :meth:`run` (that
-    thread): read each peer's bytes into ``into[peer]``, tell each peer "read" or "send them",
+    thread): read each of ``peers``' bytes into ``into[peer]``, tell each "read" or "send them",
     send or receive what was asked. It ends once every peer has read this rank's bytes, which
     stay untouched till then."""
 
     def __init__(
-        self, links: Links, tag: int, part_for: Callable[[int], torch.Tensor], into: dict[int, torch.Tensor]
+        self,
+        links: Links,
+        tag: int,
+        part_for: Callable[[int], torch.Tensor],
+        into: dict[int, torch.Tensor],
+        peers: frozenset[int],
     ) -> None:
-        self.links, self.tag, self.part_for, self.into = links, tag, part_for, into
-        self._here = {p: torch.tensor([os.getpid(), part_for(p).data_ptr()], dtype=torch.int64) for p in into}
-        self._where = {p: torch.empty(2, dtype=torch.int64) for p in into}
+        self.links, self.tag, self.part_for = links, tag, part_for
+        self.into = {p: into[p] for p in sorted(peers)}  # the peers read, in rank order
+        self._here = {
+            p: torch.tensor([os.getpid(), part_for(p).data_ptr()], dtype=torch.int64) for p in self.into
+        }
+        self._where = {p: torch.empty(2, dtype=torch.int64) for p in self.into}
         inner, self._told = links.inner, []
-        for p in into:
+        for p in self.into:
             self._told += [inner.send([self._here[p]], p, tag), inner.recv([self._where[p]], p, tag)]
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
