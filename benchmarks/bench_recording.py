@@ -5,6 +5,7 @@ mpi4py group with and without its record, ``ONEDIST_RECORD=0``, started through 
 between repetitions, in the same processes started through ``horovod.run``).
 
     python benchmarks/bench_recording.py                     # 2 gloo ranks, CPU
+    python benchmarks/bench_recording.py --bind              # each rank bound to one CPU (mpirun's way)
     python benchmarks/bench_recording.py --backend mpi       # 2 mpi4py ranks under mpirun
     python benchmarks/bench_recording.py --backend horovod   # 2 Horovod ranks (gloo controller)
     python benchmarks/bench_recording.py --json out.json
@@ -17,7 +18,9 @@ Rows (each a ratio to the plain group: 1.00 = free):
   od.all_reduce, 1 float         onedist's, on each group (``group=``)
   DDP step                       forward, backward (the gradient buckets), SGD step of an MLP
                                  (128 -> 256 -> 256 -> 2, 64 samples a rank): DDP over each group
-The A/A row (the plain group against a second plain group) is the noise floor. Horovod's rows:
+The A/A row (the plain group against a second plain group) is the noise floor. The groups are
+made anew for each of ``--blocks`` blocks of ``--reps`` repetitions (in a rotating order), so that
+no variant keeps one set of gloo threads' placement for a whole run. Horovod's rows:
 ``hvd.allreduce`` of 1 float and of 64 KiB (unnamed, as most scripts call it), and a step of
 ``hvd.DistributedOptimizer`` on the same MLP; each ratio is to the record removed, with the CPU
 time of the rank's process (Horovod's background thread included) beside the wall time.
@@ -91,15 +94,17 @@ def _ddp_step(group: Any) -> Callable[[], None]:
     return step
 
 
-def _groups(backend: str) -> tuple[Any, ...]:
-    """A recorded group, two plain ones of ``backend`` and, on gloo, a forwarding one."""
+def _groups(backend: str, block: int) -> tuple[Any, ...]:
+    """A recorded group, two plain ones of ``backend`` and, on gloo, a forwarding one, made in an
+    order that rotates with ``block`` (a group's threads land where they land: each block's
+    groups are new, so that no variant keeps one placement's luck)."""
     if backend == "gloo":
         recorded_gloo.register()
         if "onedist-forward" not in dist.Backend.backend_list:
             dist.Backend.register_backend("onedist-forward", _Forwarding, extended_api=True, devices=["cpu"])
-        return tuple(
-            dist.new_group(backend=b) for b in (recorded_gloo.NAME, "gloo", "gloo", "onedist-forward")
-        )
+        names = [recorded_gloo.NAME, "gloo", "gloo", "onedist-forward"]
+        made = {i: dist.new_group(backend=names[i]) for i in [(block + k) % 4 for k in range(4)]}
+        return tuple(made[i] for i in range(4))
     recorded = dist.new_group()  # the default group's backend (mpi4py): recorded unless switched off
     os.environ["ONEDIST_RECORD"] = "0"  # read as the group is made
     try:
@@ -108,9 +113,16 @@ def _groups(backend: str) -> tuple[Any, ...]:
         del os.environ["ONEDIST_RECORD"]
 
 
-def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    torch.set_num_threads(1)
-    recorded, plain, plain_again, forwarding = _groups(args.backend)
+def _bind(local_rank: int) -> None:
+    """Bind this process and its threads to one CPU, as ``mpirun`` (``--bind-to core``) and
+    ``srun --cpu-bind=cores`` bind each rank."""
+    cpu = {sorted(os.sched_getaffinity(0))[local_rank % len(os.sched_getaffinity(0))]}
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpu)
+
+
+def _cases(groups: tuple[Any, ...]) -> dict[str, dict[str, Callable[[], Any]]]:
+    recorded, plain, plain_again, forwarding = groups
     t, big = torch.ones(1), torch.ones(16384)
     cases: dict[str, dict[str, Callable[[], Any]]] = {
         "dist.all_reduce, 1 float": {
@@ -130,31 +142,53 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]
     }
     if forwarding is not None:
         cases["dist.all_reduce, 1 float"]["forwarding only"] = lambda: dist.all_reduce(t, group=forwarding)
+    return cases
+
+
+def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    torch.set_num_threads(1)
+    if args.bind:
+        _bind(local_rank)
     iters = {"DDP step": args.iters // 10}
-    results: dict[str, dict[str, float]] = {}
-    for case, variants in cases.items():
-        results[case] = paired(variants, iters.get(case, args.iters), args.reps)
-    return results
+    ratios: dict[str, dict[str, list[float]]] = {}
+    plain_seconds: dict[str, list[float]] = {}
+    for block in range(args.blocks):
+        groups = _groups(args.backend, block)
+        for case, variants in _cases(groups).items():
+            seconds = paired(variants, iters.get(case, args.iters), args.reps, block)
+            plain_seconds.setdefault(case, []).extend(seconds["plain"])
+            for name, each in seconds.items():
+                ratios.setdefault(case, {}).setdefault(name, []).extend(
+                    s / p for s, p in zip(each, seconds["plain"])
+                )
+        if args.backend == "gloo":  # mpi4py's groups are kept (made 3 a block)
+            for group in groups[:4]:
+                dist.destroy_process_group(group)
+    return {case: _summary(rows, plain_seconds[case]) for case, rows in ratios.items()}
 
 
-def paired(variants: dict[str, Callable[[], Any]], iters: int, reps: int) -> dict[str, float]:
-    """Each variant's time over the plain group's in the same repetition (the order rotating), the
-    median over the repetitions and its quartiles ("<name> q1", "<name> q3"); "plain, us": the
-    plain group's median microseconds a call. Pairing within a repetition takes out what drifts
-    between repetitions; on a 2-core machine most of the noise is within one (the quartiles show
-    it: about ±15 % for a 1-float call here, the A/A row's median x0.95-1.05 between runs)."""
+def paired(
+    variants: dict[str, Callable[[], Any]], iters: int, reps: int, shift: int = 0
+) -> dict[str, list[float]]:
+    """Each variant's seconds a call in each of ``reps`` repetitions, the order of the variants
+    rotating every repetition (from ``shift``)."""
     names = list(variants)
-    ratios: dict[str, list[float]] = {name: [] for name in names}
-    plain: list[float] = []
+    seconds: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
-        shift = rep % len(names)
-        seconds = {name: timeit(variants[name], iters) for name in names[shift:] + names[:shift]}
-        plain.append(seconds["plain"])
-        for name in names:
-            ratios[name].append(seconds[name] / seconds["plain"])
+        k = (rep + shift) % len(names)
+        for name in names[k:] + names[:k]:
+            seconds[name].append(timeit(variants[name], iters))
+    return seconds
+
+
+def _summary(ratios: dict[str, list[float]], plain: list[float]) -> dict[str, float]:
+    """The median of each variant's ratios to the plain group in the same repetition, with its
+    quartiles ("<name> q1", "<name> q3"); "plain, us": the plain group's median microseconds a call.
+    Pairing within a repetition takes out what drifts between repetitions; most of the noise is
+    within one (the quartiles: about ±15 % for a 1-float call on 2 busy cores)."""
     row: dict[str, float] = {}
-    for name in names:
-        q1, median, q3 = statistics.quantiles(ratios[name], n=4)
+    for name, each in ratios.items():
+        q1, median, q3 = statistics.quantiles(each, n=4)
         row.update({name: median, f"{name} q1": q1, f"{name} q3": q3})
     row["plain, us"] = statistics.median(plain) * 1e6
     return row
@@ -228,7 +262,7 @@ def run_horovod(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str
         iters = args.iters // 10 if "step" in case else args.iters
         wall: dict[str, list[float]] = {k: [] for k in states}
         cpu: dict[str, list[float]] = {k: [] for k in states}
-        for rep in range(args.reps):
+        for rep in range(args.reps * args.blocks):
             for state in states[rep % 3 :] + states[: rep % 3]:
                 if state == "recorded":
                     horovod_calls.install(hvd)
@@ -250,13 +284,17 @@ def main() -> None:
     parser.add_argument("--backend", choices=("gloo", "mpi", "horovod"), default="gloo")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iters", type=int, default=300, help="calls per timed repetition (DDP: a tenth)")
-    parser.add_argument("--reps", type=int, default=41)
+    parser.add_argument("--reps", type=int, default=6, help="repetitions per block of new groups")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks, each with groups made anew")
+    parser.add_argument("--bind", action="store_true", help="bind each rank to one CPU (as mpirun does)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     worker = run_horovod if args.backend == "horovod" else run
     results = od.spawn(args.backend, worker, args=(args,), nproc_per_node=args.world_size)[0]
-    where = f"torch {torch.__version__}, {args.backend}, {args.world_size} ranks, {os.cpu_count()} CPUs"
+    bound = ", each bound to one CPU" if args.bind else ""
+    ranks = f"{args.world_size} ranks{bound}"
+    where = f"torch {torch.__version__}, {args.backend}, {ranks}, {os.cpu_count()} CPUs"
     lines = [f"{where}; x the plain group"]
     for case, row in results.items():
         lines.append(f"{case} (plain: {row.pop('plain, us'):.1f} us)")

@@ -191,3 +191,86 @@ def test_a_reduce_scatter_is_waited_on_once_and_its_output_left_alone_after():
     dist.all_reduce(torch.ones(1))  # lets the reduce-scatter go as the last completed call
     log.waiting()  # the watcher's look: whether the completed calls succeeded
     assert out.tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.fixture
+def one_cpu():
+    """This process bound to one CPU (as ``mpirun`` binds a rank) while the test runs; the threads
+    made meanwhile (the group's) stay bound and end with it."""
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def test_a_rank_bound_to_one_cpu_yields_it_to_gloo_once_a_call_it_waits_for_has_started(one_cpu, monkeypatch):
+    """Bound to one CPU, the caller shares it with gloo's threads, which a wake-up does not
+    preempt it for: a call the caller waits for (torch's synchronous function) is followed by a
+    yield, an asynchronous one (DDP's buckets, ``async_op=True``) is not. Unbound, no yield."""
+    import os
+
+    yields: list[int] = []
+    yield_cpu = os.sched_yield
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1) or yield_cpu())
+    od.initialize("gloo", timeout=30)
+    group = dist.distributed_c10d._get_default_group()
+    assert group.yields
+    dist.all_reduce(torch.ones(1))
+    assert len(yields) == 1
+    dist.all_reduce(torch.ones(1), async_op=True).wait()
+    assert len(yields) == 1
+    group.yields = False  # what an unbound rank's group has
+    dist.all_reduce(torch.ones(1))
+    assert len(yields) == 1
+
+
+def test_calls_are_numbered_in_the_order_gloo_gets_them_though_recorded_after(one_cpu, monkeypatch):
+    """A call is numbered before it starts and recorded after: a second thread's call made while
+    the first is between the two (here: in its yield) gets the next number, the order gloo got
+    them in, though its entry is written first. The ranks compare the numbers and hashes."""
+    import os
+    from threading import Thread
+
+    od.initialize("gloo", timeout=30)
+    log = dist.distributed_c10d._get_default_group().calls
+    first = log.seq + 1
+    yield_cpu, threads = os.sched_yield, []
+
+    def another_call_meanwhile() -> None:
+        if not threads:  # the first call's yield: a second thread calls now
+            threads.append(Thread(target=dist.all_reduce, args=(torch.ones(2),)))
+            threads[0].start()
+            threads[0].join()
+        yield_cpu()
+
+    monkeypatch.setattr(os, "sched_yield", another_call_meanwhile)
+    dist.all_reduce(torch.ones(1), group=None)
+    by_seq = {e.seq: e for e in log.recent()[-2:]}
+    assert [e.seq for e in log.recent()[-2:]] == [first + 1, first]  # the thread's written first
+    assert by_seq[first].sig[3] == 1 and by_seq[first + 1].sig[3] == 2  # 1 float, then 2
+    line = _line("dist.all_reduce(torch.ones(1), group=None)")
+    assert by_seq[first].site.endswith(f"test_recorded.py:{line}")
+
+
+def test_a_call_started_but_not_yet_written_is_published_once_written():
+    """The comparison of completed calls publishes a call once its record is written: a call
+    numbered as it started and written just after was, sampled in between, left out of the report
+    for good (the report is made again only when the last completed number moves)."""
+    import json
+
+    from onedist.failures.history import HistoryCheck
+    from onedist.failures.keys import HISTORY_KEY
+
+    store, log = dist.HashStore(), CallLog(0, (0, 1), 1)
+    check, key = HistoryCheck(store, 0), HISTORY_KEY.format(log.key, 0)
+    log.record(signature("barrier"), None)
+    numbered = log.number(signature("barrier"))  # started; its record not written yet
+    check.sample()
+    assert [item[0] for item in json.loads(store.get(key))["recent"]] == [1]
+    log.started(log.begin(signature("barrier"), 0, numbered), None)
+    check.sample()
+    assert [item[0] for item in json.loads(store.get(key))["recent"]] == [1, 2]

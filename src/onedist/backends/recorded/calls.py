@@ -10,9 +10,10 @@ is B's k-th receive from A). Nothing is communicated here: the failure watcher r
 second (:mod:`onedist.failures.stall`, :mod:`onedist.failures.history`).
 
 Cost on the calling thread: a short frame walk to the user's line, a tuple, a hash and two deque
-appends, no lock (~2 us when its caches are warm; after the previous call's wait they are cold,
-and it costs more: docs/performance.md has the measured ratios). A completed call's ``Work`` (and
-so its tensors) is let go at the next call on the group.
+appends, no lock (~2 us when its caches are warm; after the previous call's wait they are cold:
+~30 us measured in place, docs/performance.md). A call is numbered (:meth:`CallLog.number`) before
+it starts and may be written (:meth:`CallLog.begin`) after. A completed call's ``Work`` (and so its
+tensors) is let go at the next call on the group.
 """
 
 from __future__ import annotations
@@ -173,9 +174,26 @@ def user_site(
         if skip is None:
             skip = skipped[name] = name.startswith(skip_dirs) or name.startswith("<frozen")
         if not skip:
-            return f"{name}:{frame.f_lineno}"
+            return _line_of(frame)
         frame = frame.f_back
     return "<unknown>"
+
+
+def _line_of(frame: FrameType) -> str:
+    """``file:line`` of ``frame``'s current instruction, cached by its code and instruction: a
+    frame's line is found by walking its code's line table from the start, and a loop makes its
+    calls from a few places (a training loop at a script's top level, 800 lines: 6.5 us to find
+    the line, 0.5 us cached)."""
+    code = frame.f_code
+    key = (id(code), frame.f_lasti)
+    known = _LINES.get(key)
+    if known is not None and known[0] is code:
+        return known[1]
+    site = f"{code.co_filename}:{frame.f_lineno}"
+    if len(_LINES) >= 4096:  # code made at run time (exec in a loop): keep it bounded
+        _LINES.clear()
+    _LINES[key] = (code, site)  # the code is kept, so its id names no other code meanwhile
+    return site
 
 
 def _frame_of_callers_caller() -> Optional[FrameType]:
@@ -191,6 +209,8 @@ def _frame_of_callers_caller() -> Optional[FrameType]:
 #: file name -> whether its frames are torch's or onedist's (asked once per file: the walk is on
 #: every call's path)
 _SKIPPED: dict[str, bool] = {}
+#: (id of a code object, instruction) -> (the code, its "file:line"): see _line_of
+_LINES: dict[tuple[int, int], tuple[Any, str]] = {}
 
 
 class CallLog:
@@ -236,17 +256,25 @@ class CallLog:
             self._ranks = tuple(self._ranks())
         return tuple(self._ranks)
 
-    def begin(self, sig: tuple[int, ...], step: int = 0) -> Entry:
-        """Log one collective about to start; :meth:`started` gives it its work.
-
-        All the bookkeeping happens before the call starts (and completed works are let go of now,
-        not after): after it, the backend's threads need the core, and the caller waits at once
-        (measured: the same work after the start cost 1.07-1.2x a 2-rank all_reduce here, before
-        it nothing measurable)."""
-        self._prune()
+    def number(self, sig: tuple[int, ...]) -> tuple[int, int]:
+        """The number and running hash of a collective about to start: given before it starts,
+        so that calls from several threads are numbered in the order the backend gets them (the
+        rest of its record may follow the start: :meth:`begin`'s ``numbered``)."""
         self._before = (self.seq, self.chain)
         seq = self.seq = self.seq + 1
         chain = self.chain = hash((self.chain, sig))
+        return seq, chain
+
+    def unnumber(self, seq: int) -> None:
+        """The call numbered ``seq`` (the last) raised before it started: it was never made."""
+        if self.seq == seq:
+            self.seq, self.chain = self._before
+
+    def begin(self, sig: tuple[int, ...], step: int = 0, numbered: Optional[tuple[int, int]] = None) -> Entry:
+        """Log one collective (about to start, or ``numbered`` by :meth:`number` before it
+        started); :meth:`started` gives it its work. Completed works are let go of here."""
+        self._prune()
+        seq, chain = numbered or self.number(sig)
         site = user_site(_frame_of_callers_caller())
         entry = _entry(Entry, (seq, sig, chain, site, time.monotonic(), -1, step, ""))
         self.window.append(entry)
@@ -262,7 +290,7 @@ class CallLog:
         """The call of ``entry`` (the last begun) raised before it started: it was never made."""
         if self.window and self.window[-1] is entry:
             self.window.pop()
-            self.seq, self.chain = self._before
+            self.unnumber(entry.seq)
 
     def record(self, sig: tuple[int, ...], work: Any, step: int = 0) -> Entry:
         """Log one collective that has started (a call that blocks in the caller)."""

@@ -7,9 +7,10 @@ does the communication. torch calls it for every collective on the group, whoeve
 onedist's own, asynchronous calls and point-to-point. Each call is passed on unchanged (a large
 all-gather or reduce-scatter as sends and receives, faster: :mod:`.pairwise`) and written to the
 group's :class:`~onedist.backends.recorded.calls.CallLog`, which the failure watcher compares across
-ranks. Measured cost: ~4 us of Python a call; 1.10x a back-to-back 1-float all_reduce
-between 2 ranks on 2 cores, 1.00x a DDP step (docs/performance.md); ``ONEDIST_RECORD=0`` gives the
-plain gloo group instead.
+ranks. Measured, a back-to-back 1-float all_reduce between 2 ranks on 2 cores: 1.08-1.14x torch's
+plain gloo group (the record's ~30 us of Python on cold caches), 0.79-0.84x with each rank bound to
+one CPU; a DDP step 0.96-1.08x (docs/performance.md). ``ONEDIST_RECORD=0`` gives the plain gloo
+group instead.
 
 torch knows the group as ``"gloo"`` (``dist.get_backend()``); its own name for DDP's logs is
 ``"onedist-gloo"`` (``group.name()``), since torch's C++ would otherwise look for a gloo backend
@@ -91,7 +92,17 @@ def _gloo(store: Any, rank: int, size: int, timeout: timedelta, prefix: str) -> 
 
 
 class RecordedGloo(NamedGroup):
-    """A gloo process group whose calls are written to :attr:`calls` (see the module doc)."""
+    """A gloo process group whose calls are written to :attr:`calls` (see the module doc).
+
+    A collective is numbered before it starts (the order the ranks must agree on is the order
+    gloo gets the calls) and the rest of its record (the user's line, the entry, letting go of
+    completed works) is written once it has started, while gloo's threads make it. A rank bound
+    to one CPU (``mpirun``'s and ``srun``'s binding, ``taskset -c``) shares it with gloo's threads,
+    which a wake-up does not preempt the caller for: there, a caller that waits for its call
+    yields the CPU to them first (``os.sched_yield``). Measured, 2 ranks each bound to one CPU, a
+    1-float ``dist.all_reduce`` back to back: the record before the start cost 1.5-1.7x torch's
+    plain gloo group, after a yield 0.7-0.8x (docs/performance.md). Unbound, where the yield lets
+    the other rank's threads in instead, the caller does not yield."""
 
     #: how the large exchanges reach each peer (:mod:`.pairwise`; made again by each :meth:`_connect`)
     links: pairwise.Links
@@ -118,6 +129,8 @@ class RecordedGloo(NamedGroup):
         #: the sockets gloo connected for it (the backend shuts them down to break a pending call)
         self.fds = socket_fds() - before
         self.calls = CallLog(rank, ranks, agreed_number(self.buckets[0], size))
+        #: whether a caller that waits for its call yields the CPU once the call has started
+        self.yields = _bound_to_one_cpu()
 
     def rejoin(self, number: int) -> None:
         """Make this group's connections again, as generation ``number`` of a live recovery
@@ -243,16 +256,20 @@ class RecordedGloo(NamedGroup):
             blocking.done = True
 
     def _issue(self, sig: tuple[int, ...], step: int, call: Any, *args: Any, waited: bool = False) -> Any:
-        """Start a collective on record (begun before it starts: see CallLog.begin). ``waited``:
-        gloo's work for it never says it completed, so it counts as complete once waited on."""
+        """Start a collective on record: numbered before it starts, recorded after (see the
+        class doc). ``waited``: gloo's work for it never says it completed, so it counts as
+        complete once waited on."""
         log = self.calls
-        entry = log.begin(sig, step)
         later = _waited_later(args[-1])
+        numbered = log.number(sig)
         try:
             work = call(*args)
         except BaseException:  # refused here (an argument error): it was never made
-            log.abandon(entry)
+            log.unnumber(numbered[0])
             raise
+        if self.yields and not later:
+            os.sched_yield()  # bound to one CPU: gloo's threads, which make the call, run first
+        entry = log.begin(sig, step, numbered)
         if waited:
             work = _CompleteOnceWaited(work, entry)
         log.started(entry, work, synchronous=not later)
@@ -330,6 +347,14 @@ class _Blocking:
 
 
 _C10D = _c10d.__file__
+
+
+def _bound_to_one_cpu() -> bool:
+    """Whether this thread may run on one CPU only (its affinity, which threads made later get)."""
+    try:
+        return len(os.sched_getaffinity(0)) == 1
+    except (AttributeError, OSError):  # not Linux
+        return False
 
 
 def _waited_later(opts: Any, depth: int = 3) -> bool:
