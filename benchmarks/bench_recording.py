@@ -116,7 +116,8 @@ def _groups(backend: str, block: int) -> tuple[Any, ...]:
 def _bind(local_rank: int) -> None:
     """Bind this process and its threads to one CPU, as ``mpirun`` (``--bind-to core``) and
     ``srun --cpu-bind=cores`` bind each rank."""
-    cpu = {sorted(os.sched_getaffinity(0))[local_rank % len(os.sched_getaffinity(0))]}
+    allowed = sorted(os.sched_getaffinity(0))
+    cpu = {allowed[local_rank % len(allowed)]}
     for tid in os.listdir("/proc/self/task"):
         os.sched_setaffinity(int(tid), cpu)
 
@@ -162,7 +163,7 @@ def run(local_rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]
                     s / p for s, p in zip(each, seconds["plain"])
                 )
         if args.backend == "gloo":  # mpi4py's groups are kept (made 3 a block)
-            for group in groups[:4]:
+            for group in groups:
                 dist.destroy_process_group(group)
     return {case: _summary(rows, plain_seconds[case]) for case, rows in ratios.items()}
 
